@@ -2,4 +2,10 @@
 //! sandboxed WebAssembly guests.
 //!
 //! Layers (see `docs/ARCHITECTURE.md`): `http` speaks the wire protocol and knows
-//! nothing of MLX; `mlx` wraps the runtime; `policy` hosts Wasm guests.
+//! nothing of MLX; `mlx` wraps the runtime and model files; `policy` hosts Wasm
+//! guests; `config` is the one place settings are resolved.
+
+pub mod config;
+pub mod http;
+pub mod mlx;
+pub mod policy;

@@ -1,0 +1,1 @@
+//! Gateway settings: TOML file, then `MLXGATE_*` environment, then flags.

@@ -1,0 +1,1 @@
+//! The HTTP layer: routes, auth, errors in the OpenAI shape, metrics.

@@ -1,0 +1,1 @@
+//! MLX runtime facts and model files loaded through MLX.
