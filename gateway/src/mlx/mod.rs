@@ -1,1 +1,12 @@
 //! MLX runtime facts and model files loaded through MLX.
+//!
+//! Everything here is blocking (MLX calls hold the thread): async callers use
+//! `tokio::task::spawn_blocking`.
+
+mod doctor;
+mod model_file;
+mod runtime;
+
+pub use doctor::doctor_report;
+pub use model_file::{ModelFileError, ModelSummary};
+pub use runtime::{Backend, RuntimeInfo};

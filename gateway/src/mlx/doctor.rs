@@ -1,0 +1,50 @@
+//! `mlxgate doctor`: the facts a bug report needs, as plain text.
+
+use std::fmt::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use super::{ModelSummary, RuntimeInfo};
+
+/// Describes the MLX runtime and tries to load `model`. Never fails: problems
+/// are part of the report.
+pub fn doctor_report(model: &Path) -> String {
+    let info = RuntimeInfo::detect();
+    let mut out = String::new();
+    let _ = writeln!(out, "mlxgate {}", env!("CARGO_PKG_VERSION"));
+    let _ = writeln!(out, "MLX version:    {}", info.version);
+    let _ = writeln!(out, "MLX backend:    {}", info.backend);
+    let _ = writeln!(
+        out,
+        "devices:        cpu x{}, gpu x{}",
+        info.cpu_devices, info.gpu_devices
+    );
+    let library = info.library.as_deref().map(|p| p.display().to_string());
+    let _ = writeln!(
+        out,
+        "MLX library:    {}",
+        library
+            .as_deref()
+            .unwrap_or("(not found in /proc/self/maps)")
+    );
+    let _ = writeln!(out, "default model:  {}", model.display());
+    let started = Instant::now();
+    match ModelSummary::load(model) {
+        Ok(summary) => {
+            let _ = writeln!(
+                out,
+                "model loads:    yes, in {:.2} s (id {}, arch {}, {} tensors, {} quantized, {:.1} MB)",
+                started.elapsed().as_secs_f64(),
+                summary.id,
+                summary.architecture,
+                summary.tensor_count,
+                summary.quantized_count,
+                summary.bytes as f64 / 1e6
+            );
+        }
+        Err(error) => {
+            let _ = writeln!(out, "model loads:    NO: {error}");
+        }
+    }
+    out
+}

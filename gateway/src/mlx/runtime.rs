@@ -1,0 +1,98 @@
+//! What MLX this process runs on: version, backend, devices and library path.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::path::PathBuf;
+
+/// The compute backend MLX was built for (decided by which wheel is installed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+        })
+    }
+}
+
+/// Facts about the MLX library loaded into this process.
+#[derive(Debug, Clone)]
+pub struct RuntimeInfo {
+    pub version: String,
+    pub backend: Backend,
+    pub cpu_devices: usize,
+    pub gpu_devices: usize,
+    /// Where the dynamic loader found `libmlx.so`, when it can be told.
+    pub library: Option<PathBuf>,
+}
+
+impl RuntimeInfo {
+    pub fn detect() -> Self {
+        let backend = if probe(mlx_sys::mlx_cuda_is_available) {
+            Backend::Cuda
+        } else if probe(mlx_sys::mlx_metal_is_available) {
+            Backend::Metal
+        } else {
+            Backend::Cpu
+        };
+        RuntimeInfo {
+            version: version(),
+            backend,
+            cpu_devices: device_count(mlx_sys::mlx_device_type__MLX_CPU),
+            gpu_devices: device_count(mlx_sys::mlx_device_type__MLX_GPU),
+            library: loaded_library_path("libmlx.so"),
+        }
+    }
+}
+
+fn version() -> String {
+    // SAFETY: mlx_string is created, filled by mlx_version and freed here; the
+    // data pointer is copied before the free.
+    unsafe {
+        let mut text = mlx_sys::mlx_string_new();
+        let status = mlx_sys::mlx_version(&mut text);
+        let version = if status == 0 {
+            CStr::from_ptr(mlx_sys::mlx_string_data(text))
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            "unknown".to_owned()
+        };
+        mlx_sys::mlx_string_free(text);
+        version
+    }
+}
+
+fn probe(check: unsafe extern "C" fn(*mut bool) -> std::os::raw::c_int) -> bool {
+    let mut available = false;
+    // SAFETY: the probe only writes the bool it is handed.
+    let status = unsafe { check(&mut available) };
+    status == 0 && available
+}
+
+fn device_count(kind: mlx_sys::mlx_device_type) -> usize {
+    let mut count = 0;
+    // SAFETY: writes one int.
+    let status = unsafe { mlx_sys::mlx_device_count(&mut count, kind) };
+    if status == 0 {
+        count.max(0) as usize
+    } else {
+        0
+    }
+}
+
+/// Finds a shared library mapped into this process (Linux: `/proc/self/maps`).
+fn loaded_library_path(file_name: &str) -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.rsplit('/').next() == Some(file_name))
+        .map(PathBuf::from)
+}
