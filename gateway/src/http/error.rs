@@ -1,0 +1,175 @@
+//! Every error a client can see, and the one place that turns it into the
+//! OpenAI error shape `{"error":{"message","type","param","code"}}`.
+//!
+//! Handlers return `Result<_, ApiError>`; the dispatcher calls
+//! [`ApiError::into_response`]. New failure kinds get a variant here rather
+//! than ad-hoc JSON in a handler, so status, type and code stay consistent.
+
+use http::header::{ALLOW, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
+use http::{Response, StatusCode};
+use serde::Serialize;
+
+use super::auth::Scope;
+use super::body::{Body, full};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("Invalid URL ({method} {path})")]
+    UnknownRoute { method: String, path: String },
+
+    #[error("Method {method} is not allowed on {path}; allowed: {allowed}")]
+    MethodNotAllowed {
+        method: String,
+        path: String,
+        /// Comma-separated, also sent as the `Allow` header.
+        allowed: String,
+    },
+
+    #[error("The model '{0}' does not exist")]
+    ModelNotFound(String),
+
+    #[error("We could not parse the JSON body of your request: {0}")]
+    InvalidJson(String),
+
+    /// A request that parsed but makes no sense; `param` names the field.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+    },
+
+    #[error("Request body is larger than the limit of {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+
+    #[error("Could not read the request body: {0}")]
+    BodyRead(String),
+
+    #[error(
+        "You didn't provide an API key. Send it in an Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY)."
+    )]
+    MissingApiKey,
+
+    #[error("Incorrect API key provided.")]
+    InvalidApiKey,
+
+    #[error("API key '{key_id}' lacks the '{scope}' scope this endpoint needs")]
+    InsufficientScope { key_id: String, scope: Scope },
+
+    #[error(
+        "The {scope} API is closed because no API key is configured; set MLXGATE_ADMIN_KEY (or add a [[keys]] entry with the '{scope}' scope to the config) and restart"
+    )]
+    ZoneClosed { scope: Scope },
+
+    #[error("{0}")]
+    NotReady(String),
+
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        use ApiError::*;
+        match self {
+            UnknownRoute { .. } | ModelNotFound(_) => StatusCode::NOT_FOUND,
+            MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            InvalidJson(_) | InvalidRequest { .. } | BodyRead(_) => StatusCode::BAD_REQUEST,
+            BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
+            InsufficientScope { .. } | ZoneClosed { .. } => StatusCode::FORBIDDEN,
+            NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The OpenAI `type` field.
+    pub fn error_type(&self) -> &'static str {
+        use ApiError::*;
+        match self {
+            // OpenAI reports bad or missing keys as invalid requests.
+            MissingApiKey | InvalidApiKey => "invalid_request_error",
+            UnknownRoute { .. } | ModelNotFound(_) => "not_found_error",
+            MethodNotAllowed { .. }
+            | InvalidJson(_)
+            | InvalidRequest { .. }
+            | BodyTooLarge { .. }
+            | BodyRead(_) => "invalid_request_error",
+            InsufficientScope { .. } | ZoneClosed { .. } => "permission_error",
+            NotReady(_) | Internal(_) => "server_error",
+        }
+    }
+
+    /// The OpenAI `code` field: stable, machine-readable.
+    pub fn code(&self) -> &'static str {
+        use ApiError::*;
+        match self {
+            UnknownRoute { .. } => "unknown_url",
+            MethodNotAllowed { .. } => "method_not_allowed",
+            ModelNotFound(_) => "model_not_found",
+            InvalidJson(_) => "invalid_json",
+            InvalidRequest { .. } => "invalid_request",
+            BodyTooLarge { .. } => "request_too_large",
+            BodyRead(_) => "body_read_failed",
+            MissingApiKey | InvalidApiKey => "invalid_api_key",
+            InsufficientScope { .. } => "insufficient_scope",
+            ZoneClosed { .. } => "api_closed",
+            NotReady(_) => "model_not_ready",
+            Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidRequest { param, .. } => param.as_deref(),
+            _ => None,
+        }
+    }
+
+    pub fn into_response(self) -> Response<Body> {
+        #[derive(Serialize)]
+        struct Envelope<'a> {
+            error: Inner<'a>,
+        }
+        #[derive(Serialize)]
+        struct Inner<'a> {
+            message: String,
+            #[serde(rename = "type")]
+            kind: &'static str,
+            param: Option<&'a str>,
+            code: &'static str,
+        }
+        let body = serde_json::to_vec(&Envelope {
+            error: Inner {
+                message: self.to_string(),
+                kind: self.error_type(),
+                param: self.param(),
+                code: self.code(),
+            },
+        })
+        // Serialising strings cannot fail; keep a valid body regardless.
+        .unwrap_or_else(|_| br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#.to_vec());
+
+        let mut resp = Response::new(full(body));
+        *resp.status_mut() = self.status();
+        let headers = resp.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        match &self {
+            ApiError::MethodNotAllowed { allowed, .. } => {
+                if let Ok(v) = HeaderValue::from_str(allowed) {
+                    headers.insert(ALLOW, v);
+                }
+            }
+            ApiError::MissingApiKey | ApiError::InvalidApiKey => {
+                headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}
+
+impl From<ApiError> for Response<Body> {
+    fn from(e: ApiError) -> Self {
+        e.into_response()
+    }
+}

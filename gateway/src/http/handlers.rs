@@ -1,0 +1,122 @@
+//! Thin handlers for the built-in routes. They only read state and shape
+//! responses; auth, limits, errors and metrics are the dispatcher's job.
+
+use std::time::Duration;
+
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use serde_json::json;
+
+use super::body::{self, Body, ReqBody, full};
+use super::{ApiError, Caller, Ctx, LoadedModel, ModelState, Route};
+
+type HandlerResult = Result<Response<Body>, ApiError>;
+
+/// Liveness: the process is up and serving.
+pub async fn healthz(_cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    body::json(StatusCode::OK, &json!({"status": "ok"}))
+}
+
+/// Readiness: 200 only once the model has loaded.
+pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    match &*cx.state.model.borrow() {
+        ModelState::Ready(m) => {
+            body::json(StatusCode::OK, &json!({"status": "ready", "model": m.id}))
+        }
+        ModelState::Loading { path } => Err(ApiError::NotReady(format!(
+            "not ready: model {} is still loading",
+            path.display()
+        ))),
+        ModelState::Failed { path, reason } => Err(ApiError::NotReady(format!(
+            "not ready: model {} failed to load: {reason}",
+            path.display()
+        ))),
+    }
+}
+
+pub async fn metrics(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let ready = cx.state.loaded_model().is_some();
+    let mut resp = Response::new(full(cx.state.metrics.render(ready)));
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    Ok(resp)
+}
+
+fn model_object(m: &LoadedModel) -> serde_json::Value {
+    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "mlxgate"})
+}
+
+/// Lists the models that can serve now: empty while the model is loading.
+pub async fn list_models(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let data: Vec<_> = cx.state.loaded_model().iter().map(model_object).collect();
+    body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+pub async fn get_model(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let id = cx.param("id").unwrap_or_default();
+    match cx.state.loaded_model() {
+        Some(m) if m.id == id => body::json(StatusCode::OK, &model_object(&m)),
+        _ => Err(ApiError::ModelNotFound(id.to_owned())),
+    }
+}
+
+/// Routes that only exist with `test_routes = true` (loopback only): they let
+/// the integration tests hold a request open, panic a handler and send bodies,
+/// without any test behaviour in the production routes.
+pub fn test_routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::POST, "/__test/echo", |cx, req| {
+            Box::pin(test_echo(cx, req))
+        }),
+        Route::new(Method::GET, "/__test/panic", |cx, req| {
+            Box::pin(test_panic(cx, req))
+        }),
+        Route::new(Method::GET, "/__test/sleep", |cx, req| {
+            Box::pin(test_sleep(cx, req))
+        }),
+        Route::new(Method::GET, "/v1/__test/whoami", |cx, req| {
+            Box::pin(test_whoami(cx, req))
+        }),
+    ]
+}
+
+async fn test_echo(_cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let value: serde_json::Value = body::read_json(req).await?;
+    body::json(StatusCode::OK, &value)
+}
+
+/// Shows the [`Caller`] the dispatcher put into the request extensions.
+async fn test_whoami(_cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let c = req
+        .extensions()
+        .get::<Caller>()
+        .ok_or_else(|| ApiError::Internal("no caller in a /v1 request".into()))?;
+    body::json(
+        StatusCode::OK,
+        &json!({"key_id": c.key_id, "tenant": c.tenant, "scopes": c.scopes}),
+    )
+}
+
+async fn test_panic(_cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    panic!("deliberate panic from /__test/panic");
+}
+
+/// `GET /__test/sleep?ms=N` answers after N milliseconds (at most a minute).
+async fn test_sleep(_cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let ms = req
+        .uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("ms="))
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| ApiError::InvalidRequest {
+            message: "query parameter ms (milliseconds) is required".into(),
+            param: Some("ms".into()),
+        })?
+        .min(60_000);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    body::json(StatusCode::OK, &json!({"slept_ms": ms}))
+}

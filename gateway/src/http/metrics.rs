@@ -1,0 +1,178 @@
+//! Request metrics in the Prometheus text exposition format (0.0.4).
+//!
+//! Written by hand rather than with a metrics crate: the server needs one
+//! counter and one histogram family with a fixed label set, which is a few
+//! dozen lines, and it keeps the dependency tree (and two-core build) small.
+//! Labels are the HTTP method (known methods only), the matched route
+//! *pattern* (never the raw path) and the status, so cardinality is bounded
+//! by the route table.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use http::Method;
+
+/// Upper bounds of the latency buckets, in seconds. Inference requests run
+/// for seconds, health checks for microseconds, hence the wide range.
+const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Route label for requests that matched no route.
+pub const UNMATCHED: &str = "unmatched";
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct SeriesKey {
+    method: &'static str,
+    route: &'static str,
+    status: u16,
+}
+
+#[derive(Debug, Default)]
+struct Series {
+    count: u64,
+    sum: f64,
+    /// Non-cumulative counts per bucket; made cumulative when rendered.
+    buckets: [u64; BUCKETS.len()],
+}
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    series: Mutex<BTreeMap<SeriesKey, Series>>,
+    in_flight: AtomicI64,
+}
+
+/// Keeps the in-flight gauge right even when a request future is dropped.
+pub struct InFlight<'a>(&'a Metrics);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Metrics {
+    pub fn start(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self)
+    }
+
+    pub fn observe(&self, method: &Method, route: &'static str, status: u16, elapsed: Duration) {
+        let key = SeriesKey {
+            method: method_label(method),
+            route,
+            status,
+        };
+        let secs = elapsed.as_secs_f64();
+        let mut map = self.series.lock().unwrap_or_else(|p| p.into_inner());
+        let s = map.entry(key).or_default();
+        s.count += 1;
+        s.sum += secs;
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            s.buckets[i] += 1;
+        }
+    }
+
+    /// Renders all series; `model_ready` is sampled by the caller at scrape time.
+    pub fn render(&self, model_ready: bool) -> String {
+        let map = self.series.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = String::with_capacity(1024 + map.len() * 1200);
+        out.push_str(
+            "# HELP mlxgate_http_requests_total HTTP requests answered, by method, matched route pattern and status.\n\
+             # TYPE mlxgate_http_requests_total counter\n",
+        );
+        for (k, s) in map.iter() {
+            let _ = writeln!(
+                out,
+                "mlxgate_http_requests_total{{{}}} {}",
+                labels(k),
+                s.count
+            );
+        }
+        out.push_str(
+            "# HELP mlxgate_http_request_duration_seconds Time from request head to response head, by method, matched route pattern and status.\n\
+             # TYPE mlxgate_http_request_duration_seconds histogram\n",
+        );
+        for (k, s) in map.iter() {
+            let l = labels(k);
+            let mut cumulative = 0;
+            for (bound, n) in BUCKETS.iter().zip(s.buckets.iter()) {
+                cumulative += n;
+                let _ = writeln!(
+                    out,
+                    "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"{bound}\"}} {cumulative}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"+Inf\"}} {}\n\
+                 mlxgate_http_request_duration_seconds_sum{{{l}}} {}\n\
+                 mlxgate_http_request_duration_seconds_count{{{l}}} {}",
+                s.count, s.sum, s.count
+            );
+        }
+        let _ = write!(
+            out,
+            "# HELP mlxgate_http_requests_in_flight Requests being handled now.\n\
+             # TYPE mlxgate_http_requests_in_flight gauge\n\
+             mlxgate_http_requests_in_flight {}\n\
+             # HELP mlxgate_model_ready 1 when the model is loaded and the server is ready.\n\
+             # TYPE mlxgate_model_ready gauge\n\
+             mlxgate_model_ready {}\n",
+            self.in_flight.load(Ordering::Relaxed),
+            u8::from(model_ready)
+        );
+        out
+    }
+}
+
+fn labels(k: &SeriesKey) -> String {
+    // Route patterns come from the route table (static, no quotes or
+    // backslashes), so no escaping is needed.
+    format!(
+        "method=\"{}\",route=\"{}\",status=\"{}\"",
+        k.method, k.route, k.status
+    )
+}
+
+fn method_label(m: &Method) -> &'static str {
+    match *m {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative_and_counts_match() {
+        let m = Metrics::default();
+        m.observe(&Method::GET, "/healthz", 200, Duration::from_micros(500));
+        m.observe(&Method::GET, "/healthz", 200, Duration::from_millis(20));
+        m.observe(&Method::GET, "/healthz", 200, Duration::from_secs(100));
+        let text = m.render(true);
+        let l = r#"method="GET",route="/healthz",status="200""#;
+        assert!(text.contains(&format!("mlxgate_http_requests_total{{{l}}} 3\n")));
+        assert!(text.contains(&format!(
+            "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"0.001\"}} 1\n"
+        )));
+        assert!(text.contains(&format!(
+            "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"30\"}} 2\n"
+        )));
+        assert!(text.contains(&format!(
+            "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"+Inf\"}} 3\n"
+        )));
+        assert!(text.contains("mlxgate_model_ready 1\n"));
+    }
+}
