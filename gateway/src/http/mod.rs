@@ -298,6 +298,8 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, request_id: String)
                 found = Some((r, params));
                 break;
             }
+            // A 405 is still counted under the route's pattern.
+            outcome.route = r.pattern;
             allowed.push(r.method.as_str());
         }
     }
@@ -417,7 +419,7 @@ async fn handle(
         info!(
             route = out.route,
             status,
-            elapsed_ms = elapsed.as_secs_f64() * 1e3,
+            elapsed_ms = elapsed.as_micros() as f64 / 1e3,
             key_id = out.caller.as_ref().map(|c| c.key_id.as_str()),
             tenant = out.caller.as_ref().map(|c| c.tenant.as_str()),
             "request done"
