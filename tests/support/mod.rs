@@ -42,6 +42,7 @@ pub fn free_port() -> u16 {
 }
 
 /// Builds a `mlxgate serve` command line.
+#[derive(Clone)]
 pub struct ServerBuilder {
     config: Option<String>,
     args: Vec<String>,
@@ -145,11 +146,22 @@ impl ServerBuilder {
         }
     }
 
-    /// Starts the server and waits until /healthz answers 200.
+    /// Starts the server and waits until /healthz answers 200. When the port
+    /// was picked here and another process grabbed it in the meantime, tries
+    /// again with a new one.
     pub fn start(self) -> Server {
-        let mut s = self.spawn();
-        s.wait_healthy();
-        s
+        let mut attempts = if self.port.is_none() { 3 } else { 1 };
+        loop {
+            let mut s = self.clone().spawn();
+            attempts -= 1;
+            match s.wait_healthy_or_exit() {
+                None => return s,
+                Some(_) if attempts > 0 && s.log_text().contains("cannot listen") => {}
+                Some(status) => {
+                    panic!("mlxgate exited early ({status}); log:\n{}", s.log_text())
+                }
+            }
+        }
     }
 }
 
@@ -173,15 +185,24 @@ impl Server {
 
     /// Polls /healthz; panics with the server log if it exits or never answers.
     pub fn wait_healthy(&mut self) {
+        if let Some(status) = self.wait_healthy_or_exit() {
+            panic!("mlxgate exited early ({status}); log:\n{}", self.log_text());
+        }
+    }
+
+    /// Polls /healthz until it answers 200 (`None`) or the process exits
+    /// (`Some(status)`); panics if neither happens in time.
+    fn wait_healthy_or_exit(&mut self) -> Option<ExitStatus> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(status) = self.try_exit_status() {
-                panic!("mlxgate exited early ({status}); log:\n{}", self.log_text());
+                self.child = None;
+                return Some(status);
             }
             if let Ok(r) = try_request(self.addr, "GET", "/healthz", &[], None)
                 && r.status == 200
             {
-                return;
+                return None;
             }
             assert!(
                 Instant::now() < deadline,
@@ -218,10 +239,11 @@ impl Server {
             .and_then(|c| c.try_wait().ok().flatten())
     }
 
-    /// Sends SIGTERM.
+    /// Sends SIGTERM (through the shell's built-in `kill`, which exists even
+    /// where no `kill` binary is installed).
     pub fn sigterm(&self) {
-        let ok = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
+        let ok = Command::new("sh")
+            .args(["-c", &format!("kill -TERM {}", self.pid())])
             .status()
             .expect("run kill")
             .success();
