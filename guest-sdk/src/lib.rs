@@ -1,1 +1,282 @@
+//! SDK for mlxgate policy guests.
+//!
+//! Each guest kind (router, adapter selector, dataset transform) is a WIT world
+//! in `wit/policy.wit` that exports one versioned interface of the package
+//! `mlxgate:policy@0.1.0`. This crate turns each world into a Rust trait with
+//! state created once per instance from the operator's configuration string,
+//! plus an export macro that wires the trait to the component exports:
+//!
+//! ```ignore
+//! use mlxgate_guest::router::*;
+//!
+//! struct Echo;
+//! impl Router for Echo {
+//!     fn init(_config: &str) -> Result<Self, String> { Ok(Echo) }
+//!     fn route(&self, facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
+//!         RouteDecision::Local(facts.model)
+//!     }
+//! }
+//! mlxgate_guest::export_router!(Echo);
+//! ```
+//!
+//! Build guests for `wasm32-unknown-unknown` linked by `wasm-component-ld`
+//! (see the README): the result is a component with no imports at all.
+//! The crate also compiles natively so that it can live in the host workspace;
+//! the export macros are only meaningful on `wasm32`.
 
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+/// Raw `wit-bindgen` output, one module per world. Not a stable API: use the
+/// per-kind modules below.
+#[doc(hidden)]
+pub mod bindings {
+    /// Router world; also the home of the shared `types` interface.
+    pub mod router {
+        wit_bindgen::generate!({
+            path: "wit",
+            world: "router-policy",
+            pub_export_macro: true,
+            export_macro_name: "__export_router_world",
+            default_bindings_module: "mlxgate_guest::bindings::router",
+            additional_derives: [PartialEq],
+        });
+    }
+
+    /// Adapter-selector world, sharing the router's `types`.
+    pub mod adapter {
+        wit_bindgen::generate!({
+            path: "wit",
+            world: "adapter-selector-policy",
+            pub_export_macro: true,
+            export_macro_name: "__export_adapter_world",
+            default_bindings_module: "mlxgate_guest::bindings::adapter",
+            with: {
+                "mlxgate:policy/types@0.1.0": crate::bindings::router::mlxgate::policy::types,
+            },
+        });
+    }
+
+    /// Dataset-transform world.
+    pub mod dataset {
+        wit_bindgen::generate!({
+            path: "wit",
+            world: "dataset-transform-policy",
+            pub_export_macro: true,
+            export_macro_name: "__export_dataset_world",
+            default_bindings_module: "mlxgate_guest::bindings::dataset",
+            additional_derives: [PartialEq],
+        });
+    }
+}
+
+/// Types shared by the request-time guests.
+pub mod types {
+    pub use crate::bindings::router::mlxgate::policy::types::{
+        AdapterInfo, BackendKind, BackendState, RequestFacts,
+    };
+
+    impl RequestFacts {
+        /// The value of a selected header, by case-insensitive name.
+        pub fn header(&self, name: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        }
+    }
+}
+
+/// Routing guests: implement [`router::Router`] and call [`export_router!`].
+pub mod router {
+    pub use crate::bindings::router::exports::mlxgate::policy::router::{
+        Rejection, RouteDecision, UpstreamTarget,
+    };
+    pub use crate::types::{BackendKind, BackendState, RequestFacts};
+
+    /// A routing policy. `init` runs once per fresh instance with the operator's
+    /// configuration string ("" when none); `route` runs per request and must
+    /// be quick: the host interrupts it after a few milliseconds.
+    pub trait Router: Sized + Send + Sync + 'static {
+        fn init(config: &str) -> Result<Self, String>;
+        fn route(&self, facts: RequestFacts, backends: Vec<BackendState>) -> RouteDecision;
+    }
+
+    impl RouteDecision {
+        /// `Reject` with the given status and message.
+        pub fn reject(status: u16, message: impl Into<String>) -> Self {
+            RouteDecision::Reject(Rejection {
+                status,
+                message: message.into(),
+            })
+        }
+
+        /// `Upstream` to `name`, optionally rewriting the model.
+        pub fn upstream(name: impl Into<String>, model: Option<String>) -> Self {
+            RouteDecision::Upstream(UpstreamTarget {
+                name: name.into(),
+                model,
+            })
+        }
+    }
+}
+
+/// Adapter-selection guests: implement [`adapter::AdapterSelector`] and call
+/// [`export_adapter_selector!`].
+pub mod adapter {
+    pub use crate::types::{AdapterInfo, RequestFacts};
+
+    /// An adapter-selection policy. Return `None` for "no opinion" (the
+    /// gateway's default), `Some(vec![])` for "no adapters".
+    pub trait AdapterSelector: Sized + Send + Sync + 'static {
+        fn init(config: &str) -> Result<Self, String>;
+        fn select(&self, facts: RequestFacts, adapters: Vec<AdapterInfo>) -> Option<Vec<String>>;
+    }
+}
+
+/// Dataset-transform guests: implement [`dataset::DatasetTransform`] and call
+/// [`export_dataset_transform!`].
+pub mod dataset {
+    pub use crate::bindings::dataset::exports::mlxgate::policy::dataset_transform::RecordOutcome;
+
+    /// A dataset transform, called on batches of records (one JSON document
+    /// each). `transform_record` is the per-record hook; override
+    /// `transform` only to share work across a batch. The host meters
+    /// instructions (fuel), so a runaway record fails deterministically.
+    pub trait DatasetTransform: Sized + Send + Sync + 'static {
+        fn init(config: &str) -> Result<Self, String>;
+        fn transform_record(&self, record: &str) -> RecordOutcome;
+        fn transform(&self, records: Vec<String>) -> Vec<RecordOutcome> {
+            records.iter().map(|r| self.transform_record(r)).collect()
+        }
+    }
+}
+
+/// Support code for the export macros. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::bindings::adapter::exports::mlxgate::policy::adapter_selector::Guest as AdapterGuest;
+    pub use crate::bindings::dataset::exports::mlxgate::policy::dataset_transform::Guest as DatasetGuest;
+    pub use crate::bindings::router::exports::mlxgate::policy::router::Guest as RouterGuest;
+    pub use std::sync::OnceLock;
+
+    /// Stores the state from `init`; a second `init` on the same instance is
+    /// an error (the host never does that: it makes a fresh instance).
+    pub fn init_once<T>(
+        slot: &OnceLock<T>,
+        config: &str,
+        init: fn(&str) -> Result<T, String>,
+    ) -> Result<(), String> {
+        if slot.get().is_some() {
+            return Err("policy already initialised".to_string());
+        }
+        let state = init(config)?;
+        slot.set(state)
+            .map_err(|_| "policy already initialised".to_string())
+    }
+
+    /// The state from `init`, initialising with an empty configuration when
+    /// the host never called `init` (a failure then traps the instance).
+    pub fn state<T>(slot: &OnceLock<T>, init: fn(&str) -> Result<T, String>) -> &T {
+        slot.get_or_init(|| match init("") {
+            Ok(state) => state,
+            Err(msg) => panic!("policy init failed: {msg}"),
+        })
+    }
+}
+
+/// Exports a [`router::Router`] implementation as the component's
+/// `mlxgate:policy/router@0.1.0` interface. Use once per guest crate.
+#[macro_export]
+macro_rules! export_router {
+    ($ty:ty) => {
+        const _: () = {
+            static STATE: $crate::__private::OnceLock<$ty> = $crate::__private::OnceLock::new();
+            struct MlxgateRouterExport;
+            impl $crate::__private::RouterGuest for MlxgateRouterExport {
+                fn init(config: String) -> Result<(), String> {
+                    $crate::__private::init_once(
+                        &STATE,
+                        &config,
+                        <$ty as $crate::router::Router>::init,
+                    )
+                }
+                fn route(
+                    facts: $crate::router::RequestFacts,
+                    backends: Vec<$crate::router::BackendState>,
+                ) -> $crate::router::RouteDecision {
+                    let state =
+                        $crate::__private::state(&STATE, <$ty as $crate::router::Router>::init);
+                    <$ty as $crate::router::Router>::route(state, facts, backends)
+                }
+            }
+            $crate::bindings::router::__export_router_world!(
+                MlxgateRouterExport with_types_in $crate::bindings::router
+            );
+        };
+    };
+}
+
+/// Exports an [`adapter::AdapterSelector`] implementation as the component's
+/// `mlxgate:policy/adapter-selector@0.1.0` interface.
+#[macro_export]
+macro_rules! export_adapter_selector {
+    ($ty:ty) => {
+        const _: () = {
+            static STATE: $crate::__private::OnceLock<$ty> = $crate::__private::OnceLock::new();
+            struct MlxgateAdapterExport;
+            impl $crate::__private::AdapterGuest for MlxgateAdapterExport {
+                fn init(config: String) -> Result<(), String> {
+                    $crate::__private::init_once(
+                        &STATE,
+                        &config,
+                        <$ty as $crate::adapter::AdapterSelector>::init,
+                    )
+                }
+                fn select(
+                    facts: $crate::adapter::RequestFacts,
+                    adapters: Vec<$crate::adapter::AdapterInfo>,
+                ) -> Option<Vec<String>> {
+                    let state = $crate::__private::state(
+                        &STATE,
+                        <$ty as $crate::adapter::AdapterSelector>::init,
+                    );
+                    <$ty as $crate::adapter::AdapterSelector>::select(state, facts, adapters)
+                }
+            }
+            $crate::bindings::adapter::__export_adapter_world!(
+                MlxgateAdapterExport with_types_in $crate::bindings::adapter
+            );
+        };
+    };
+}
+
+/// Exports a [`dataset::DatasetTransform`] implementation as the component's
+/// `mlxgate:policy/dataset-transform@0.1.0` interface.
+#[macro_export]
+macro_rules! export_dataset_transform {
+    ($ty:ty) => {
+        const _: () = {
+            static STATE: $crate::__private::OnceLock<$ty> = $crate::__private::OnceLock::new();
+            struct MlxgateDatasetExport;
+            impl $crate::__private::DatasetGuest for MlxgateDatasetExport {
+                fn init(config: String) -> Result<(), String> {
+                    $crate::__private::init_once(
+                        &STATE,
+                        &config,
+                        <$ty as $crate::dataset::DatasetTransform>::init,
+                    )
+                }
+                fn transform(records: Vec<String>) -> Vec<$crate::dataset::RecordOutcome> {
+                    let state = $crate::__private::state(
+                        &STATE,
+                        <$ty as $crate::dataset::DatasetTransform>::init,
+                    );
+                    <$ty as $crate::dataset::DatasetTransform>::transform(state, records)
+                }
+            }
+            $crate::bindings::dataset::__export_dataset_world!(
+                MlxgateDatasetExport with_types_in $crate::bindings::dataset
+            );
+        };
+    };
+}

@@ -1,0 +1,172 @@
+//! Per-policy call metrics: lock-free counters kept across versions of a
+//! policy name, snapshotted for the HTTP layer's Prometheus rendering.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::error::FailureKind;
+use super::types::PolicyKind;
+
+/// Upper bounds of the latency histogram buckets, in seconds.
+pub const LATENCY_BUCKETS_S: [f64; 12] = [
+    0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+    0.01, 0.1,
+];
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    calls: AtomicU64,
+    failures: [AtomicU64; FailureKind::ALL.len()],
+    buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
+    latency_sum_ns: AtomicU64,
+    instances_created: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn record(&self, elapsed: Duration, failure: Option<FailureKind>) {
+        self.calls.fetch_add(1, Relaxed);
+        if let Some(kind) = failure {
+            self.failures[kind.index()].fetch_add(1, Relaxed);
+        }
+        let secs = elapsed.as_secs_f64();
+        if let Some(i) = LATENCY_BUCKETS_S.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.latency_sum_ns.fetch_add(ns, Relaxed);
+    }
+
+    pub(crate) fn instance_created(&self) {
+        self.instances_created.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self, name: &str, kind: PolicyKind) -> PolicyMetrics {
+        let mut cumulative = 0;
+        let buckets = LATENCY_BUCKETS_S
+            .iter()
+            .zip(&self.buckets)
+            .map(|(le, n)| {
+                cumulative += n.load(Relaxed);
+                (*le, cumulative)
+            })
+            .collect();
+        PolicyMetrics {
+            name: name.to_string(),
+            kind,
+            calls: self.calls.load(Relaxed),
+            failures: FailureKind::ALL
+                .iter()
+                .map(|k| (*k, self.failures[k.index()].load(Relaxed)))
+                .collect(),
+            latency_buckets: buckets,
+            latency_sum_seconds: self.latency_sum_ns.load(Relaxed) as f64 / 1e9,
+            instances_created: self.instances_created.load(Relaxed),
+        }
+    }
+}
+
+/// Snapshot of one policy's metrics.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyMetrics {
+    pub name: String,
+    pub kind: PolicyKind,
+    /// All calls, failed ones included (dataset: one per batch or retry).
+    pub calls: u64,
+    /// Failures by kind, every kind listed.
+    pub failures: Vec<(FailureKind, u64)>,
+    /// Cumulative counts per upper bound in seconds (Prometheus `le`);
+    /// calls slower than the last bound only count in `calls` (`+Inf`).
+    pub latency_buckets: Vec<(f64, u64)>,
+    pub latency_sum_seconds: f64,
+    /// Fresh instances made (first use, after traps, after reuse limits).
+    pub instances_created: u64,
+}
+
+impl PolicyMetrics {
+    pub fn failures_of(&self, kind: FailureKind) -> u64 {
+        self.failures
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(0, |(_, n)| *n)
+    }
+}
+
+/// Renders metrics in the Prometheus text format (families
+/// `mlxgate_policy_calls_total`, `mlxgate_policy_failures_total`,
+/// `mlxgate_policy_call_duration_seconds`, `mlxgate_policy_instances_created_total`).
+pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
+    let mut out = String::new();
+    let esc = |s: &str| {
+        s.replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n")
+    };
+    out.push_str("# HELP mlxgate_policy_calls_total Wasm policy calls.\n");
+    out.push_str("# TYPE mlxgate_policy_calls_total counter\n");
+    for m in metrics {
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_calls_total{{policy=\"{}\",kind=\"{}\"}} {}",
+            esc(&m.name),
+            m.kind,
+            m.calls
+        );
+    }
+    out.push_str(
+        "# HELP mlxgate_policy_failures_total Failed Wasm policy calls by failure kind.\n",
+    );
+    out.push_str("# TYPE mlxgate_policy_failures_total counter\n");
+    for m in metrics {
+        for (kind, n) in &m.failures {
+            let _ = writeln!(
+                out,
+                "mlxgate_policy_failures_total{{policy=\"{}\",kind=\"{}\",failure=\"{}\"}} {}",
+                esc(&m.name),
+                m.kind,
+                kind,
+                n
+            );
+        }
+    }
+    out.push_str("# HELP mlxgate_policy_call_duration_seconds Wasm policy call latency.\n");
+    out.push_str("# TYPE mlxgate_policy_call_duration_seconds histogram\n");
+    for m in metrics {
+        let labels = format!("policy=\"{}\",kind=\"{}\"", esc(&m.name), m.kind);
+        for (le, n) in &m.latency_buckets {
+            let _ = writeln!(
+                out,
+                "mlxgate_policy_call_duration_seconds_bucket{{{labels},le=\"{le}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_call_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {}",
+            m.calls
+        );
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_call_duration_seconds_sum{{{labels}}} {}",
+            m.latency_sum_seconds
+        );
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_call_duration_seconds_count{{{labels}}} {}",
+            m.calls
+        );
+    }
+    out.push_str("# HELP mlxgate_policy_instances_created_total Fresh Wasm instances made.\n");
+    out.push_str("# TYPE mlxgate_policy_instances_created_total counter\n");
+    for m in metrics {
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_instances_created_total{{policy=\"{}\",kind=\"{}\"}} {}",
+            esc(&m.name),
+            m.kind,
+            m.instances_created
+        );
+    }
+    out
+}

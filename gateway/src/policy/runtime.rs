@@ -1,0 +1,313 @@
+//! One loaded policy version: its `InstancePre`, a small pool of warm
+//! instances checked out per call, and the trap classification.
+//!
+//! Guarantees: every call runs under the policy's deadline, fuel and memory
+//! cap; an instance that trapped is dropped (wasmtime refuses to re-enter it)
+//! and the next call gets a fresh one from the same `InstancePre`; warm
+//! instances are retired after `max_calls_per_instance` calls.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use wasmtime::component::{Component, InstancePre, Linker};
+use wasmtime::{
+    Engine, PoolConcurrencyLimitError, ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder,
+    Trap,
+};
+
+use super::bindings::{adapter, dataset, router};
+use super::error::{FailureKind, PolicyError};
+use super::metrics::Counters;
+use super::types::{Limits, PolicyInfo, PolicyKind};
+
+/// Wall-clock budget for a fresh instance's `init`, in epoch ticks.
+const INIT_TICKS: u64 = 1_000;
+
+/// Store data: only the resource limiter. Guests get no capabilities.
+pub(crate) struct HostState {
+    limiter: CapLimiter,
+}
+
+/// `StoreLimits` (memory cap, trap on grow failure) plus a note that the cap
+/// was hit, so a trap that follows is reported as a memory-limit failure.
+struct CapLimiter {
+    inner: StoreLimits,
+    cap: usize,
+    hit: bool,
+}
+
+impl ResourceLimiter for CapLimiter {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.cap || maximum.is_some_and(|m| desired > m) {
+            self.hit = true;
+        }
+        self.inner.memory_growing(current, desired, maximum)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.hit = true;
+        self.inner.memory_grow_failed(error)
+    }
+
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.inner.table_growing(current, desired, maximum)
+    }
+
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.table_grow_failed(error)
+    }
+
+    fn instances(&self) -> usize {
+        self.inner.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.inner.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.inner.memories()
+    }
+}
+
+/// The typed `InstancePre` of a policy, by kind.
+pub(crate) enum Pre {
+    Router(router::RouterPolicyPre<HostState>),
+    Adapter(adapter::AdapterSelectorPolicyPre<HostState>),
+    Dataset(dataset::DatasetTransformPolicyPre<HostState>),
+}
+
+/// A live instance's typed exports, by kind.
+pub(crate) enum Bound {
+    Router(router::RouterPolicy),
+    Adapter(adapter::AdapterSelectorPolicy),
+    Dataset(dataset::DatasetTransformPolicy),
+}
+
+struct Warm {
+    store: Store<HostState>,
+    bound: Bound,
+    calls: u64,
+}
+
+/// CPU budget of one call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    pub(crate) ticks: u64,
+    pub(crate) fuel: u64,
+}
+
+impl Budget {
+    /// `units` deadlines/fuel budgets of `limits` (1 for request-time calls,
+    /// the record count for dataset batches).
+    pub(crate) fn of(limits: &Limits, tick: Duration, units: u64) -> Budget {
+        let tick_ms = u64::try_from(tick.as_millis()).unwrap_or(1).max(1);
+        let per = u64::from(limits.deadline_ms).div_ceil(tick_ms);
+        Budget {
+            // +1: the first tick may come at once.
+            ticks: per.saturating_mul(units.max(1)).saturating_add(1),
+            fuel: limits
+                .fuel
+                .map_or(u64::MAX, |f| f.saturating_mul(units.max(1))),
+        }
+    }
+}
+
+/// A failed call: what kind, and wasmtime's words.
+pub(crate) type Failure = (FailureKind, String);
+
+/// One uploaded version of a policy, ready to call.
+pub(crate) struct LoadedPolicy {
+    pub(crate) info: PolicyInfo,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) tick: Duration,
+    engine: Engine,
+    pre: Pre,
+    pool: Mutex<Vec<Warm>>,
+    max_calls_per_instance: u64,
+}
+
+impl LoadedPolicy {
+    /// Links `component` (no host imports exist) and type-checks its export
+    /// against the world of `info.kind`.
+    pub(crate) fn new(
+        engine: &Engine,
+        linker: &Linker<HostState>,
+        component: &Component,
+        info: PolicyInfo,
+        counters: Arc<Counters>,
+        tick: Duration,
+        max_calls_per_instance: u64,
+    ) -> Result<Self, PolicyError> {
+        let instance_pre: InstancePre<HostState> = linker
+            .instantiate_pre(component)
+            .map_err(|e| PolicyError::UnsatisfiedImports(format!("{e:#}")))?;
+        let mismatch = |e: wasmtime::Error| PolicyError::InterfaceMismatch(format!("{e:#}"));
+        let pre = match info.kind {
+            PolicyKind::Router => {
+                Pre::Router(router::RouterPolicyPre::new(instance_pre).map_err(mismatch)?)
+            }
+            PolicyKind::AdapterSelector => Pre::Adapter(
+                adapter::AdapterSelectorPolicyPre::new(instance_pre).map_err(mismatch)?,
+            ),
+            PolicyKind::DatasetTransform => Pre::Dataset(
+                dataset::DatasetTransformPolicyPre::new(instance_pre).map_err(mismatch)?,
+            ),
+        };
+        Ok(LoadedPolicy {
+            info,
+            counters,
+            tick,
+            engine: engine.clone(),
+            pre,
+            pool: Mutex::new(Vec::new()),
+            max_calls_per_instance,
+        })
+    }
+
+    /// Runs `f` on a warm (or fresh) instance under `budget`. The instance
+    /// goes back to the pool on success and is dropped on failure.
+    pub(crate) fn call<R>(
+        &self,
+        budget: Budget,
+        f: impl FnOnce(&mut Store<HostState>, &Bound) -> wasmtime::Result<R>,
+    ) -> Result<R, Failure> {
+        let mut warm = match self.checkout() {
+            Some(w) => w,
+            None => self.fresh()?,
+        };
+        warm.store.set_epoch_deadline(budget.ticks);
+        warm.store
+            .set_fuel(budget.fuel)
+            .map_err(|e| (FailureKind::Trap, format!("{e:#}")))?;
+        match f(&mut warm.store, &warm.bound) {
+            Ok(r) => {
+                warm.calls += 1;
+                self.checkin(warm);
+                Ok(r)
+            }
+            Err(e) => Err(classify(&warm.store, &e)),
+        }
+    }
+
+    /// Number of warm instances currently pooled (for tests and status).
+    pub(crate) fn warm_count(&self) -> usize {
+        self.pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    fn checkout(&self) -> Option<Warm> {
+        self.pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    fn checkin(&self, warm: Warm) {
+        if warm.calls >= self.max_calls_per_instance {
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.len() < self.info.limits.warm_instances as usize {
+            pool.push(warm);
+        }
+    }
+
+    /// Instantiates and runs the guest's `init(config)`.
+    fn fresh(&self) -> Result<Warm, Failure> {
+        let limits = &self.info.limits;
+        let state = HostState {
+            limiter: CapLimiter {
+                inner: StoreLimitsBuilder::new()
+                    .memory_size(limits.memory_bytes)
+                    .instances(16)
+                    .tables(16)
+                    .memories(4)
+                    .trap_on_grow_failure(true)
+                    .build(),
+                cap: limits.memory_bytes,
+                hit: false,
+            },
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(INIT_TICKS);
+        store
+            .set_fuel(u64::MAX)
+            .map_err(|e| (FailureKind::Trap, format!("{e:#}")))?;
+        let bound = match &self.pre {
+            Pre::Router(p) => p.instantiate(&mut store).map(Bound::Router),
+            Pre::Adapter(p) => p.instantiate(&mut store).map(Bound::Adapter),
+            Pre::Dataset(p) => p.instantiate(&mut store).map(Bound::Dataset),
+        }
+        .map_err(|e| classify(&store, &e))?;
+        self.counters.instance_created();
+        let config = self.info.config.as_deref().unwrap_or("");
+        let init = match &bound {
+            Bound::Router(b) => b.mlxgate_policy_router().call_init(&mut store, config),
+            Bound::Adapter(b) => b
+                .mlxgate_policy_adapter_selector()
+                .call_init(&mut store, config),
+            Bound::Dataset(b) => b
+                .mlxgate_policy_dataset_transform()
+                .call_init(&mut store, config),
+        };
+        match init {
+            Ok(Ok(())) => Ok(Warm {
+                store,
+                bound,
+                calls: 0,
+            }),
+            Ok(Err(msg)) => Err((FailureKind::InitFailed, truncate(msg, 1024))),
+            Err(e) => Err(classify(&store, &e)),
+        }
+    }
+}
+
+/// Maps a wasmtime error to a failure kind; memory-cap hits win because the
+/// guest allocator usually turns them into an `unreachable` trap.
+fn classify(store: &Store<HostState>, err: &wasmtime::Error) -> Failure {
+    // A trap's own message is enough for callers; other errors keep context.
+    let detail = match err.downcast_ref::<Trap>() {
+        Some(trap) => trap.to_string(),
+        None => truncate(format!("{err:#}"), 1024),
+    };
+    if store.data().limiter.hit {
+        return (FailureKind::MemoryLimit, detail);
+    }
+    let kind = match err.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => FailureKind::Timeout,
+        Some(Trap::OutOfFuel) => FailureKind::OutOfFuel,
+        Some(Trap::StackOverflow) => FailureKind::StackOverflow,
+        Some(Trap::UnreachableCodeReached) => FailureKind::Panic,
+        Some(_) => FailureKind::Trap,
+        None if err.downcast_ref::<PoolConcurrencyLimitError>().is_some() => FailureKind::Capacity,
+        None => FailureKind::Trap,
+    };
+    (kind, detail)
+}
+
+/// Cuts a guest-supplied or error string to at most `max` bytes.
+pub(crate) fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
+}

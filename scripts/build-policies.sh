@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds every policy guest in policies/ (examples and hostile test guests) as
+# Wasm components: wasm32-unknown-unknown, linked by the toolchain's
+# wasm-component-ld, release profile. Output:
+#   policies/target/wasm32-unknown-unknown/release/<crate_name>.wasm
+# Idempotent; cargo makes it a fast no-op when nothing changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root/policies"
+
+target=wasm32-unknown-unknown
+if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
+    rustup target add "$target"
+fi
+host="$(rustc -vV | sed -n 's/^host: //p')"
+linker="$(rustc --print sysroot)/lib/rustlib/$host/bin/wasm-component-ld"
+if [[ ! -x "$linker" ]]; then
+    echo "build-policies: $linker not found (needs a Rust toolchain that ships wasm-component-ld)" >&2
+    exit 1
+fi
+export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER="$linker"
+cargo build --release --target "$target" --workspace "$@"
+ls -1 "$root/policies/target/$target/release/"*.wasm

@@ -1,0 +1,98 @@
+//! Shared helpers for the policy tests: built guest components, a host on a
+//! temporary data dir, request facts.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use mlxgate::policy::{
+    AdapterInfo, BackendKind, BackendState, HostConfig, PolicyHost, PolicyKind, PolicyOptions,
+    RequestFacts,
+};
+
+/// Bytes of a guest built by `scripts/build-policies.sh`.
+pub fn wasm(crate_name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../policies/target/wasm32-unknown-unknown/release")
+        .join(format!("{}.wasm", crate_name.replace('-', "_")));
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "guest component {} is missing ({e}): run scripts/build-policies.sh first",
+            path.display()
+        )
+    })
+}
+
+/// A host with small pools, on `dir`.
+pub fn host(dir: &Path) -> PolicyHost {
+    let mut cfg = HostConfig::new(dir);
+    cfg.max_instances = 32;
+    cfg.max_memory_bytes = 64 << 20;
+    PolicyHost::open(cfg).expect("open policy host")
+}
+
+pub fn opts(config: &str) -> PolicyOptions {
+    PolicyOptions {
+        config: Some(config.to_string()),
+        ..PolicyOptions::default()
+    }
+}
+
+pub fn upload(host: &PolicyHost, name: &str, kind: PolicyKind, crate_name: &str, config: &str) {
+    host.upload(name, kind, &wasm(crate_name), opts(config))
+        .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+}
+
+pub fn facts(model: &str) -> RequestFacts {
+    RequestFacts {
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        model: model.into(),
+        headers: vec![],
+        api_key_id: None,
+        tenant: None,
+        prompt_tokens: 100,
+        max_tokens: Some(64),
+        streaming: false,
+    }
+}
+
+pub fn tenant_facts(model: &str, tenant: Option<&str>, headers: &[(&str, &str)]) -> RequestFacts {
+    RequestFacts {
+        tenant: tenant.map(str::to_string),
+        headers: headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..facts(model)
+    }
+}
+
+pub fn local(name: &str, in_flight: u32, queue_depth: u32) -> BackendState {
+    BackendState {
+        name: name.into(),
+        kind: BackendKind::Local,
+        healthy: true,
+        in_flight,
+        queue_depth,
+    }
+}
+
+pub fn upstream(name: &str, in_flight: u32, queue_depth: u32) -> BackendState {
+    BackendState {
+        kind: BackendKind::Upstream,
+        ..local(name, in_flight, queue_depth)
+    }
+}
+
+pub fn adapter(id: &str, base: &str) -> AdapterInfo {
+    AdapterInfo {
+        id: id.into(),
+        rank: 8,
+        scale: 1.0,
+        base_model: base.into(),
+    }
+}
+
+pub fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}

@@ -1,0 +1,341 @@
+//! Behaviour of each example policy in `policies/`, run on the real host.
+//! Needs `scripts/build-policies.sh` to have run.
+
+#[path = "policy_common/mod.rs"]
+mod common;
+
+use common::*;
+use mlxgate::policy::{PolicyError, PolicyKind, RecordOutcome, RouteDecision};
+use serde_json::{Value, json};
+
+fn local_route(model: &str) -> RouteDecision {
+    RouteDecision::Local {
+        model: model.into(),
+    }
+}
+
+#[test]
+fn alias_router_maps_aliases_and_rejects_unknown_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let cfg =
+        json!({"aliases": {"gpt-4o": "llama-3-8b", "gpt-ghost": "nowhere"}, "models": ["qwen-7b"]});
+    upload(
+        &host,
+        "alias",
+        PolicyKind::Router,
+        "alias-router",
+        &cfg.to_string(),
+    );
+    let backends = [local("llama-3-8b", 0, 0)];
+
+    let r = |m: &str| host.route_with("alias", &facts(m), &backends).unwrap();
+    assert_eq!(r("gpt-4o"), local_route("llama-3-8b"));
+    assert_eq!(r("llama-3-8b"), local_route("llama-3-8b"));
+    assert_eq!(r("qwen-7b"), local_route("qwen-7b"));
+    for unknown in ["gpt-5", "gpt-ghost"] {
+        match r(unknown) {
+            RouteDecision::Reject { status, message } => {
+                assert_eq!(status, 404);
+                assert!(message.contains(unknown), "{message}");
+            }
+            other => panic!("{unknown}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn alias_router_bad_config_is_refused_at_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let err = host
+        .upload(
+            "alias",
+            PolicyKind::Router,
+            &wasm("alias-router"),
+            opts("{\"alias\": 1}"),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, PolicyError::InitRejected(ref m) if m.contains("alias-router config")),
+        "{err}"
+    );
+    assert_eq!(err.status(), 422);
+}
+
+#[test]
+fn tenant_router_routes_by_key_tenant_or_header_and_enforces_deny_lists() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let cfg = json!({
+        "header": "x-tenant",
+        "tenants": {
+            "acme": {"local": "llama-3-8b", "deny": ["gpt-4o"]},
+            "globex": {"upstream": "openai", "model": "gpt-4o-mini"}
+        },
+        "unknown": "reject"
+    });
+    upload(
+        &host,
+        "tenants",
+        PolicyKind::Router,
+        "tenant-router",
+        &cfg.to_string(),
+    );
+    let route = |f| host.route_with("tenants", &f, &[]).unwrap();
+
+    assert_eq!(
+        route(tenant_facts("anything", Some("acme"), &[])),
+        local_route("llama-3-8b")
+    );
+    assert_eq!(
+        route(tenant_facts("m", None, &[("X-Tenant", "globex")])),
+        RouteDecision::Upstream {
+            name: "openai".into(),
+            model: Some("gpt-4o-mini".into())
+        }
+    );
+    // The key's tenant wins over a header the client controls.
+    assert_eq!(
+        route(tenant_facts("m", Some("acme"), &[("x-tenant", "globex")])),
+        local_route("llama-3-8b")
+    );
+    assert!(matches!(
+        route(tenant_facts("gpt-4o", Some("acme"), &[])),
+        RouteDecision::Reject { status: 403, .. }
+    ));
+    assert!(matches!(
+        route(tenant_facts("m", Some("initech"), &[])),
+        RouteDecision::Reject { status: 403, .. }
+    ));
+    assert!(matches!(
+        route(facts("m")),
+        RouteDecision::Reject { status: 403, .. }
+    ));
+}
+
+#[test]
+fn least_loaded_picks_the_healthy_backend_with_least_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    upload(&host, "ll", PolicyKind::Router, "least-loaded", "");
+    let route = |b: &[_]| host.route_with("ll", &facts("llama"), b).unwrap();
+
+    let mut down = upstream("cheap", 0, 0);
+    down.healthy = false;
+    let backends = [
+        local("llama", 3, 2),
+        upstream("openai", 1, 0),
+        down.clone(),
+        local("other", 0, 0),
+    ];
+    assert_eq!(
+        route(&backends),
+        RouteDecision::Upstream {
+            name: "openai".into(),
+            model: None
+        }
+    );
+    // Ties go to the local backend.
+    assert_eq!(
+        route(&[upstream("openai", 2, 0), local("llama", 1, 1)]),
+        local_route("llama")
+    );
+    assert!(matches!(
+        route(&[down]),
+        RouteDecision::Reject { status: 503, .. }
+    ));
+
+    // Configured candidates restrict the choice.
+    upload(
+        &host,
+        "ll2",
+        PolicyKind::Router,
+        "least-loaded",
+        r#"{"candidates": {"llama": ["llama"]}}"#,
+    );
+    assert_eq!(
+        host.route_with(
+            "ll2",
+            &facts("llama"),
+            &[local("llama", 9, 9), upstream("openai", 0, 0)]
+        )
+        .unwrap(),
+        local_route("llama")
+    );
+}
+
+#[test]
+fn adapter_by_tenant_selects_mounted_adapters_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let cfg = json!({"tenants": {"acme": ["acme-tone", "acme-sql", "acme-missing"]}});
+    upload(
+        &host,
+        "abt",
+        PolicyKind::AdapterSelector,
+        "adapter-by-tenant",
+        &cfg.to_string(),
+    );
+    let mounted = [
+        adapter("acme-sql", "llama"),
+        adapter("acme-tone", "llama"),
+        adapter("acme-other-base", "qwen"),
+    ];
+    let sel = |f| host.select_adapters_with("abt", &f, &mounted).unwrap();
+    assert_eq!(
+        sel(tenant_facts("llama", Some("acme"), &[])),
+        Some(vec!["acme-tone".to_string(), "acme-sql".to_string()])
+    );
+    assert_eq!(sel(tenant_facts("qwen", Some("acme"), &[])), Some(vec![]));
+    assert_eq!(sel(tenant_facts("llama", Some("globex"), &[])), None);
+
+    // Through the binding.
+    let err = host.select_adapters(&facts("llama"), &mounted).unwrap_err();
+    assert!(
+        matches!(err, PolicyError::NotBound(PolicyKind::AdapterSelector)) && err.is_fail_open()
+    );
+    host.bind(PolicyKind::AdapterSelector, "abt").unwrap();
+    assert_eq!(
+        host.select_adapters(&tenant_facts("llama", Some("acme"), &[]), &mounted)
+            .unwrap(),
+        Some(vec!["acme-tone".to_string(), "acme-sql".to_string()])
+    );
+}
+
+fn keep_json(o: &RecordOutcome) -> Value {
+    match o {
+        RecordOutcome::Keep(s) => serde_json::from_str(s).unwrap(),
+        other => panic!("expected keep, got {other:?}"),
+    }
+}
+
+#[test]
+fn alpaca_to_chat_converts_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    upload(
+        &host,
+        "a2c",
+        PolicyKind::DatasetTransform,
+        "alpaca-to-chat",
+        r#"{"system": "Be brief."}"#,
+    );
+    let records = vec![
+        json!({"instruction": "Add", "input": "2 and 3", "output": "5"}).to_string(),
+        json!({"instruction": "Say hi", "input": "", "output": "hi"}).to_string(),
+        json!({"instruction": "No output"}).to_string(),
+        "{not json".to_string(),
+    ];
+    let out = host.transform_batch("a2c", &records).unwrap();
+    assert_eq!(out.len(), 4);
+    assert_eq!(
+        keep_json(&out[0]),
+        json!({"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add\n\n2 and 3"},
+            {"role": "assistant", "content": "5"}
+        ]})
+    );
+    assert_eq!(
+        keep_json(&out[1])["messages"][1],
+        json!({"role": "user", "content": "Say hi"})
+    );
+    assert!(
+        matches!(&out[2], RecordOutcome::Error(m) if m.contains("output")),
+        "{:?}",
+        out[2]
+    );
+    assert!(matches!(&out[3], RecordOutcome::Error(m) if m.contains("invalid JSON")));
+}
+
+#[test]
+fn dataset_clean_normalises_and_drops() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    upload(
+        &host,
+        "clean",
+        PolicyKind::DatasetTransform,
+        "dataset-clean",
+        r#"{"max_chars": 40}"#,
+    );
+    let records = vec![
+        json!({"text": "  hello \t  world \r\n\r\n\r\n next  line  "}).to_string(),
+        json!({"text": "   ", "other": ["", " \n "]}).to_string(),
+        json!({"text": "x".repeat(41)}).to_string(),
+        json!({"text": "bad \u{FFFD} bytes"}).to_string(),
+        r#"{"text": "lone \ud800 surrogate"}"#.to_string(),
+        "[1, 2".to_string(),
+    ];
+    let out = host.transform_batch("clean", &records).unwrap();
+    assert_eq!(
+        keep_json(&out[0]),
+        json!({"text": "hello world\n\nnext line"})
+    );
+    assert_eq!(out[1], RecordOutcome::Drop("empty".into()));
+    assert!(matches!(&out[2], RecordOutcome::Drop(m) if m.starts_with("oversized")));
+    assert_eq!(out[3], RecordOutcome::Drop("non-utf8".into()));
+    assert_eq!(out[4], RecordOutcome::Drop("non-utf8".into()));
+    assert!(matches!(&out[5], RecordOutcome::Error(_)));
+}
+
+#[test]
+fn bound_router_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let err = host.route(&facts("m"), &[]).unwrap_err();
+    assert!(err.is_fail_open(), "nothing bound means default route");
+    upload(&host, "alias", PolicyKind::Router, "alias-router", "");
+    host.bind(PolicyKind::Router, "alias").unwrap();
+    assert_eq!(host.binding(PolicyKind::Router).as_deref(), Some("alias"));
+    for _ in 0..10 {
+        assert_eq!(
+            host.route(&facts("llama"), &[local("llama", 0, 0)])
+                .unwrap(),
+            local_route("llama")
+        );
+    }
+    let m = host.metrics();
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0].calls, 10, "probe call at upload is not counted");
+    assert_eq!(m[0].instances_created, 1, "one warm instance reused");
+    assert_eq!(m[0].latency_buckets.last().unwrap().1, 10);
+    let text = mlxgate::policy::render_prometheus(&m);
+    assert!(
+        text.contains("mlxgate_policy_calls_total{policy=\"alias\",kind=\"router\"} 10"),
+        "{text}"
+    );
+    assert!(text.contains(
+        "mlxgate_policy_call_duration_seconds_count{policy=\"alias\",kind=\"router\"} 10"
+    ));
+
+    // Binding rules.
+    upload(
+        &host,
+        "clean",
+        PolicyKind::DatasetTransform,
+        "dataset-clean",
+        "",
+    );
+    assert!(matches!(
+        host.bind(PolicyKind::Router, "clean"),
+        Err(PolicyError::KindMismatch { .. })
+    ));
+    assert!(matches!(
+        host.bind(PolicyKind::DatasetTransform, "clean"),
+        Err(PolicyError::NotBindable(_))
+    ));
+    assert!(matches!(
+        host.bind(PolicyKind::Router, "nope"),
+        Err(PolicyError::NotFound(_))
+    ));
+    assert!(matches!(
+        host.remove("alias"),
+        Err(PolicyError::InUse { .. })
+    ));
+    host.unbind(PolicyKind::Router).unwrap();
+    host.remove("alias").unwrap();
+    assert!(matches!(host.get("alias"), Err(PolicyError::NotFound(_))));
+    assert_eq!(host.list().len(), 1);
+}

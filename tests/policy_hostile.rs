@@ -1,0 +1,282 @@
+//! Containment: hostile guests fail with the right error, the host and other
+//! policies keep working, and a policy works again after a trap (with a fresh
+//! instance). Also every upload validation error. Needs
+//! `scripts/build-policies.sh` to have run.
+
+#[path = "policy_common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use mlxgate::policy::{
+    FailureKind, Limits, OnError, PolicyError, PolicyKind, PolicyOptions, RecordOutcome,
+    RouteDecision,
+};
+
+fn hostile_host(on_error: OnError) -> (tempfile::TempDir, mlxgate::policy::PolicyHost) {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    host.upload(
+        "hostile",
+        PolicyKind::Router,
+        &wasm("hostile-router"),
+        PolicyOptions {
+            on_error,
+            ..PolicyOptions::default()
+        },
+    )
+    .unwrap();
+    upload(&host, "good", PolicyKind::Router, "alias-router", "");
+    (dir, host)
+}
+
+fn failure(err: PolicyError) -> FailureKind {
+    match err {
+        PolicyError::Guest { kind, .. } => kind,
+        other => panic!("expected a guest failure, got {other}"),
+    }
+}
+
+#[test]
+fn each_misbehaviour_is_contained_and_the_policy_recovers() {
+    let (_dir, host) = hostile_host(OnError::FailClosed);
+    let cases = [
+        ("loop", FailureKind::Timeout),
+        ("oom", FailureKind::MemoryLimit),
+        ("recurse", FailureKind::StackOverflow),
+        ("panic", FailureKind::Panic),
+        ("huge", FailureKind::BadOutput),
+    ];
+    for (model, expected) in cases {
+        let start = Instant::now();
+        let err = host.route_with("hostile", &facts(model), &[]).unwrap_err();
+        assert!(!err.is_fail_open(), "fail_closed policy");
+        assert_eq!(err.status(), 503);
+        assert_eq!(failure(err), expected, "model {model}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{model} took {:?}",
+            start.elapsed()
+        );
+
+        // The same policy answers again, on a fresh instance after a trap.
+        assert_eq!(
+            host.route_with("hostile", &facts("fine"), &[]).unwrap(),
+            RouteDecision::Local {
+                model: "fine".into()
+            },
+            "after {model}"
+        );
+        // Other policies are unaffected.
+        assert_eq!(
+            host.route_with("good", &facts("llama"), &[local("llama", 0, 0)])
+                .unwrap(),
+            RouteDecision::Local {
+                model: "llama".into()
+            }
+        );
+    }
+    let m = host
+        .metrics()
+        .into_iter()
+        .find(|m| m.name == "hostile")
+        .unwrap();
+    for (_, kind) in cases {
+        assert_eq!(m.failures_of(kind), 1, "{kind}");
+    }
+    assert_eq!(m.calls, 10);
+    // Four traps replaced the instance; bad output did not.
+    assert_eq!(m.instances_created, 5);
+}
+
+#[test]
+fn fail_open_policies_tell_callers_to_use_the_default_route() {
+    let (_dir, host) = hostile_host(OnError::FailOpen);
+    host.bind(PolicyKind::Router, "hostile").unwrap();
+    let err = host.route(&facts("panic"), &[]).unwrap_err();
+    assert!(err.is_fail_open());
+    assert_eq!(failure(err), FailureKind::Panic);
+    assert!(host.route(&facts("ok"), &[]).is_ok());
+}
+
+#[test]
+fn a_tight_deadline_is_enforced_within_a_few_ticks() {
+    let (_dir, host) = hostile_host(OnError::FailClosed);
+    let start = Instant::now();
+    let err = host.route_with("hostile", &facts("loop"), &[]).unwrap_err();
+    let took = start.elapsed();
+    assert_eq!(failure(err), FailureKind::Timeout);
+    // Deadline 5 ms; generous bound for a loaded 2-core CI machine.
+    assert!(took < Duration::from_millis(500), "{took:?}");
+}
+
+#[test]
+fn hostile_behaviour_at_upload_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let up = |config: &str| {
+        host.upload(
+            "h",
+            PolicyKind::Router,
+            &wasm("hostile-router"),
+            opts(config),
+        )
+        .unwrap_err()
+    };
+    let err = up("loop-always");
+    assert!(
+        matches!(
+            err,
+            PolicyError::ValidationFailed {
+                kind: FailureKind::Timeout,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(err.status(), 422);
+    let err = up("fail-init");
+    assert!(
+        matches!(err, PolicyError::InitRejected(ref m) if m.contains("fail-init")),
+        "{err}"
+    );
+    let err = up("oom-init");
+    assert!(
+        matches!(
+            err,
+            PolicyError::ValidationFailed {
+                kind: FailureKind::MemoryLimit,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        host.list().is_empty(),
+        "nothing stored after refused uploads"
+    );
+    // The host is fine afterwards.
+    upload(&host, "good", PolicyKind::Router, "alias-router", "");
+}
+
+#[test]
+fn dataset_runaway_records_only_fail_themselves() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let limits = Limits {
+        fuel: Some(5_000_000),
+        memory_bytes: 16 << 20,
+        ..PolicyKind::DatasetTransform.default_limits()
+    };
+    host.upload(
+        "ht",
+        PolicyKind::DatasetTransform,
+        &wasm("hostile-transform"),
+        PolicyOptions {
+            limits: Some(limits),
+            ..PolicyOptions::default()
+        },
+    )
+    .unwrap();
+    let recs = strings(&["\"a\"", "\"spin\"", "\"b\"", "\"oom\"", "\"c\""]);
+    let out = host.transform_batch("ht", &recs).unwrap();
+    assert_eq!(out[0], RecordOutcome::Keep("\"a\"".into()));
+    assert!(
+        matches!(&out[1], RecordOutcome::Error(m) if m.contains("out_of_fuel")),
+        "{:?}",
+        out[1]
+    );
+    assert_eq!(out[2], RecordOutcome::Keep("\"b\"".into()));
+    assert!(
+        matches!(&out[3], RecordOutcome::Error(m) if m.contains("memory_limit")),
+        "{:?}",
+        out[3]
+    );
+    assert_eq!(out[4], RecordOutcome::Keep("\"c\"".into()));
+
+    // Deterministic: the same input fails the same way.
+    assert_eq!(host.transform_batch("ht", &recs).unwrap(), out);
+
+    // A wrong outcome count fails the batch; records are retried alone.
+    let out = host
+        .transform_batch("ht", &strings(&["\"x\"", "\"short\""]))
+        .unwrap();
+    assert_eq!(out[0], RecordOutcome::Keep("\"x\"".into()));
+    assert!(
+        matches!(&out[1], RecordOutcome::Error(m) if m.contains("bad_output")),
+        "{:?}",
+        out[1]
+    );
+
+    // Wrong kind of call.
+    assert!(matches!(
+        host.route_with("ht", &facts("m"), &[]),
+        Err(PolicyError::KindMismatch { .. })
+    ));
+}
+
+#[test]
+fn upload_validation_errors_are_distinct() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let router = PolicyKind::Router;
+    let up = |name: &str, kind, bytes: &[u8]| {
+        host.upload(name, kind, bytes, PolicyOptions::default())
+            .unwrap_err()
+    };
+
+    let e = up("x", router, b"definitely not wasm");
+    assert!(matches!(e, PolicyError::NotWasm(_)), "{e}");
+    assert_eq!(e.status(), 400);
+    let e = up("x", router, b"");
+    assert!(matches!(e, PolicyError::NotWasm(_)), "{e}");
+    // The smallest core module: magic + version 1.
+    let e = up("x", router, b"\0asm\x01\0\0\0");
+    assert!(matches!(e, PolicyError::CoreModule), "{e}");
+    assert!(e.to_string().contains("wasm-component-ld"));
+    let good = wasm("alias-router");
+    let e = up("x", router, &good[..good.len() / 2]);
+    assert!(matches!(e, PolicyError::Malformed(_)), "{e}");
+    assert_eq!(e.status(), 400);
+
+    let e = up("x", router, &wasm("alpaca-to-chat"));
+    assert!(
+        matches!(
+            e,
+            PolicyError::WrongKind {
+                expected: PolicyKind::Router,
+                found_kind: PolicyKind::DatasetTransform,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(e.status(), 422);
+    let e = up("x", PolicyKind::DatasetTransform, &good);
+    assert!(matches!(e, PolicyError::WrongKind { .. }), "{e}");
+    let e = up("x", router, &wasm("wrong-version"));
+    assert!(
+        matches!(e, PolicyError::IncompatibleVersion { ref found, .. } if found.ends_with("@0.2.0")),
+        "{e}"
+    );
+
+    let e = up("../etc", router, &good);
+    assert!(matches!(e, PolicyError::InvalidName(_)), "{e}");
+    let e = host
+        .upload(
+            "x",
+            router,
+            &good,
+            PolicyOptions {
+                limits: Some(Limits {
+                    memory_bytes: 1 << 40,
+                    ..router.default_limits()
+                }),
+                ..PolicyOptions::default()
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(e, PolicyError::InvalidLimits(_)), "{e}");
+    assert!(host.list().is_empty());
+}
