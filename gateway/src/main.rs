@@ -1,13 +1,14 @@
 //! The `mlxgate` command line: `serve`, `keys hash`, `doctor`.
 
 use std::io::{IsTerminal, Read};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlxgate::config::{Config, Overrides};
 use mlxgate::http::auth::KeyHash;
+use mlxgate::http::{BoxError, ModelInfo};
 
 /// OpenAI-compatible LLM gateway on MLX, programmable with sandboxed Wasm guests.
 ///
@@ -168,6 +169,16 @@ fn init_tracing(format: LogFormat) {
     }));
 }
 
+/// The model loader the server runs in the background: MLX reads the GGUF.
+fn load_model(path: &Path) -> Result<ModelInfo, BoxError> {
+    let summary = mlxgate::mlx::ModelSummary::load(path)?;
+    Ok(ModelInfo {
+        id: summary.id,
+        architecture: summary.architecture,
+        tensor_count: summary.tensor_count,
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -190,7 +201,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .enable_all()
                 .build()
                 .context("cannot start the async runtime")?;
-            runtime.block_on(mlxgate::http::serve(config))?;
+            runtime.block_on(mlxgate::http::serve(config, Box::new(load_model)))?;
             // Don't wait for the model loader or idle blocking tasks.
             runtime.shutdown_background();
             Ok(())

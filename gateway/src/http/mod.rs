@@ -31,7 +31,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,7 +51,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::config::Config;
 pub use auth::{Caller, KeyStore, Scope, Zone};
-pub use body::{Body, BodyLimit, ReqBody};
+pub use body::{Body, BodyLimit, BoxError, ReqBody};
 pub use error::ApiError;
 use metrics::Metrics;
 
@@ -72,6 +72,19 @@ pub enum ModelState {
     Ready(LoadedModel),
     Failed { path: PathBuf, reason: String },
 }
+
+/// What a [`ModelLoader`] reports about the model it loaded.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id clients use (`/v1/models/{id}`, `model` in requests).
+    pub id: String,
+    pub architecture: String,
+    pub tensor_count: usize,
+}
+
+/// Loads the model file (blocking). Passed in by the binary, which wires it
+/// to `mlx::ModelSummary::load`, so this layer stays free of MLX.
+pub type ModelLoader = Box<dyn FnOnce(&Path) -> Result<ModelInfo, BoxError> + Send>;
 
 /// What the HTTP layer knows about the loaded model.
 #[derive(Debug, Clone)]
@@ -111,10 +124,10 @@ impl AppState {
         }
     }
 
-    /// Loads the configured model on its own OS thread and publishes the
-    /// outcome in [`AppState::model`]. A plain thread rather than
-    /// `spawn_blocking`, so that shutdown never waits for a slow load.
-    pub fn load_model_in_background(self: &Arc<Self>) {
+    /// Runs `load` on the configured model path on its own OS thread and
+    /// publishes the outcome in [`AppState::model`]. A plain thread rather
+    /// than `spawn_blocking`, so that shutdown never waits for a slow load.
+    pub fn load_model_in_background(self: &Arc<Self>, load: ModelLoader) {
         let state = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("model-load".into())
@@ -122,18 +135,16 @@ impl AppState {
                 let path = state.config.model.clone();
                 info!(path = %path.display(), "loading model");
                 let started = Instant::now();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    crate::mlx::ModelSummary::load(&path)
-                }));
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| load(&path)));
                 let next = match result {
-                    Ok(Ok(summary)) => {
+                    Ok(Ok(info)) => {
                         let created = std::fs::metadata(&path)
                             .and_then(|m| m.modified())
                             .unwrap_or_else(|_| SystemTime::now());
                         let m = LoadedModel {
-                            id: summary.id,
-                            architecture: summary.architecture,
-                            tensor_count: summary.tensor_count,
+                            id: info.id,
+                            architecture: info.architecture,
+                            tensor_count: info.tensor_count,
                             path: path.clone(),
                             created: unix_secs(created),
                         };
@@ -440,8 +451,9 @@ pub enum ServeError {
     },
 }
 
-/// Binds, starts loading the model, and serves until SIGINT/SIGTERM.
-pub async fn serve(config: Config) -> Result<(), ServeError> {
+/// Binds, starts loading the model with `load`, and serves until
+/// SIGINT/SIGTERM.
+pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> {
     let (host, port) = (config.host.clone(), config.port);
     let bind_host = host.trim_start_matches('[').trim_end_matches(']');
     let listener = TcpListener::bind((bind_host, port))
@@ -452,7 +464,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
             source,
         })?;
     let state = AppState::new(config);
-    state.load_model_in_background();
+    state.load_model_in_background(load);
     run(listener, state, shutdown_signal()).await;
     Ok(())
 }
