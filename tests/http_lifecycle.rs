@@ -1,5 +1,6 @@
 //! Liveness, readiness and the model listing follow the model's load state,
-//! and SIGTERM lets an in-flight request finish before a clean exit.
+//! SIGTERM lets an in-flight request finish before a clean exit, and each
+//! request leaves a structured log line with its id.
 
 mod support;
 
@@ -145,4 +146,35 @@ fn sigterm_stops_an_overlong_request_after_the_grace_period() {
         t.elapsed()
     );
     assert!(slow.join().expect("client thread").is_err());
+}
+
+#[test]
+fn json_logs_carry_the_request_id_route_and_status() {
+    let s = ServerBuilder::new().arg("--log-format").arg("json").start();
+    let r = s.get_with("/v1/models/x", &[("x-request-id", "log-check-1")]);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.header("x-request-id"), Some("log-check-1"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let log = s.log_text();
+        let found = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["span"]["id"] == "log-check-1" && v["message"] == "request done");
+        if let Some(v) = found {
+            assert_eq!(v["route"], "/v1/models/{id}", "{v}");
+            assert_eq!(v["status"], 404, "{v}");
+            assert_eq!(v["key_id"], "anonymous", "{v}");
+            // Every line is JSON: nothing unstructured slips in.
+            for l in log.lines() {
+                assert!(serde_json::from_str::<serde_json::Value>(l).is_ok(), "{l}");
+            }
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no access log line:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -108,6 +108,19 @@ impl Config {
         overrides: Overrides,
         admin_key: Option<&str>,
     ) -> Result<Config, ConfigError> {
+        let config = Config::load_unvalidated(path, overrides, admin_key)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Like [`Config::load`] but without the serving-safety checks (open
+    /// inference on a public host, ...): for diagnostics such as `doctor`,
+    /// which should report on the setup even when serving would be refused.
+    pub fn load_unvalidated(
+        path: Option<&Path>,
+        overrides: Overrides,
+        admin_key: Option<&str>,
+    ) -> Result<Config, ConfigError> {
         let file = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
@@ -121,7 +134,7 @@ impl Config {
             }
             None => FileConfig::default(),
         };
-        Config::resolve(file, overrides, admin_key)
+        Ok(Config::merge(file, overrides, admin_key))
     }
 
     /// Applies precedence (overrides > file > defaults) and validates.
@@ -130,6 +143,12 @@ impl Config {
         o: Overrides,
         admin_key: Option<&str>,
     ) -> Result<Config, ConfigError> {
+        let config = Config::merge(file, o, admin_key);
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn merge(file: FileConfig, o: Overrides, admin_key: Option<&str>) -> Config {
         let mut keys = file.keys;
         if let Some(k) = admin_key.filter(|k| !k.is_empty()) {
             keys.push(ApiKey {
@@ -139,7 +158,7 @@ impl Config {
                 sha256: KeyHash::of(k),
             });
         }
-        let config = Config {
+        Config {
             host: o
                 .host
                 .or(file.host)
@@ -161,12 +180,11 @@ impl Config {
             allow_open_inference: file.allow_open_inference.unwrap_or(false),
             test_routes: file.test_routes.unwrap_or(false),
             keys,
-        };
-        config.validate()?;
-        Ok(config)
+        }
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks that the settings are safe and coherent to serve with.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::ZeroBodyLimit);
         }

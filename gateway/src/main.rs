@@ -121,6 +121,12 @@ struct ConfigArgs {
 
 impl ConfigArgs {
     fn resolve(self) -> anyhow::Result<Config> {
+        let config = self.resolve_unvalidated()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn resolve_unvalidated(self) -> anyhow::Result<Config> {
         // The admin key is read from the environment only: a flag would show
         // it in the process list.
         let admin_key = std::env::var("MLXGATE_ADMIN_KEY").ok();
@@ -130,7 +136,7 @@ impl ConfigArgs {
             model: self.model,
             data_dir: self.data_dir,
         };
-        Ok(Config::load(
+        Ok(Config::load_unvalidated(
             self.config.as_deref(),
             overrides,
             admin_key.as_deref(),
@@ -221,7 +227,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Doctor(args) => {
-            let config = args.resolve()?;
+            // Report on the setup even where serving would be refused.
+            let config = args.resolve_unvalidated()?;
             init_tracing(cli.log_format);
             print!("{}", mlxgate::mlx::doctor_report(&config.model));
             Ok(())
