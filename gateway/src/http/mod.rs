@@ -3,7 +3,7 @@
 //! Plain hyper 1 with a small route table instead of axum: the gateway needs
 //! a handful of routes, one auth rule per URL zone and one error shape, which
 //! a 30-line matcher covers; skipping axum/tower keeps the build lighter on
-//! small machines and leaves every step of a request visible in [`dispatch`].
+//! small machines and leaves every step of a request visible in `handle` and `route` below.
 //!
 //! # Adding routes
 //! Add a line to [`routes`] (or have your module expose a `fn routes() ->
