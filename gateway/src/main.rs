@@ -55,6 +55,12 @@ enum Command {
     /// Report the MLX runtime (version, backend, library location) and
     /// whether the configured model loads.
     Doctor(ConfigArgs),
+    /// Manage Wasm policies: push, list, rm, bind (see guest-sdk/README.md).
+    #[command(subcommand)]
+    Policy(mlxgate::policy::cli::PolicyCommand),
+    /// Dataset tools: run a dataset-transform policy over a JSONL file.
+    #[command(subcommand)]
+    Dataset(mlxgate::policy::cli::DatasetCommand),
 }
 
 const SERVE_EXAMPLE: &str = "\
@@ -226,6 +232,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", KeyHash::of(&key).to_hex());
             Ok(())
         }
+        Command::Policy(cmd) => mlxgate::policy::cli::run_policy(cmd),
+        Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
         Command::Doctor(args) => {
             // Report on the setup even where serving would be refused.
             let config = args.resolve_unvalidated()?;

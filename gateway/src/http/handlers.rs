@@ -36,7 +36,8 @@ pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 
 pub async fn metrics(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let ready = cx.state.loaded_model().is_some();
-    let mut resp = Response::new(full(cx.state.metrics.render(ready)));
+    let text = cx.state.metrics.render(ready) + &super::admin_policies::render_metrics(&cx.state);
+    let mut resp = Response::new(full(text));
     resp.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

@@ -21,6 +21,7 @@
 //! become 500s, and metrics and logs are recorded, all without the handler
 //! doing anything.
 
+pub mod admin_policies;
 pub mod auth;
 pub mod body;
 pub mod error;
@@ -102,6 +103,7 @@ impl AppState {
     pub fn new(config: Config) -> Arc<Self> {
         let keys = KeyStore::new(config.keys.clone());
         let mut table = routes();
+        table.extend(admin_policies::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }

@@ -9,6 +9,7 @@
 //! maps [`PolicyError::status`] and renders [`render_prometheus`].
 
 mod bindings;
+pub mod cli;
 mod engine;
 mod error;
 mod host;

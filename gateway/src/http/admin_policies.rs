@@ -1,0 +1,352 @@
+//! Admin API for Wasm policies (all under `/admin/`, so the dispatcher
+//! requires the `admin` scope):
+//!
+//! - `PUT /admin/policies/{name}?kind=router&on_error=fail_open&config=...`
+//!   with the component bytes as body. Optional limits: `deadline_ms`, `fuel`,
+//!   `memory_mb`, `warm_instances`, `max_output_bytes` (unset ones take the
+//!   kind's defaults). 201 for a new name, 200 for a new version; both return
+//!   the policy's info.
+//! - `GET /admin/policies`, `GET /admin/policies/{name}` (info + metrics).
+//! - `DELETE /admin/policies/{name}` (409 while bound).
+//! - `PUT /admin/bindings/{router|adapter-selector}` with `{"policy": "name"}`
+//!   (or `{"policy": null}` to unbind).
+//!
+//! One [`PolicyHost`] per data dir per process, opened on first use (see
+//! [`policy_host`]). Errors keep the OpenAI error shape; `code` is the
+//! [`PolicyError::code`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::body::{self, Body, ReqBody, full};
+use super::{ApiError, AppState, Ctx, Route};
+use crate::policy::{
+    HostConfig, Limits, OnError, PolicyError, PolicyHost, PolicyKind, PolicyOptions,
+    render_prometheus,
+};
+
+type HandlerResult = Result<Response<Body>, ApiError>;
+
+/// Largest component accepted over HTTP (the host's own ceiling is the same).
+pub const MAX_UPLOAD_BYTES: u64 = 16 << 20;
+
+/// The admin routes; `http::routes()` extends its table with these.
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::PUT, "/admin/bindings/{kind}", |cx, req| {
+            Box::pin(put_binding(cx, req))
+        }),
+        Route::new(Method::GET, "/admin/policies", |cx, req| {
+            Box::pin(list(cx, req))
+        }),
+        Route::new(Method::DELETE, "/admin/policies/{name}", |cx, req| {
+            Box::pin(delete(cx, req))
+        }),
+        Route::new(Method::GET, "/admin/policies/{name}", |cx, req| {
+            Box::pin(get(cx, req))
+        }),
+        Route::new(Method::PUT, "/admin/policies/{name}", |cx, req| {
+            Box::pin(put(cx, req))
+        })
+        .with_body_limit(MAX_UPLOAD_BYTES),
+    ]
+}
+
+fn hosts() -> &'static Mutex<HashMap<PathBuf, Arc<PolicyHost>>> {
+    static HOSTS: OnceLock<Mutex<HashMap<PathBuf, Arc<PolicyHost>>>> = OnceLock::new();
+    HOSTS.get_or_init(Default::default)
+}
+
+/// The process's policy host for `data_dir`, opened (and its stored policies
+/// loaded) on first use. One per directory: two hosts on one directory would
+/// overwrite each other's bindings.
+pub fn open_host(data_dir: &Path) -> Result<Arc<PolicyHost>, PolicyError> {
+    let key = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let mut map = hosts().lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(h) = map.get(&key) {
+        return Ok(h.clone());
+    }
+    let host = Arc::new(PolicyHost::open(HostConfig::new(data_dir))?);
+    for e in host.load_errors() {
+        tracing::warn!(error = %e, "policy store");
+    }
+    map.insert(key, host.clone());
+    Ok(host)
+}
+
+/// The policy host of this server's data dir.
+pub fn policy_host(state: &AppState) -> Result<Arc<PolicyHost>, PolicyError> {
+    open_host(&state.config.data_dir)
+}
+
+/// Policy metrics in Prometheus text, for `/metrics`. Empty when no policy
+/// was ever stored under the data dir (so scrapes create no directories).
+pub fn render_metrics(state: &AppState) -> String {
+    if !state.config.data_dir.join("policies").is_dir() {
+        return String::new();
+    }
+    match policy_host(state) {
+        Ok(h) => render_prometheus(&h.metrics()),
+        Err(e) => {
+            tracing::warn!(error = %e, "policy metrics unavailable");
+            String::new()
+        }
+    }
+}
+
+/// A policy error as an OpenAI-shaped error response.
+pub fn error_response(e: &PolicyError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let kind = match e.status() {
+        404 => "not_found_error",
+        409 => "conflict_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    };
+    let body = json!({"error": {
+        "message": e.to_string(),
+        "type": kind,
+        "param": null,
+        "code": e.code(),
+    }});
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// Runs blocking host work (compiling takes tens of milliseconds) off the
+/// async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, PolicyError> + Send + 'static,
+) -> Result<Result<T, PolicyError>, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("policy task failed: {e}")))
+}
+
+fn bad_param(param: &str, message: String) -> ApiError {
+    ApiError::InvalidRequest {
+        message,
+        param: Some(param.to_string()),
+    }
+}
+
+/// Decodes `application/x-www-form-urlencoded` text (`+` is a space).
+fn percent_decode(s: &str) -> Result<String, String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| format!("bad percent escape at byte {i}"))?;
+                out.push(hex);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).map_err(|_| "not UTF-8 after decoding".to_string())
+}
+
+fn query_params(req: &Request<ReqBody>) -> Result<HashMap<String, String>, ApiError> {
+    let mut map = HashMap::new();
+    for pair in req.uri().query().unwrap_or("").split('&') {
+        if pair.is_empty() {
+            continue;
+        }
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let k = percent_decode(k).map_err(|e| bad_param(k, e))?;
+        let v = percent_decode(v).map_err(|e| bad_param(&k, e))?;
+        map.insert(k, v);
+    }
+    Ok(map)
+}
+
+fn parse<T: std::str::FromStr>(
+    q: &HashMap<String, String>,
+    key: &str,
+) -> Result<Option<T>, ApiError>
+where
+    T::Err: std::fmt::Display,
+{
+    q.get(key)
+        .map(|v| {
+            v.parse::<T>()
+                .map_err(|e| bad_param(key, format!("invalid {key} `{v}`: {e}")))
+        })
+        .transpose()
+}
+
+/// Upload options from the query string.
+fn upload_options(q: &HashMap<String, String>) -> Result<(PolicyKind, PolicyOptions), ApiError> {
+    let kind: PolicyKind = parse(q, "kind")?.ok_or_else(|| {
+        bad_param(
+            "kind",
+            "query parameter kind is required (router, adapter-selector, dataset-transform)".into(),
+        )
+    })?;
+    let on_error: OnError = parse(q, "on_error")?.unwrap_or_default();
+    let defaults = kind.default_limits();
+    let custom = [
+        "deadline_ms",
+        "fuel",
+        "memory_mb",
+        "warm_instances",
+        "max_output_bytes",
+    ]
+    .iter()
+    .any(|k| q.contains_key(*k));
+    let limits = if custom {
+        Some(Limits {
+            deadline_ms: parse(q, "deadline_ms")?.unwrap_or(defaults.deadline_ms),
+            fuel: match q.get("fuel").map(String::as_str) {
+                Some("none" | "unlimited") => None,
+                _ => parse(q, "fuel")?.or(defaults.fuel),
+            },
+            memory_bytes: parse::<usize>(q, "memory_mb")?
+                .map_or(defaults.memory_bytes, |mb| mb.saturating_mul(1 << 20)),
+            warm_instances: parse(q, "warm_instances")?.unwrap_or(defaults.warm_instances),
+            max_output_bytes: parse(q, "max_output_bytes")?.unwrap_or(defaults.max_output_bytes),
+        })
+    } else {
+        None
+    };
+    Ok((
+        kind,
+        PolicyOptions {
+            limits,
+            on_error,
+            config: q.get("config").cloned(),
+        },
+    ))
+}
+
+fn name_param(cx: &Ctx) -> String {
+    cx.param("name").unwrap_or_default().to_string()
+}
+
+async fn put(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let name = name_param(&cx);
+    let (kind, opts) = upload_options(&query_params(&req)?)?;
+    let bytes = body::read_bytes(req).await?;
+    let state = cx.state.clone();
+    let res = blocking(move || {
+        let host = policy_host(&state)?;
+        host.upload(&name, kind, &bytes, opts)
+    })
+    .await?;
+    match res {
+        Ok(info) => {
+            let status = if info.version == 1 {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            tracing::info!(policy = %info.name, kind = %info.kind, version = info.version,
+                sha256 = %info.sha256, "policy uploaded");
+            body::json(status, &info)
+        }
+        Err(e) => Ok(error_response(&e)),
+    }
+}
+
+async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let host = match policy_host(&cx.state) {
+        Ok(h) => h,
+        Err(e) => return Ok(error_response(&e)),
+    };
+    body::json(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": host.list(),
+            "bindings": {
+                "router": host.binding(PolicyKind::Router),
+                "adapter-selector": host.binding(PolicyKind::AdapterSelector),
+            },
+        }),
+    )
+}
+
+async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let name = name_param(&cx);
+    let host = match policy_host(&cx.state) {
+        Ok(h) => h,
+        Err(e) => return Ok(error_response(&e)),
+    };
+    match host.get(&name) {
+        Ok(info) => {
+            let metrics = host.metrics().into_iter().find(|m| m.name == name);
+            let mut v = serde_json::to_value(&info)
+                .map_err(|e| ApiError::Internal(format!("encoding policy info: {e}")))?;
+            v["metrics"] = serde_json::to_value(metrics).unwrap_or_default();
+            body::json(StatusCode::OK, &v)
+        }
+        Err(e) => Ok(error_response(&e)),
+    }
+}
+
+async fn delete(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let name = name_param(&cx);
+    let state = cx.state.clone();
+    let n = name.clone();
+    match blocking(move || policy_host(&state)?.remove(&n)).await? {
+        Ok(()) => body::json(StatusCode::OK, &json!({"name": name, "deleted": true})),
+        Err(e) => Ok(error_response(&e)),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BindingBody {
+    policy: Option<String>,
+}
+
+async fn put_binding(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let raw = cx.param("kind").unwrap_or_default().to_string();
+    let kind: PolicyKind = raw.parse().map_err(|e: String| bad_param("kind", e))?;
+    let b: BindingBody = body::read_json(req).await?;
+    let state = cx.state.clone();
+    let policy = b.policy.clone();
+    let res = blocking(move || {
+        let host = policy_host(&state)?;
+        match &policy {
+            Some(name) => host.bind(kind, name),
+            None => host.unbind(kind),
+        }
+    })
+    .await?;
+    match res {
+        Ok(()) => body::json(StatusCode::OK, &json!({"kind": kind, "policy": b.policy})),
+        Err(e) => Ok(error_response(&e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%20b+c").unwrap(), "a b c");
+        assert_eq!(percent_decode("%7B%22k%22%3A1%7D").unwrap(), "{\"k\":1}");
+        assert!(percent_decode("%zz").is_err());
+        assert!(percent_decode("%4").is_err());
+        assert!(percent_decode("%ff").is_err());
+    }
+}

@@ -1,0 +1,510 @@
+//! `mlxgate policy ...` and `mlxgate dataset transform ...`.
+//!
+//! `policy` commands talk to a running gateway's admin API (`--url`, admin key
+//! from `MLXGATE_ADMIN_KEY`), so the server picks changes up at once; with
+//! `--data-dir` they work on a data dir directly instead (server stopped).
+//! `dataset transform` runs a dataset-transform policy in-process, from the
+//! policies stored in a data dir.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+
+use super::{
+    HostConfig, Limits, OnError, PolicyHost, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome,
+};
+
+/// Where `policy` commands act.
+#[derive(Args, Debug, Clone)]
+pub struct Target {
+    /// Base URL of the running gateway (admin key from MLXGATE_ADMIN_KEY).
+    #[arg(long, env = "MLXGATE_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Act on this data dir directly instead of a running gateway (stop the
+    /// server first: it would not see the change and could overwrite it).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PolicyCommand {
+    /// Upload a policy component (a new version if NAME exists).
+    Push(PushArgs),
+    /// List policies and bindings.
+    List(Target),
+    /// Remove a policy (unbind it first).
+    Rm {
+        name: String,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Make NAME the policy for KIND (router or adapter-selector); `--none`
+    /// removes the binding.
+    Bind {
+        /// router or adapter-selector.
+        kind: PolicyKind,
+        #[arg(required_unless_present = "none")]
+        name: Option<String>,
+        #[arg(long, conflicts_with = "name")]
+        none: bool,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct PushArgs {
+    /// Policy name: 1-64 of [A-Za-z0-9_-].
+    name: String,
+    /// The component (.wasm) file.
+    file: PathBuf,
+    /// router, adapter-selector or dataset-transform.
+    #[arg(long)]
+    kind: PolicyKind,
+    /// fail_open (callers use their default) or fail_closed (503).
+    #[arg(long, default_value = "fail_open")]
+    on_error: OnError,
+    /// Configuration string handed to the guest's init.
+    #[arg(long, conflicts_with = "config_file")]
+    config: Option<String>,
+    /// Read the configuration string from a file.
+    #[arg(long, value_name = "FILE")]
+    config_file: Option<PathBuf>,
+    /// Per-call (dataset: per-record) deadline.
+    #[arg(long)]
+    deadline_ms: Option<u32>,
+    /// Per-call (dataset: per-record) fuel; 0 for unmetered.
+    #[arg(long)]
+    fuel: Option<u64>,
+    /// Memory cap in MiB.
+    #[arg(long)]
+    memory_mb: Option<usize>,
+    #[command(flatten)]
+    target: Target,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DatasetCommand {
+    /// Run a dataset-transform policy over a JSONL file: kept records go to
+    /// OUTPUT, one per line; progress and a summary go to stderr.
+    Transform(TransformArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TransformArgs {
+    /// Name of a dataset-transform policy stored in the data dir.
+    #[arg(long)]
+    policy: String,
+    /// Input JSONL (one record per line; blank lines are skipped; bytes that
+    /// are not UTF-8 reach the policy as U+FFFD).
+    input: PathBuf,
+    /// Output JSONL.
+    output: PathBuf,
+    /// Data dir holding the policy.
+    #[arg(long, env = "MLXGATE_DATA_DIR", default_value = "data")]
+    data_dir: PathBuf,
+    /// Records per guest call.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Write dropped and failed records here as JSONL
+    /// `{"line", "outcome", "reason"}`.
+    #[arg(long, value_name = "FILE")]
+    rejects: Option<PathBuf>,
+}
+
+fn open_local(dir: &Path) -> anyhow::Result<PolicyHost> {
+    let host = PolicyHost::open(HostConfig::new(dir))
+        .with_context(|| format!("cannot open the policy store in {}", dir.display()))?;
+    for e in host.load_errors() {
+        eprintln!("warning: {e}");
+    }
+    Ok(host)
+}
+
+/// Runs a `policy` subcommand.
+pub fn run_policy(cmd: PolicyCommand) -> anyhow::Result<()> {
+    match cmd {
+        PolicyCommand::Push(a) => push(a),
+        PolicyCommand::List(t) => {
+            let (infos, router, adapter) = match &t.data_dir {
+                Some(dir) => {
+                    let host = open_local(dir)?;
+                    (
+                        host.list(),
+                        host.binding(PolicyKind::Router),
+                        host.binding(PolicyKind::AdapterSelector),
+                    )
+                }
+                None => {
+                    let v = admin(&t, Method::GET, "/admin/policies", None)?;
+                    let infos: Vec<PolicyInfo> = serde_json::from_value(v["data"].clone())
+                        .context("unexpected answer from the gateway")?;
+                    let b = |k: &str| v["bindings"][k].as_str().map(str::to_string);
+                    (infos, b("router"), b("adapter-selector"))
+                }
+            };
+            print_list(&infos);
+            println!(
+                "bindings: router={} adapter-selector={}",
+                router.as_deref().unwrap_or("-"),
+                adapter.as_deref().unwrap_or("-")
+            );
+            Ok(())
+        }
+        PolicyCommand::Rm { name, target } => {
+            match &target.data_dir {
+                Some(dir) => open_local(dir)?.remove(&name)?,
+                None => {
+                    admin(
+                        &target,
+                        Method::DELETE,
+                        &format!("/admin/policies/{name}"),
+                        None,
+                    )?;
+                }
+            }
+            println!("removed {name}");
+            Ok(())
+        }
+        PolicyCommand::Bind {
+            kind, name, target, ..
+        } => {
+            match &target.data_dir {
+                Some(dir) => {
+                    let host = open_local(dir)?;
+                    match &name {
+                        Some(n) => host.bind(kind, n)?,
+                        None => host.unbind(kind)?,
+                    }
+                }
+                None => {
+                    let body = serde_json::to_vec(&json!({ "policy": name }))?;
+                    admin(
+                        &target,
+                        Method::PUT,
+                        &format!("/admin/bindings/{kind}"),
+                        Some(body),
+                    )?;
+                }
+            }
+            match name {
+                Some(n) => println!("{kind} -> {n}"),
+                None => println!("{kind} unbound"),
+            }
+            Ok(())
+        }
+    }
+}
+
+fn push(a: PushArgs) -> anyhow::Result<()> {
+    let bytes =
+        std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
+    let config = match (&a.config, &a.config_file) {
+        (Some(c), _) => Some(c.clone()),
+        (None, Some(f)) => Some(
+            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?,
+        ),
+        (None, None) => None,
+    };
+    let info: PolicyInfo = match &a.target.data_dir {
+        Some(dir) => {
+            let d = a.kind.default_limits();
+            let custom = a.deadline_ms.is_some() || a.fuel.is_some() || a.memory_mb.is_some();
+            let limits = custom.then(|| Limits {
+                deadline_ms: a.deadline_ms.unwrap_or(d.deadline_ms),
+                fuel: match a.fuel {
+                    Some(0) => None,
+                    Some(f) => Some(f),
+                    None => d.fuel,
+                },
+                memory_bytes: a.memory_mb.map_or(d.memory_bytes, |m| m << 20),
+                ..d
+            });
+            let opts = PolicyOptions {
+                limits,
+                on_error: a.on_error,
+                config,
+            };
+            open_local(dir)?.upload(&a.name, a.kind, &bytes, opts)?
+        }
+        None => {
+            let on_error = match a.on_error {
+                OnError::FailOpen => "fail_open",
+                OnError::FailClosed => "fail_closed",
+            };
+            let mut q = format!("kind={}&on_error={on_error}", a.kind);
+            if let Some(c) = &config {
+                q.push_str(&format!("&config={}", encode(c)));
+            }
+            if let Some(v) = a.deadline_ms {
+                q.push_str(&format!("&deadline_ms={v}"));
+            }
+            match a.fuel {
+                Some(0) => q.push_str("&fuel=none"),
+                Some(v) => q.push_str(&format!("&fuel={v}")),
+                None => {}
+            }
+            if let Some(v) = a.memory_mb {
+                q.push_str(&format!("&memory_mb={v}"));
+            }
+            let path = format!("/admin/policies/{}?{q}", a.name);
+            let v = admin(&a.target, Method::PUT, &path, Some(bytes))?;
+            serde_json::from_value(v).context("unexpected answer from the gateway")?
+        }
+    };
+    println!(
+        "pushed {} ({}, version {}, sha256 {}, {} bytes, exports {})",
+        info.name,
+        info.kind,
+        info.version,
+        &info.sha256[..12.min(info.sha256.len())],
+        info.size_bytes,
+        info.interface
+    );
+    Ok(())
+}
+
+fn print_list(infos: &[PolicyInfo]) {
+    println!(
+        "{:<24} {:<18} {:>4} {:<12} {:<12} {:<12} {:>9}",
+        "NAME", "KIND", "VER", "ON_ERROR", "BOUND", "SHA256", "BYTES"
+    );
+    for i in infos {
+        let bound: Vec<_> = i.bound_as.iter().map(|k| k.as_str()).collect();
+        println!(
+            "{:<24} {:<18} {:>4} {:<12} {:<12} {:<12} {:>9}",
+            i.name,
+            i.kind.as_str(),
+            i.version,
+            match i.on_error {
+                OnError::FailOpen => "fail_open",
+                OnError::FailClosed => "fail_closed",
+            },
+            if bound.is_empty() {
+                "-".to_string()
+            } else {
+                bound.join(",")
+            },
+            &i.sha256[..12.min(i.sha256.len())],
+            i.size_bytes
+        );
+    }
+}
+
+/// Percent-encodes a query value (RFC 3986 unreserved characters pass).
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// One admin API call; non-2xx answers become errors carrying the
+/// gateway's message.
+fn admin(
+    t: &Target,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> anyhow::Result<serde_json::Value> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let (status, bytes) = rt.block_on(http_call(&t.url, method, path, body))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_else(
+        |_| json!({ "error": { "message": String::from_utf8_lossy(&bytes).into_owned() } }),
+    );
+    if !status.is_success() {
+        let msg = v["error"]["message"].as_str().unwrap_or("(no message)");
+        let code = v["error"]["code"].as_str().unwrap_or("");
+        bail!("gateway answered {status}: {msg} [{code}]");
+    }
+    Ok(v)
+}
+
+async fn http_call(
+    url: &str,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> anyhow::Result<(http::StatusCode, Bytes)> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow!("--url must start with http:// (got {url})"))?
+        .trim_end_matches('/');
+    let (authority, base) = match rest.split_once('/') {
+        Some((a, b)) => (a, format!("/{b}")),
+        None => (rest, String::new()),
+    };
+    let stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .with_context(|| format!("cannot connect to {url}; is the gateway running?"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let mut req = Request::builder()
+        .method(method)
+        .uri(format!("{base}{path}"))
+        .header(HOST, authority);
+    if body.is_some() {
+        let ct = if path.starts_with("/admin/bindings") {
+            "application/json"
+        } else {
+            "application/wasm"
+        };
+        req = req.header(CONTENT_TYPE, ct);
+    }
+    if let Ok(key) = std::env::var("MLXGATE_ADMIN_KEY") {
+        req = req.header(AUTHORIZATION, format!("Bearer {key}"));
+    }
+    let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    Ok((status, bytes))
+}
+
+/// Runs a `dataset` subcommand.
+pub fn run_dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
+    match cmd {
+        DatasetCommand::Transform(a) => transform(a),
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    read: u64,
+    kept: u64,
+    dropped: u64,
+    failed: u64,
+}
+
+fn transform(a: TransformArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.batch > 0, "--batch must be at least 1");
+    let host = Arc::new(open_local(&a.data_dir)?);
+    let info = host.get(&a.policy)?;
+    anyhow::ensure!(
+        info.kind == PolicyKind::DatasetTransform,
+        "policy {} is a {} policy, not a dataset-transform policy",
+        a.policy,
+        info.kind
+    );
+    let input =
+        File::open(&a.input).with_context(|| format!("cannot open {}", a.input.display()))?;
+    let total_bytes = input.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut reader = BufReader::new(input);
+    let mut out = BufWriter::new(
+        File::create(&a.output).with_context(|| format!("cannot create {}", a.output.display()))?,
+    );
+    let mut rejects = match &a.rejects {
+        Some(p) => Some(BufWriter::new(
+            File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
+        )),
+        None => None,
+    };
+
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    let mut tally = Tally::default();
+    let mut consumed: u64 = 0;
+    let mut line_no: u64 = 0;
+    let mut batch: Vec<String> = Vec::with_capacity(a.batch);
+    let mut lines: Vec<u64> = Vec::with_capacity(a.batch);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .with_context(|| format!("reading {}", a.input.display()))?;
+        let eof = n == 0;
+        consumed += n as u64;
+        if !eof {
+            line_no += 1;
+            let text = String::from_utf8_lossy(&buf);
+            let text = text.trim_end_matches(['\n', '\r']);
+            if !text.trim().is_empty() {
+                batch.push(text.to_string());
+                lines.push(line_no);
+            }
+        }
+        if batch.len() == a.batch || (eof && !batch.is_empty()) {
+            let outcomes = host.transform_batch(&a.policy, &batch)?;
+            for (outcome, line) in outcomes.iter().zip(&lines) {
+                tally.read += 1;
+                match outcome {
+                    RecordOutcome::Keep(json) => {
+                        tally.kept += 1;
+                        out.write_all(json.as_bytes())?;
+                        out.write_all(b"\n")?;
+                    }
+                    RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
+                        let what = if matches!(outcome, RecordOutcome::Drop(_)) {
+                            tally.dropped += 1;
+                            "drop"
+                        } else {
+                            tally.failed += 1;
+                            "error"
+                        };
+                        if let Some(r) = rejects.as_mut() {
+                            let rec = json!({"line": line, "outcome": what, "reason": reason});
+                            writeln!(r, "{rec}")?;
+                        }
+                    }
+                }
+            }
+            batch.clear();
+            lines.clear();
+            if last_report.elapsed() >= Duration::from_secs(1) {
+                last_report = Instant::now();
+                progress(&tally, consumed, total_bytes, started.elapsed());
+            }
+        }
+        if eof {
+            break;
+        }
+    }
+    out.flush()?;
+    if let Some(r) = rejects.as_mut() {
+        r.flush()?;
+    }
+    progress(&tally, consumed, total_bytes, started.elapsed());
+    eprintln!(
+        "done: {} records in {:.2}s -> {} kept in {}, {} dropped, {} errors",
+        tally.read,
+        started.elapsed().as_secs_f64(),
+        tally.kept,
+        a.output.display(),
+        tally.dropped,
+        tally.failed
+    );
+    Ok(())
+}
+
+fn progress(t: &Tally, consumed: u64, total: u64, elapsed: Duration) {
+    let pct = if total > 0 {
+        consumed as f64 * 100.0 / total as f64
+    } else {
+        100.0
+    };
+    let rate = t.read as f64 / elapsed.as_secs_f64().max(1e-9);
+    eprintln!(
+        "transform: {pct:5.1}% {} records ({} kept, {} dropped, {} errors), {rate:.0} records/s",
+        t.read, t.kept, t.dropped, t.failed
+    );
+}
