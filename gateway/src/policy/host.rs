@@ -19,13 +19,12 @@ use super::metrics::{Counters, PolicyMetrics};
 use super::runtime::{Bound, Budget, Failure, HostState, LoadedPolicy, truncate};
 use super::storage::{Bindings, Storage, StoredMeta, sha256_hex};
 use super::types::{
-    LoadOrigin, OnError, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome, RouteDecision,
+    LoadOrigin, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome, RouteDecision,
 };
 
 /// Major.minor of `mlxgate:policy` this host speaks; patch versions are
 /// compatible.
 const API_VERSION_PREFIX: &str = "0.1.";
-const PACKAGE: &str = "mlxgate:policy/";
 /// Most adapters a selector may return.
 const MAX_ADAPTERS: usize = 64;
 
@@ -632,7 +631,6 @@ fn exported_interface(
     } else {
         truncate(names.join(", "), 512)
     };
-    let _ = PACKAGE;
     Err(PolicyError::MissingExport {
         expected: wanted,
         exports: listed,
@@ -866,9 +864,8 @@ impl std::fmt::Debug for PolicyHost {
     }
 }
 
-#[allow(dead_code)]
-fn _assert_send_sync() {
-    fn is<T: Send + Sync>() {}
-    is::<PolicyHost>();
-    let _ = OnError::FailOpen;
-}
+// The host is shared across request workers.
+const _: () = {
+    const fn is_send_sync<T: Send + Sync>() {}
+    is_send_sync::<PolicyHost>();
+};

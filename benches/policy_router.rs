@@ -1,0 +1,193 @@
+//! Warm router call through the policy host vs the same logic as a native
+//! Rust function (the in-run peer), plus a fresh instance per call for scale.
+//!
+//! Run: `scripts/build-policies.sh && cargo bench -p mlxgate --bench policy_router`
+//! Each figure is per call, from individually timed calls (so each includes
+//! ~20-30 ns of `Instant::now()` overhead); the native peer is also given as a
+//! batched mean, which excludes that overhead.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use mlxgate::policy::{
+    BackendKind, BackendState, HostConfig, Limits, PolicyHost, PolicyKind, PolicyOptions,
+    RequestFacts, RouteDecision,
+};
+
+const CALLS: usize = 20_000;
+
+fn component() -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../policies/target/wasm32-unknown-unknown/release/alias_router.wasm");
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{} missing ({e}): run scripts/build-policies.sh",
+            path.display()
+        )
+    })
+}
+
+fn facts() -> RequestFacts {
+    RequestFacts {
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        model: "gpt-4o".into(),
+        headers: vec![("x-tenant".into(), "acme".into())],
+        api_key_id: Some("web".into()),
+        tenant: Some("acme".into()),
+        prompt_tokens: 812,
+        max_tokens: Some(256),
+        streaming: true,
+    }
+}
+
+fn backends() -> Vec<BackendState> {
+    ["llama-3-8b", "qwen-7b", "openai", "anthropic"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| BackendState {
+            name: n.to_string(),
+            kind: if i < 2 {
+                BackendKind::Local
+            } else {
+                BackendKind::Upstream
+            },
+            healthy: true,
+            in_flight: i as u32,
+            queue_depth: 0,
+        })
+        .collect()
+}
+
+/// The alias router's logic, natively.
+fn native_route(
+    aliases: &HashMap<String, String>,
+    facts: &RequestFacts,
+    backends: &[BackendState],
+) -> RouteDecision {
+    let target = aliases.get(&facts.model).unwrap_or(&facts.model);
+    if backends
+        .iter()
+        .any(|b| b.kind == BackendKind::Local && &b.name == target)
+    {
+        RouteDecision::Local {
+            model: target.clone(),
+        }
+    } else {
+        RouteDecision::Reject {
+            status: 404,
+            message: format!("The model `{}` does not exist", facts.model),
+        }
+    }
+}
+
+fn stats(name: &str, mut ns: Vec<u64>) {
+    ns.sort_unstable();
+    let q = |p: f64| ns[((ns.len() - 1) as f64 * p) as usize] as f64 / 1000.0;
+    println!(
+        "{name:<44} median {:>8.3} us   p99 {:>8.3} us   max {:>9.3} us",
+        q(0.5),
+        q(0.99),
+        q(1.0)
+    );
+}
+
+fn time_calls(mut f: impl FnMut()) -> Vec<u64> {
+    for _ in 0..2_000 {
+        f();
+    }
+    (0..CALLS)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_nanos() as u64
+        })
+        .collect()
+}
+
+fn main() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let host = PolicyHost::open(HostConfig::new(dir.path())).expect("policy host");
+    let config = r#"{"aliases": {"gpt-4o": "llama-3-8b"}}"#;
+    let bytes = component();
+    let upload = |name: &str, warm: u32| {
+        let limits = Limits {
+            warm_instances: warm,
+            deadline_ms: 100,
+            ..PolicyKind::Router.default_limits()
+        };
+        let t = Instant::now();
+        host.upload(
+            name,
+            PolicyKind::Router,
+            &bytes,
+            PolicyOptions {
+                limits: Some(limits),
+                config: Some(config.into()),
+                ..PolicyOptions::default()
+            },
+        )
+        .expect("upload");
+        t.elapsed()
+    };
+    let took = upload("warm", 1);
+    upload("fresh", 0);
+    host.bind(PolicyKind::Router, "warm").expect("bind");
+
+    let (f, b) = (facts(), backends());
+    let expected = RouteDecision::Local {
+        model: "llama-3-8b".into(),
+    };
+    assert_eq!(host.route(&f, &b).expect("route"), expected);
+    let aliases: HashMap<String, String> =
+        HashMap::from([("gpt-4o".to_string(), "llama-3-8b".to_string())]);
+    assert_eq!(native_route(&aliases, &f, &b), expected);
+
+    println!(
+        "policy_router: alias-router component {} bytes; upload (validate + compile + probe) {:.1} ms; {CALLS} timed calls each",
+        bytes.len(),
+        took.as_secs_f64() * 1e3
+    );
+    stats(
+        "native Rust function",
+        time_calls(|| {
+            black_box(native_route(
+                black_box(&aliases),
+                black_box(&f),
+                black_box(&b),
+            ));
+        }),
+    );
+    let t = Instant::now();
+    for _ in 0..CALLS {
+        black_box(native_route(
+            black_box(&aliases),
+            black_box(&f),
+            black_box(&b),
+        ));
+    }
+    println!(
+        "{:<44} mean   {:>8.3} us",
+        "native Rust function, batched",
+        t.elapsed().as_secs_f64() * 1e6 / CALLS as f64
+    );
+    stats(
+        "wasm router, warm instance (host.route)",
+        time_calls(|| {
+            black_box(host.route(black_box(&f), black_box(&b)).ok());
+        }),
+    );
+    let fresh: Vec<u64> = {
+        let calls = CALLS / 10;
+        (0..calls)
+            .map(|_| {
+                let t = Instant::now();
+                black_box(host.route_with("fresh", &f, &b).ok());
+                t.elapsed().as_nanos() as u64
+            })
+            .collect()
+    };
+    stats("wasm router, fresh instance per call (+init)", fresh);
+}
