@@ -51,7 +51,10 @@ fn find_mlx(manifest_dir: &Path) -> Mlx {
             )
         });
     let prefix = prefix.canonicalize().unwrap_or(prefix);
-    let mlx = Mlx { include: prefix.join("include"), lib: prefix.join("lib") };
+    let mlx = Mlx {
+        include: prefix.join("include"),
+        lib: prefix.join("lib"),
+    };
     assert!(
         mlx.include.join("mlx/mlx.h").exists() && mlx.lib.join("libmlx.so").exists(),
         "{} does not look like an MLX installation (need include/mlx/mlx.h and lib/libmlx.so)",
@@ -87,9 +90,13 @@ fn find_mlx_c_sources(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
         .arg(manifest_dir.join("mlx-c-source/Cargo.toml"))
         .status()
         .expect("failed to run `cargo fetch` for the mlx-c sources");
-    assert!(status.success(), "`cargo fetch` of mlx-sys 0.7.0 (mlx-c sources) failed");
-    lookup_mlx_c(&registry, out_dir)
-        .expect("mlx-sys 0.7.0 was fetched but its mlx-c sources were not found in the cargo registry")
+    assert!(
+        status.success(),
+        "`cargo fetch` of mlx-sys 0.7.0 (mlx-c sources) failed"
+    );
+    lookup_mlx_c(&registry, out_dir).expect(
+        "mlx-sys 0.7.0 was fetched but its mlx-c sources were not found in the cargo registry",
+    )
 }
 
 fn lookup_mlx_c(registry: &Path, out_dir: &Path) -> Option<PathBuf> {
@@ -109,7 +116,9 @@ fn lookup_mlx_c(registry: &Path, out_dir: &Path) -> Option<PathBuf> {
         }
     }
     // Only the compressed .crate is cached: unpack it into OUT_DIR.
-    let archive = in_each("cache", &format!("{MLX_C_CRATE}.crate")).into_iter().next()?;
+    let archive = in_each("cache", &format!("{MLX_C_CRATE}.crate"))
+        .into_iter()
+        .next()?;
     let status = Command::new("tar")
         .arg("xzf")
         .arg(&archive)
@@ -123,7 +132,8 @@ fn lookup_mlx_c(registry: &Path, out_dir: &Path) -> Option<PathBuf> {
 
 /// The `.cpp` files mlx-c's CMakeLists.txt builds (commented-out lines excluded).
 fn mlx_c_sources(mlx_c: &Path) -> Vec<PathBuf> {
-    let cmake = fs::read_to_string(mlx_c.join("CMakeLists.txt")).expect("read mlx-c CMakeLists.txt");
+    let cmake =
+        fs::read_to_string(mlx_c.join("CMakeLists.txt")).expect("read mlx-c CMakeLists.txt");
     let sources: Vec<PathBuf> = cmake
         .lines()
         .map(str::trim)
@@ -133,7 +143,11 @@ fn mlx_c_sources(mlx_c: &Path) -> Vec<PathBuf> {
         .filter(|file| file.starts_with("mlx/c/") && file.ends_with(".cpp"))
         .map(|file| mlx_c.join(file))
         .collect();
-    assert!(sources.len() > 10, "unexpected mlx-c CMakeLists.txt: found {} sources", sources.len());
+    assert!(
+        sources.len() > 10,
+        "unexpected mlx-c CMakeLists.txt: found {} sources",
+        sources.len()
+    );
     sources
 }
 
@@ -189,5 +203,7 @@ fn generate_bindings(mlx_c: &Path, prelude: &Path, out_dir: &Path) {
         .blocklist_function("realloc")
         .generate()
         .expect("bindgen failed on the mlx-c headers (is libclang-dev installed?)");
-    bindings.write_to_file(out_dir.join("bindings.rs")).expect("write bindings.rs");
+    bindings
+        .write_to_file(out_dir.join("bindings.rs"))
+        .expect("write bindings.rs");
 }

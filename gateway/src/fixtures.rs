@@ -136,7 +136,11 @@ pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<(), FixtureE
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(name, shape, values)| {
-            (name, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+            (
+                name,
+                shape,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
         })
         .collect();
     let views = bytes
@@ -146,7 +150,10 @@ pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<(), FixtureE
             Ok((name.clone(), view))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    let metadata = Some(std::collections::HashMap::from([("format".to_owned(), "pt".to_owned())]));
+    let metadata = Some(std::collections::HashMap::from([(
+        "format".to_owned(),
+        "pt".to_owned(),
+    )]));
     safetensors::serialize_to_file(views, metadata, &dir.join("model.safetensors"))?;
     Ok(())
 }
@@ -196,14 +203,21 @@ fn weights(spec: &TinyModelSpec, vocab_size: usize) -> Vec<(String, Vec<usize>, 
     let (h, i) = (spec.hidden_size, spec.intermediate_size);
     let (q_dim, kv_dim) = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
     // Gemma multiplies RMSNorm weights as (1 + w): zero is its identity.
-    let norm_value = if spec.architecture == Architecture::Gemma3 { 0.0 } else { 1.0 };
+    let norm_value = if spec.architecture == Architecture::Gemma3 {
+        0.0
+    } else {
+        1.0
+    };
     let mut tensors = Vec::new();
     let mut random = |name: String, shape: Vec<usize>| {
         let count = shape.iter().product();
         let values = (0..count).map(|_| rng.next_unit() * 0.08).collect();
         (name, shape, values)
     };
-    tensors.push(random("model.embed_tokens.weight".into(), vec![vocab_size, h]));
+    tensors.push(random(
+        "model.embed_tokens.weight".into(),
+        vec![vocab_size, h],
+    ));
     let mut norms = vec![("model.norm.weight".to_owned(), h)];
     for layer in 0..spec.layers {
         let p = format!("model.layers.{layer}");
@@ -225,7 +239,10 @@ fn weights(spec: &TinyModelSpec, vocab_size: usize) -> Vec<(String, Vec<usize>, 
         }
         norms.push((format!("{p}.input_layernorm.weight"), h));
         norms.push((format!("{p}.post_attention_layernorm.weight"), h));
-        if matches!(spec.architecture, Architecture::Qwen3 | Architecture::Gemma3) {
+        if matches!(
+            spec.architecture,
+            Architecture::Qwen3 | Architecture::Gemma3
+        ) {
             norms.push((format!("{p}.self_attn.q_norm.weight"), spec.head_dim));
             norms.push((format!("{p}.self_attn.k_norm.weight"), spec.head_dim));
         }
@@ -234,7 +251,11 @@ fn weights(spec: &TinyModelSpec, vocab_size: usize) -> Vec<(String, Vec<usize>, 
             norms.push((format!("{p}.post_feedforward_layernorm.weight"), h));
         }
     }
-    tensors.extend(norms.into_iter().map(|(name, size)| (name, vec![size], vec![norm_value; size])));
+    tensors.extend(
+        norms
+            .into_iter()
+            .map(|(name, size)| (name, vec![size], vec![norm_value; size])),
+    );
     tensors
 }
 
