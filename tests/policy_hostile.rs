@@ -91,6 +91,26 @@ fn each_misbehaviour_is_contained_and_the_policy_recovers() {
 }
 
 #[test]
+fn instances_that_grew_large_are_retired_not_pooled() {
+    let (_dir, host) = hostile_host(OnError::FailClosed);
+    let created = || {
+        host.metrics()
+            .into_iter()
+            .find(|m| m.name == "hostile")
+            .unwrap()
+            .instances_created
+    };
+    host.route_with("hostile", &facts("a"), &[]).unwrap();
+    host.route_with("hostile", &facts("b"), &[]).unwrap();
+    assert_eq!(created(), 1, "small calls reuse one warm instance");
+    host.route_with("hostile", &facts("grow"), &[]).unwrap();
+    assert_eq!(host.warm_instances("hostile"), Some(0));
+    host.route_with("hostile", &facts("c"), &[]).unwrap();
+    assert_eq!(created(), 2, "the grown instance was replaced");
+    assert_eq!(host.warm_instances("hostile"), Some(1));
+}
+
+#[test]
 fn fail_open_policies_tell_callers_to_use_the_default_route() {
     let (_dir, host) = hostile_host(OnError::FailOpen);
     host.bind(PolicyKind::Router, "hostile").unwrap();

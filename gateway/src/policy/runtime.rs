@@ -4,7 +4,8 @@
 //! Guarantees: every call runs under the policy's deadline, fuel and memory
 //! cap; an instance that trapped is dropped (wasmtime refuses to re-enter it)
 //! and the next call gets a fresh one from the same `InstancePre`; warm
-//! instances are retired after `max_calls_per_instance` calls.
+//! instances are retired after `max_calls_per_instance` calls or once their
+//! memory grew past half the cap.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -29,11 +30,13 @@ pub(crate) struct HostState {
 }
 
 /// `StoreLimits` (memory cap, trap on grow failure) plus a note that the cap
-/// was hit, so a trap that follows is reported as a memory-limit failure.
+/// was hit, so a trap that follows is reported as a memory-limit failure, and
+/// the largest memory size granted (the instance's high-water mark).
 struct CapLimiter {
     inner: StoreLimits,
     cap: usize,
     hit: bool,
+    peak: usize,
 }
 
 impl ResourceLimiter for CapLimiter {
@@ -46,7 +49,11 @@ impl ResourceLimiter for CapLimiter {
         if desired > self.cap || maximum.is_some_and(|m| desired > m) {
             self.hit = true;
         }
-        self.inner.memory_growing(current, desired, maximum)
+        let granted = self.inner.memory_growing(current, desired, maximum)?;
+        if granted {
+            self.peak = self.peak.max(desired);
+        }
+        Ok(granted)
     }
 
     fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
@@ -215,8 +222,13 @@ impl LoadedPolicy {
             .pop()
     }
 
+    /// Pools an instance that answered, unless it is due for retirement: too
+    /// many calls, or linear memory grown past half the cap (memory never
+    /// shrinks, so a grown instance would keep its pool slot's pages).
     fn checkin(&self, warm: Warm) {
-        if warm.calls >= self.max_calls_per_instance {
+        if warm.calls >= self.max_calls_per_instance
+            || warm.store.data().limiter.peak > self.info.limits.memory_bytes / 2
+        {
             return;
         }
         let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
@@ -239,6 +251,7 @@ impl LoadedPolicy {
                     .build(),
                 cap: limits.memory_bytes,
                 hit: false,
+                peak: 0,
             },
         };
         let mut store = Store::new(&self.engine, state);

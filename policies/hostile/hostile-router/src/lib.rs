@@ -1,8 +1,9 @@
 //! A hostile router for containment tests, never shipped. The requested model
 //! picks the misbehaviour: `loop`, `oom`, `recurse`, `panic`, `huge` (a 1 MiB
-//! reject message); any other model is served locally as asked. Config
-//! `loop-always` makes every call loop (so upload validation must time out);
-//! `fail-init` makes `init` fail; `oom-init` exhausts memory in `init`.
+//! reject message), `grow` (answers after growing memory by 10 MiB); any
+//! other model is served locally as asked. Config `loop-always` makes every
+//! call loop (so upload validation must time out); `fail-init` makes `init`
+//! fail; `oom-init` exhausts memory in `init`.
 
 use std::hint::black_box;
 
@@ -65,6 +66,13 @@ impl Router for Hostile {
             "recurse" => RouteDecision::Local(format!("{}", recurse(0))),
             "panic" => panic!("hostile guest panics on purpose"),
             "huge" => RouteDecision::reject(500, "x".repeat(1 << 20)),
+            "grow" => {
+                // Grows memory by 10 MiB, then frees it: a legal call that
+                // leaves a large instance behind.
+                let big: Vec<u8> = black_box(Vec::with_capacity(10 << 20));
+                drop(big);
+                RouteDecision::Local(facts.model)
+            }
             _ => RouteDecision::Local(facts.model),
         }
     }
