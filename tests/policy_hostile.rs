@@ -14,7 +14,12 @@ use mlxgate::policy::{
     RouteDecision,
 };
 
-fn hostile_host(on_error: OnError) -> (tempfile::TempDir, mlxgate::policy::PolicyHost) {
+/// Uploads the hostile router with `deadline_ms` (50 ms unless a test is
+/// about the default) and a well-behaved `good` router next to it.
+fn hostile_host_with(
+    on_error: OnError,
+    deadline_ms: u32,
+) -> (tempfile::TempDir, mlxgate::policy::PolicyHost) {
     let dir = tempfile::tempdir().unwrap();
     let host = host(dir.path());
     host.upload(
@@ -23,12 +28,20 @@ fn hostile_host(on_error: OnError) -> (tempfile::TempDir, mlxgate::policy::Polic
         &wasm("hostile-router"),
         PolicyOptions {
             on_error,
+            limits: Some(Limits {
+                deadline_ms,
+                ..PolicyKind::Router.default_limits()
+            }),
             ..PolicyOptions::default()
         },
     )
     .unwrap();
     upload(&host, "good", PolicyKind::Router, "alias-router", "");
     (dir, host)
+}
+
+fn hostile_host(on_error: OnError) -> (tempfile::TempDir, mlxgate::policy::PolicyHost) {
+    hostile_host_with(on_error, 50)
 }
 
 fn failure(err: PolicyError) -> FailureKind {
@@ -122,7 +135,9 @@ fn fail_open_policies_tell_callers_to_use_the_default_route() {
 
 #[test]
 fn a_tight_deadline_is_enforced_within_a_few_ticks() {
-    let (_dir, host) = hostile_host(OnError::FailClosed);
+    let deadline = PolicyKind::Router.default_limits().deadline_ms;
+    assert_eq!(deadline, 5);
+    let (_dir, host) = hostile_host_with(OnError::FailClosed, deadline);
     let start = Instant::now();
     let err = host.route_with("hostile", &facts("loop"), &[]).unwrap_err();
     let took = start.elapsed();

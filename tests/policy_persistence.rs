@@ -25,7 +25,10 @@ fn restart_reloads_policies_bindings_and_artifacts() {
             PolicyOptions {
                 on_error: OnError::FailClosed,
                 config: Some(cfg.clone()),
-                ..PolicyOptions::default()
+                limits: Some(Limits {
+                    deadline_ms: 200,
+                    ..PolicyKind::Router.default_limits()
+                }),
             },
         )
         .unwrap();
@@ -49,6 +52,7 @@ fn restart_reloads_policies_bindings_and_artifacts() {
         "precompiled artifact reused"
     );
     assert_eq!(info.on_error, OnError::FailClosed);
+    assert_eq!(info.limits.deadline_ms, 200);
     assert_eq!(info.config.as_deref(), Some(cfg.as_str()));
     assert_eq!(info.bound_as, vec![PolicyKind::Router]);
     assert_eq!(

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use mlxgate::policy::{
-    AdapterInfo, BackendKind, BackendState, HostConfig, PolicyHost, PolicyKind, PolicyOptions,
-    RequestFacts,
+    AdapterInfo, BackendKind, BackendState, HostConfig, Limits, PolicyHost, PolicyKind,
+    PolicyOptions, RequestFacts,
 };
 
 /// Bytes of a guest built by `scripts/build-policies.sh`.
@@ -37,8 +37,19 @@ pub fn opts(config: &str) -> PolicyOptions {
     }
 }
 
+/// Uploads with a roomy deadline: these tests check behaviour, and a loaded
+/// 2-core CI machine can stall a thread for longer than the 5 ms default.
 pub fn upload(host: &PolicyHost, name: &str, kind: PolicyKind, crate_name: &str, config: &str) {
-    host.upload(name, kind, &wasm(crate_name), opts(config))
+    let defaults = kind.default_limits();
+    let limits = Limits {
+        deadline_ms: defaults.deadline_ms.max(200),
+        ..defaults
+    };
+    let opts = PolicyOptions {
+        limits: Some(limits),
+        ..opts(config)
+    };
+    host.upload(name, kind, &wasm(crate_name), opts)
         .unwrap_or_else(|e| panic!("upload {name}: {e}"));
 }
 

@@ -814,8 +814,20 @@ pub fn probe_facts() -> RequestFacts {
     }
 }
 
-/// One call on the freshly loaded policy, within its limits, at upload.
+/// One call on the freshly loaded policy, within its limits, at upload. A
+/// timeout is retried once: a guest that loops fails twice, while a thread
+/// stalled by the OS for a few milliseconds should not fail an upload.
 fn synthetic_call(p: &LoadedPolicy) -> Result<(), PolicyError> {
+    match probe_once(p) {
+        Err(PolicyError::ValidationFailed {
+            kind: FailureKind::Timeout,
+            ..
+        }) => probe_once(p),
+        other => other,
+    }
+}
+
+fn probe_once(p: &LoadedPolicy) -> Result<(), PolicyError> {
     let facts = probe_facts();
     let outcome = match p.info.kind {
         PolicyKind::Router => {
