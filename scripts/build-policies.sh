@@ -3,15 +3,19 @@
 # Wasm components: wasm32-unknown-unknown, linked by the toolchain's
 # wasm-component-ld, release profile. Output:
 #   policies/target/wasm32-unknown-unknown/release/<crate_name>.wasm
+# plus one test guest built for wasm32-wasip2 (it must import WASI):
+#   policies/target/wasm32-wasip2/release/wasi_imports.wasm
 # Idempotent; cargo makes it a fast no-op when nothing changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root/policies"
 
 target=wasm32-unknown-unknown
-if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
-    rustup target add "$target"
-fi
+for t in "$target" wasm32-wasip2; do
+    if ! rustup target list --installed 2>/dev/null | grep -qx "$t"; then
+        rustup target add "$t"
+    fi
+done
 host="$(rustc -vV | sed -n 's/^host: //p')"
 linker="$(rustc --print sysroot)/lib/rustlib/$host/bin/wasm-component-ld"
 if [[ ! -x "$linker" ]]; then
@@ -19,5 +23,7 @@ if [[ ! -x "$linker" ]]; then
     exit 1
 fi
 export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER="$linker"
-cargo build --release --target "$target" --workspace "$@"
-ls -1 "$root/policies/target/$target/release/"*.wasm
+cargo build --release --target "$target" --workspace --exclude wasi-imports "$@"
+cargo build --release --target wasm32-wasip2 -p wasi-imports "$@"
+ls -1 "$root/policies/target/$target/release/"*.wasm \
+    "$root/policies/target/wasm32-wasip2/release/wasi_imports.wasm"

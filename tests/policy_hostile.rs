@@ -296,6 +296,14 @@ fn upload_validation_errors_are_distinct() {
         "{e}"
     );
 
+    // A wasip2 build imports WASI; the sandbox provides nothing.
+    let e = up("x", router, &wasm_for("wasm32-wasip2", "wasi-imports"));
+    assert!(
+        matches!(e, PolicyError::UnsatisfiedImports(ref m) if m.contains("wasi:")),
+        "{e}"
+    );
+    assert_eq!(e.code(), "unsatisfied_imports");
+
     let e = up("../etc", router, &good);
     assert!(matches!(e, PolicyError::InvalidName(_)), "{e}");
     let e = host

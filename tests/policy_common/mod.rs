@@ -11,8 +11,15 @@ use mlxgate::policy::{
 
 /// Bytes of a guest built by `scripts/build-policies.sh`.
 pub fn wasm(crate_name: &str) -> Vec<u8> {
+    wasm_for("wasm32-unknown-unknown", crate_name)
+}
+
+/// Bytes of a guest built for `target` by `scripts/build-policies.sh`.
+pub fn wasm_for(target: &str, crate_name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../policies/target/wasm32-unknown-unknown/release")
+        .join("../policies/target")
+        .join(target)
+        .join("release")
         .join(format!("{}.wasm", crate_name.replace('-', "_")));
     std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
