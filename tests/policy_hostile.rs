@@ -296,6 +296,22 @@ fn upload_validation_errors_are_distinct() {
         "{e}"
     );
 
+    // A patch release of the interface is compatible.
+    let info = host
+        .upload(
+            "patch",
+            router,
+            &wasm("patch-version"),
+            PolicyOptions::default(),
+        )
+        .expect("0.1.1 accepted");
+    assert_eq!(info.interface, "mlxgate:policy/router@0.1.1");
+    assert_eq!(
+        host.route_with("patch", &facts("m"), &[]).unwrap(),
+        RouteDecision::Local { model: "m".into() }
+    );
+    host.remove("patch").unwrap();
+
     // A wasip2 build imports WASI; the sandbox provides nothing.
     let e = up("x", router, &wasm_for("wasm32-wasip2", "wasi-imports"));
     assert!(
