@@ -302,7 +302,13 @@ fn upload_validation_errors_are_distinct() {
             "patch",
             router,
             &wasm("patch-version"),
-            PolicyOptions::default(),
+            PolicyOptions {
+                limits: Some(Limits {
+                    deadline_ms: 200,
+                    ..router.default_limits()
+                }),
+                ..PolicyOptions::default()
+            },
         )
         .expect("0.1.1 accepted");
     assert_eq!(info.interface, "mlxgate:policy/router@0.1.1");
