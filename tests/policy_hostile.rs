@@ -343,5 +343,10 @@ fn upload_validation_errors_are_distinct() {
         )
         .unwrap_err();
     assert!(matches!(e, PolicyError::InvalidLimits(_)), "{e}");
+    let e = host
+        .upload("x", router, &good, opts(&"x".repeat(2 << 20)))
+        .unwrap_err();
+    assert!(matches!(e, PolicyError::ConfigTooLarge { .. }), "{e}");
+    assert_eq!(e.status(), 413);
     assert!(host.list().is_empty());
 }

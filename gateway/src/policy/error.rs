@@ -79,6 +79,8 @@ pub enum PolicyError {
     InvalidLimits(String),
     #[error("component is {size} bytes, over the {max}-byte limit")]
     TooLarge { size: usize, max: usize },
+    #[error("config is {size} bytes, over the {max}-byte limit")]
+    ConfigTooLarge { size: usize, max: usize },
     #[error("not a WebAssembly binary: {0}")]
     NotWasm(String),
     #[error(
@@ -145,7 +147,7 @@ impl PolicyError {
         match self {
             InvalidName(_) | InvalidLimits(_) | NotWasm(_) | CoreModule | Malformed(_)
             | NotBindable(_) => 400,
-            TooLarge { .. } => 413,
+            TooLarge { .. } | ConfigTooLarge { .. } => 413,
             WrongKind { .. }
             | IncompatibleVersion { .. }
             | MissingExport { .. }
@@ -177,6 +179,7 @@ impl PolicyError {
             InvalidName(_) => "invalid_name",
             InvalidLimits(_) => "invalid_limits",
             TooLarge { .. } => "too_large",
+            ConfigTooLarge { .. } => "config_too_large",
             NotWasm(_) => "not_wasm",
             CoreModule => "core_module",
             Malformed(_) => "malformed_component",

@@ -25,6 +25,8 @@ use super::types::{
 /// Major.minor of `mlxgate:policy` this host speaks; patch versions are
 /// compatible.
 const API_VERSION_PREFIX: &str = "0.1.";
+/// Largest configuration string: it is copied into every fresh instance.
+const MAX_CONFIG_BYTES: usize = 1 << 20;
 /// Most adapters a selector may return.
 const MAX_ADAPTERS: usize = 64;
 
@@ -164,6 +166,14 @@ impl PolicyHost {
             return Err(PolicyError::TooLarge {
                 size: bytes.len(),
                 max: self.cfg.max_component_bytes,
+            });
+        }
+        if let Some(size) = opts.config.as_ref().map(String::len)
+            && size > MAX_CONFIG_BYTES
+        {
+            return Err(PolicyError::ConfigTooLarge {
+                size,
+                max: MAX_CONFIG_BYTES,
             });
         }
         check_header(bytes)?;
