@@ -6,6 +6,7 @@
 //! guests; `config` is the one place settings are resolved.
 
 pub mod config;
+pub mod engine;
 pub mod fixtures;
 pub mod http;
 pub mod mlx;

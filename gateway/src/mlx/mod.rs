@@ -8,5 +8,5 @@ mod model_file;
 mod runtime;
 
 pub use doctor::doctor_report;
-pub use model_file::{ModelFileError, ModelSummary};
+pub use model_file::{ModelFileError, ModelSummary, model_id};
 pub use runtime::{Backend, RuntimeInfo};

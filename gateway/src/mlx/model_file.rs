@@ -81,7 +81,7 @@ impl ModelSummary {
 }
 
 /// `SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`.
-pub(crate) fn model_id(path: &Path) -> String {
+pub fn model_id(path: &Path) -> String {
     let stem = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())

@@ -1,0 +1,159 @@
+//! The engine's public surface: plain Rust types, no MLX and no HTTP. The HTTP
+//! layer builds a [`GenerateRequest`], hands it to an `EngineHandle` and reads
+//! [`GenerateEvent`]s back; dropping the stream cancels the generation and
+//! frees its KV cache.
+
+use std::collections::BTreeMap;
+
+/// One chat message as the chat template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// What to continue: text (tokenized by the engine) or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// Sampling settings with OpenAI's semantics; `Default` is greedy-free
+/// sampling at temperature 1 with every filter off.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1 keeps everything.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Drop tokens below `min_p` x the top probability; 0 keeps all.
+    pub min_p: f32,
+    /// Same seed, same request: same output.
+    pub seed: Option<u64>,
+    /// OpenAI penalties in [-2, 2], applied to logits of tokens already generated.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Multiplicative (CTRL-style) penalty over prompt and output tokens; 1 is off.
+    pub repetition_penalty: f32,
+    /// Added to the logits of the given token ids (OpenAI `logit_bias`).
+    pub logit_bias: BTreeMap<u32, f32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: BTreeMap::new(),
+        }
+    }
+}
+
+/// One generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// Most tokens to generate; `None` means up to the context length.
+    pub max_tokens: Option<usize>,
+    /// Up to 4 strings; generation ends before the first one and it is not emitted.
+    pub stop: Vec<String>,
+    /// `None`: no logprobs. `Some(n)`: the chosen token's logprob plus the top n (n <= 20).
+    pub logprobs: Option<usize>,
+}
+
+/// A generated token, with logprobs when asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOutput {
+    pub id: u32,
+    /// The token's text (may be a partial UTF-8 sequence shown lossily).
+    pub text: String,
+    pub logprob: Option<f32>,
+    /// The most likely alternatives at this step, most likely first.
+    pub top_logprobs: Vec<(String, f32)>,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts for OpenAI's `usage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a generation stream yields, in order: any number of `Delta`s, then
+/// exactly one `Finished` (or an error).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerateEvent {
+    /// Text safe to show (never part of a stop string), and the tokens it came from.
+    Delta {
+        text: String,
+        tokens: Vec<TokenOutput>,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+}
+
+/// What clients see of a served model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelCard {
+    pub id: String,
+    pub architecture: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+/// Engine failures; the HTTP layer maps each to a status once.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    /// Prompt plus requested tokens do not fit (OpenAI `context_length_exceeded`).
+    #[error(
+        "This model's maximum context length is {context_length} tokens. However, you requested {requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion."
+    )]
+    ContextLengthExceeded {
+        context_length: usize,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        requested: usize,
+    },
+    /// The prompt is unusable (empty, or a token id outside the vocabulary).
+    #[error("{0}")]
+    InvalidPrompt(String),
+    /// The chat template failed to render these messages.
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// The engine thread has stopped (shutdown or a fatal MLX error).
+    #[error("the model engine is not running")]
+    Unavailable,
+    /// MLX or tokenizer failure during generation.
+    #[error("generation failed: {0}")]
+    Internal(String),
+}

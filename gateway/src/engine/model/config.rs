@@ -1,0 +1,202 @@
+//! The architecture facts a forward pass needs, read from a Hugging Face
+//! `config.json` or from GGUF metadata into one shape.
+
+use serde_json::Value;
+
+use super::LoadError;
+
+/// Decoder families the engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Family {
+    pub fn from_name(name: &str) -> Option<Family> {
+        match name {
+            "llama" | "mistral" => Some(Family::Llama),
+            "qwen2" => Some(Family::Qwen2),
+            "qwen3" => Some(Family::Qwen3),
+            "gemma3" | "gemma3_text" => Some(Family::Gemma3),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Everything about a model's shape and numerics the forward pass reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    /// Gemma 3: the RoPE base of its sliding-window (local) layers.
+    pub rope_local_theta: f32,
+    /// Linear RoPE scaling factor (1 = none).
+    pub rope_scale: f32,
+    /// Interleaved (GPT-J) rotary layout: llama.cpp's permuted q/k rows in GGUF.
+    pub rope_traditional: bool,
+    pub tie_word_embeddings: bool,
+    /// Gemma 3: window of the sliding layers and how often a global layer comes.
+    pub sliding_window: Option<usize>,
+    pub sliding_window_pattern: usize,
+    /// Gemma 3 scales queries by `query_pre_attn_scalar^-0.5` instead of `head_dim^-0.5`.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// GGUF Gemma norms already hold `1 + w`; HF ones hold `w`.
+    pub norm_weight_offset: f32,
+    /// MLX affine quantization of an mlx-community checkpoint.
+    pub quantization: Option<Quantization>,
+}
+
+/// Group size and bits of MLX affine-quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantization {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+impl ModelConfig {
+    /// Is layer `layer` a sliding-window (local attention) layer?
+    pub fn is_sliding(&self, layer: usize) -> bool {
+        self.sliding_window.is_some()
+            && self.sliding_window_pattern > 0
+            && (layer + 1) % self.sliding_window_pattern != 0
+    }
+
+    /// Reads a Hugging Face / mlx-community `config.json`.
+    pub fn from_hf_json(config: &Value) -> Result<ModelConfig, LoadError> {
+        // Multimodal checkpoints keep the language model's settings in `text_config`.
+        let text = config.get("text_config").unwrap_or(config);
+        let model_type = str_field(text, "model_type")
+            .or_else(|| str_field(config, "model_type"))
+            .ok_or(LoadError::MissingConfig("model_type"))?;
+        let family = Family::from_name(&model_type)
+            .ok_or_else(|| LoadError::UnsupportedArchitecture(model_type.clone()))?;
+        let usize_field = |key: &'static str| -> Result<usize, LoadError> {
+            text.get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or(LoadError::MissingConfig(key))
+        };
+        let float = |key: &str, default: f32| {
+            text.get(key)
+                .and_then(Value::as_f64)
+                .map_or(default, |v| v as f32)
+        };
+        let hidden_size = usize_field("hidden_size")?;
+        let heads = usize_field("num_attention_heads")?;
+        let head_dim = text
+            .get("head_dim")
+            .and_then(Value::as_u64)
+            .map_or(hidden_size / heads, |v| v as usize);
+        let is_gemma = family == Family::Gemma3;
+        let rope_scale = text
+            .get("rope_scaling")
+            .filter(|s| {
+                s.get("type").or(s.get("rope_type")).and_then(Value::as_str) == Some("linear")
+            })
+            .and_then(|s| s.get("factor"))
+            .and_then(Value::as_f64)
+            .map_or(1.0, |f| 1.0 / f as f32);
+        let quantization = config.get("quantization").and_then(|q| {
+            Some(Quantization {
+                group_size: q.get("group_size")?.as_i64()? as i32,
+                bits: q.get("bits")?.as_i64()? as i32,
+            })
+        });
+        Ok(ModelConfig {
+            family,
+            hidden_size,
+            intermediate_size: usize_field("intermediate_size")?,
+            layers: usize_field("num_hidden_layers")?,
+            heads,
+            kv_heads: text
+                .get("num_key_value_heads")
+                .and_then(Value::as_u64)
+                .map_or(heads, |v| v as usize),
+            head_dim,
+            vocab_size: usize_field("vocab_size")?,
+            context_length: text
+                .get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .map_or(4096, |v| v as usize),
+            rms_norm_eps: float("rms_norm_eps", 1e-6),
+            rope_theta: float("rope_theta", 10000.0),
+            rope_local_theta: float("rope_local_base_freq", 10000.0),
+            rope_scale,
+            rope_traditional: false,
+            tie_word_embeddings: text
+                .get("tie_word_embeddings")
+                .or(config.get("tie_word_embeddings"))
+                .and_then(Value::as_bool)
+                .unwrap_or(is_gemma),
+            sliding_window: if is_gemma {
+                text.get("sliding_window")
+                    .and_then(Value::as_u64)
+                    .map(|v| v as usize)
+            } else {
+                None
+            },
+            sliding_window_pattern: text
+                .get("sliding_window_pattern")
+                .and_then(Value::as_u64)
+                .map_or(6, |v| v as usize),
+            query_pre_attn_scalar: if is_gemma {
+                Some(float("query_pre_attn_scalar", head_dim as f32))
+            } else {
+                None
+            },
+            norm_weight_offset: if is_gemma { 1.0 } else { 0.0 },
+            quantization,
+        })
+    }
+}
+
+fn str_field(value: &Value, key: &str) -> Option<String> {
+    value.get(key).and_then(Value::as_str).map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn gemma_layers_alternate_local_and_global() {
+        let config = ModelConfig::from_hf_json(&json!({
+            "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 16, "vocab_size": 300, "sliding_window": 32, "sliding_window_pattern": 3
+        }))
+        .unwrap();
+        let sliding: Vec<bool> = (0..6).map(|l| config.is_sliding(l)).collect();
+        assert_eq!(sliding, [true, true, false, true, true, false]);
+        assert!(config.tie_word_embeddings);
+        assert_eq!(config.norm_weight_offset, 1.0);
+    }
+
+    #[test]
+    fn unknown_architecture_is_named() {
+        let error = ModelConfig::from_hf_json(&json!({"model_type": "mamba"})).unwrap_err();
+        assert!(error.to_string().contains("mamba"), "{error}");
+    }
+}

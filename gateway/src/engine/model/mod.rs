@@ -1,0 +1,152 @@
+//! Model files -> a runnable [`Transformer`]: GGUF (through MLX's loader) or
+//! Hugging Face / mlx-community directories (safetensors + config.json).
+
+pub mod config;
+pub mod kv_cache;
+pub mod transformer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use mlx_rs::Dtype;
+use mlx_rs::io::GgufFile;
+
+pub use config::{Family, ModelConfig};
+pub use kv_cache::KvCache;
+pub use transformer::Transformer;
+use weights::WeightMap;
+
+/// Why a model could not be loaded. Each message names the file or tensor.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum LoadError {
+    #[error("{0}: {1}")]
+    Io(PathBuf, String),
+    #[error("{0} is neither a .gguf file nor a directory with config.json")]
+    UnknownFormat(PathBuf),
+    #[error("model config lacks `{0}`")]
+    MissingConfig(&'static str),
+    #[error("architecture `{0}` is not supported (supported: llama, qwen2, qwen3, gemma3)")]
+    UnsupportedArchitecture(String),
+    #[error("tensor `{0}` is missing from the weights")]
+    MissingTensor(String),
+    #[error("tensor `{name}` does not match the config: {detail}")]
+    ShapeMismatch { name: String, detail: String },
+    #[error("MLX: {0}")]
+    Mlx(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// The float dtype weights and activations run in: f32 on MLX's CPU backend,
+/// where half-precision math is ~30x slower (and the f16 -> f32 cast is exact).
+pub fn compute_dtype() -> Dtype {
+    Dtype::Float32
+}
+
+/// Loads a GGUF file's transformer. The tokenizer is built separately from the
+/// same file's metadata.
+pub fn load_gguf(path: &Path, file: &GgufFile) -> Result<Transformer, LoadError> {
+    let config = gguf_config(file)?;
+    let mut weights = WeightMap::from_gguf(file, compute_dtype())?;
+    let model = Transformer::build(config, &mut weights, true)?;
+    report_leftovers(path, &weights);
+    Ok(model)
+}
+
+/// Loads an HF / mlx-community directory's transformer.
+pub fn load_hf_dir(dir: &Path) -> Result<Transformer, LoadError> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| LoadError::Io(config_path.clone(), e.to_string()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| LoadError::Io(config_path.clone(), e.to_string()))?;
+    let config = ModelConfig::from_hf_json(&json)?;
+    let mut weights = WeightMap::from_safetensors_dir(dir, compute_dtype())?;
+    let model = Transformer::build(config, &mut weights, false)?;
+    report_leftovers(dir, &weights);
+    Ok(model)
+}
+
+fn report_leftovers(path: &Path, weights: &WeightMap) {
+    let leftovers = weights.leftovers();
+    if !leftovers.is_empty() {
+        tracing::warn!(path = %path.display(), unused = ?leftovers, "tensors not used by the model");
+    }
+}
+
+/// Reads the architecture facts from GGUF metadata (`{arch}.*` keys).
+fn gguf_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
+    let mlx = |e: mlx_rs::io::GgufError| LoadError::Mlx(e.to_string());
+    let arch = file
+        .get_metadata_string("general.architecture")
+        .map_err(mlx)?
+        .ok_or(LoadError::MissingConfig("general.architecture"))?;
+    let family =
+        Family::from_name(&arch).ok_or_else(|| LoadError::UnsupportedArchitecture(arch.clone()))?;
+    let number = |key: &str| -> Result<Option<f64>, LoadError> {
+        let value = file
+            .get_metadata_array(&format!("{arch}.{key}"))
+            .map_err(mlx)?;
+        Ok(value
+            .map(|a| a.as_dtype(Dtype::Float64).map(|a| a.item_cast::<f64>()))
+            .transpose()
+            .map_err(|e| LoadError::Mlx(e.to_string()))?)
+    };
+    let required = |key: &'static str| -> Result<usize, LoadError> {
+        number(key)?
+            .map(|v| v as usize)
+            .ok_or(LoadError::MissingConfig(key))
+    };
+    let hidden_size = required("embedding_length")?;
+    let heads = required("attention.head_count")?;
+    let vocab_size = match number("vocab_size")? {
+        Some(v) => v as usize,
+        None => file
+            .get_metadata_strings("tokenizer.ggml.tokens")
+            .map_err(mlx)?
+            .map_or(0, |t| t.len()),
+    };
+    let head_dim = number("attention.key_length")?.map_or(hidden_size / heads, |v| v as usize);
+    let is_gemma = family == Family::Gemma3;
+    let rope_scale = match file
+        .get_metadata_string(&format!("{arch}.rope.scaling.type"))
+        .map_err(mlx)?
+        .as_deref()
+    {
+        Some("linear") => number("rope.scaling.factor")?.map_or(1.0, |f| 1.0 / f as f32),
+        _ => 1.0,
+    };
+    Ok(ModelConfig {
+        family,
+        hidden_size,
+        intermediate_size: required("feed_forward_length")?,
+        layers: required("block_count")?,
+        heads,
+        kv_heads: number("attention.head_count_kv")?.map_or(heads, |v| v as usize),
+        head_dim,
+        vocab_size,
+        context_length: number("context_length")?.map_or(4096, |v| v as usize),
+        rms_norm_eps: number("attention.layer_norm_rms_epsilon")?.map_or(1e-6, |v| v as f32),
+        rope_theta: number("rope.freq_base")?.map_or(10000.0, |v| v as f32),
+        rope_local_theta: 10000.0,
+        rope_scale,
+        // llama.cpp permutes llama q/k rows for the interleaved rotary layout;
+        // qwen and gemma GGUFs keep the half-split (NeoX) layout.
+        rope_traditional: family == Family::Llama,
+        tie_word_embeddings: true,
+        sliding_window: if is_gemma {
+            number("attention.sliding_window")?.map(|v| v as usize)
+        } else {
+            None
+        },
+        sliding_window_pattern: 6,
+        query_pre_attn_scalar: if is_gemma {
+            Some(head_dim as f32)
+        } else {
+            None
+        },
+        // llama.cpp stores Gemma norms as 1 + w already.
+        norm_weight_offset: 0.0,
+        quantization: None,
+    })
+}

@@ -1,0 +1,306 @@
+//! The decoder forward pass shared by llama, qwen2/3 and gemma3, on MLX ops.
+//!
+//! Batching: a step takes B sequences of the same length L. The projections
+//! and MLP run on the whole `[B, L, hidden]` batch (one matmul per weight);
+//! RoPE and attention run per sequence, since each has its own cache length.
+
+use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
+use mlx_rs::nn::{gelu_approximate, silu};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{add, concatenate, multiply};
+use mlx_rs::{Array, Dtype};
+
+use super::LoadError;
+use super::config::{Family, ModelConfig};
+use super::kv_cache::KvCache;
+use super::weights::{Embedding, Linear, MlxResult, WeightMap};
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Qwen3 / Gemma3 normalise queries and keys per head before RoPE.
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+struct Block {
+    input_norm: Array,
+    attention: Attention,
+    /// Gemma3: norm of the attention output before the residual add.
+    post_attention_norm: Option<Array>,
+    /// Norm before the MLP (llama's `post_attention_layernorm`).
+    pre_mlp_norm: Array,
+    mlp: Mlp,
+    /// Gemma3: norm of the MLP output before the residual add.
+    post_mlp_norm: Option<Array>,
+    sliding_window: Option<usize>,
+    rope_theta: f32,
+}
+
+/// A loaded decoder-only transformer.
+pub struct Transformer {
+    pub config: ModelConfig,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    final_norm: Array,
+    lm_head: Option<Linear>,
+}
+
+impl Transformer {
+    /// Assembles the model from `weights`, checking every tensor's shape.
+    /// `from_gguf` selects llama.cpp's naming of Gemma's norms.
+    pub fn build(
+        config: ModelConfig,
+        weights: &mut WeightMap,
+        from_gguf: bool,
+    ) -> Result<Transformer, LoadError> {
+        let c = &config;
+        let (h, q_dim, kv_dim) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let offset = c.norm_weight_offset;
+        let gemma = c.family == Family::Gemma3;
+        let embed = weights.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
+        let mut blocks = Vec::with_capacity(c.layers);
+        for layer in 0..c.layers {
+            let p = format!("model.layers.{layer}");
+            let has_qk_norm = matches!(c.family, Family::Qwen3 | Family::Gemma3);
+            let qk_norm =
+                |weights: &mut WeightMap, which: &str| -> Result<Option<Array>, LoadError> {
+                    if has_qk_norm {
+                        Ok(Some(weights.vector(
+                            &format!("{p}.self_attn.{which}.weight"),
+                            c.head_dim,
+                            offset,
+                        )?))
+                    } else {
+                        Ok(None)
+                    }
+                };
+            let attention = Attention {
+                q_proj: weights.linear(&format!("{p}.self_attn.q_proj"), q_dim, h)?,
+                k_proj: weights.linear(&format!("{p}.self_attn.k_proj"), kv_dim, h)?,
+                v_proj: weights.linear(&format!("{p}.self_attn.v_proj"), kv_dim, h)?,
+                o_proj: weights.linear(&format!("{p}.self_attn.o_proj"), h, q_dim)?,
+                q_norm: qk_norm(weights, "q_norm")?,
+                k_norm: qk_norm(weights, "k_norm")?,
+            };
+            let mlp = Mlp {
+                gate_proj: weights.linear(&format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
+                up_proj: weights.linear(&format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
+                down_proj: weights.linear(&format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
+            };
+            // Gemma's four norms; llama.cpp names them differently in GGUF.
+            let (post_attn, pre_mlp, post_mlp) = match (gemma, from_gguf) {
+                (true, false) => (
+                    Some("post_attention_layernorm"),
+                    "pre_feedforward_layernorm",
+                    Some("post_feedforward_layernorm"),
+                ),
+                (true, true) => (
+                    Some("gemma_post_attention_layernorm"),
+                    "post_attention_layernorm",
+                    Some("post_feedforward_layernorm"),
+                ),
+                (false, _) => (None, "post_attention_layernorm", None),
+            };
+            let mut norm = |name: &str| weights.vector(&format!("{p}.{name}.weight"), h, offset);
+            let input_norm = norm("input_layernorm")?;
+            let post_attention_norm = post_attn.map(&mut norm).transpose()?;
+            let pre_mlp_norm = norm(pre_mlp)?;
+            let post_mlp_norm = post_mlp.map(&mut norm).transpose()?;
+            let sliding = c.is_sliding(layer);
+            blocks.push(Block {
+                input_norm,
+                attention,
+                post_attention_norm,
+                pre_mlp_norm,
+                mlp,
+                post_mlp_norm,
+                sliding_window: if sliding { c.sliding_window } else { None },
+                rope_theta: if sliding {
+                    c.rope_local_theta
+                } else {
+                    c.rope_theta
+                },
+            });
+        }
+        let final_norm = weights.vector("model.norm.weight", h, offset)?;
+        let lm_head = if weights.contains("lm_head.weight") {
+            Some(weights.linear("lm_head", c.vocab_size, h)?)
+        } else if c.tie_word_embeddings || from_gguf {
+            None
+        } else {
+            return Err(LoadError::MissingTensor("lm_head.weight".into()));
+        };
+        Ok(Transformer {
+            config,
+            embed,
+            blocks,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    /// A fresh cache shaped for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.blocks.iter().map(|b| b.sliding_window))
+    }
+
+    /// Runs `tokens` (B sequences of equal length) through the model, extending
+    /// each sequence's cache; returns logits of each sequence's last position,
+    /// `[B, vocab]`, as float32.
+    pub fn forward(&self, tokens: &[&[u32]], caches: &mut [&mut KvCache]) -> MlxResult<Array> {
+        let batch = tokens.len() as i32;
+        let length = tokens.first().map_or(0, |t| t.len()) as i32;
+        let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+        let ids = Array::from_slice(&flat, &[batch, length]);
+        let mut x = self.embed.lookup(&ids)?;
+        if self.config.family == Family::Gemma3 {
+            let scale =
+                Array::from_f32((self.config.hidden_size as f32).sqrt()).as_dtype(x.dtype())?;
+            x = multiply(&x, &scale)?;
+        }
+        let eps = self.config.rms_norm_eps;
+        for (index, block) in self.blocks.iter().enumerate() {
+            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
+            let mut attended = self.attention(block, index, &normed, caches)?;
+            if let Some(norm) = &block.post_attention_norm {
+                attended = rms_norm(&attended, Some(norm), eps)?;
+            }
+            x = add(&x, &attended)?;
+            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
+            let mut mlp = self.mlp(&block.mlp, &normed)?;
+            if let Some(norm) = &block.post_mlp_norm {
+                mlp = rms_norm(&mlp, Some(norm), eps)?;
+            }
+            x = add(&x, &mlp)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.offset += length as usize;
+            for layer in &mut cache.layers {
+                layer.trim()?;
+            }
+        }
+        let last = x.index((.., length - 1, ..));
+        let last = rms_norm(&last, Some(&self.final_norm), eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&last)?,
+            None => self.embed.as_logits(&last)?,
+        };
+        logits.as_dtype(Dtype::Float32)
+    }
+
+    fn mlp(&self, mlp: &Mlp, x: &Array) -> MlxResult<Array> {
+        let gate = mlp.gate_proj.forward(x)?;
+        let activated = match self.config.family {
+            Family::Gemma3 => gelu_approximate(&gate)?,
+            _ => silu(&gate)?,
+        };
+        let up = mlp.up_proj.forward(x)?;
+        mlp.down_proj.forward(&multiply(&activated, &up)?)
+    }
+
+    fn attention(
+        &self,
+        block: &Block,
+        layer: usize,
+        x: &Array,
+        caches: &mut [&mut KvCache],
+    ) -> MlxResult<Array> {
+        let c = &self.config;
+        let shape = x.shape();
+        let (batch, length) = (shape[0], shape[1]);
+        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let a = &block.attention;
+        // [B, L, heads, head_dim] -> [B, heads, L, head_dim]
+        let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
+            let mut y = y.reshape(&[batch, length, n, head_dim])?;
+            if let Some(norm) = norm {
+                y = rms_norm(&y, Some(norm), c.rms_norm_eps)?;
+            }
+            y.transpose_axes(&[0, 2, 1, 3])
+        };
+        let queries = split(a.q_proj.forward(x)?, heads, &a.q_norm)?;
+        let keys = split(a.k_proj.forward(x)?, kv_heads, &a.k_norm)?;
+        let values = split(a.v_proj.forward(x)?, kv_heads, &None)?;
+        let scale = match c.query_pre_attn_scalar {
+            Some(scalar) => scalar.powf(-0.5),
+            None => (c.head_dim as f32).powf(-0.5),
+        };
+        let mut outputs = Vec::with_capacity(batch as usize);
+        for (b, cache) in caches.iter_mut().enumerate() {
+            let b = b as i32;
+            let offset = cache.offset as i32;
+            let rotate = |y: Array| {
+                rope(
+                    y,
+                    head_dim,
+                    c.rope_traditional,
+                    block.rope_theta,
+                    c.rope_scale,
+                    offset,
+                    None,
+                )
+            };
+            let q = rotate(queries.index(b..b + 1))?;
+            let k = rotate(keys.index(b..b + 1))?;
+            let v = values.index(b..b + 1);
+            let layer_cache = &mut cache.layers[layer];
+            let cached_start = layer_cache.start;
+            let (k, v) = layer_cache.append(k, v)?;
+            let key_count = k.shape()[2] as usize;
+            let window_mask;
+            let mask = if length == 1 {
+                None
+            } else if let Some(window) = block.sliding_window.filter(|&w| key_count > w) {
+                window_mask = sliding_mask(
+                    offset as usize,
+                    length as usize,
+                    cached_start,
+                    key_count,
+                    window,
+                );
+                Some(ScaledDotProductAttentionMask::Array(&window_mask))
+            } else {
+                Some(ScaledDotProductAttentionMask::Causal)
+            };
+            outputs.push(scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?);
+        }
+        let attended = if outputs.len() == 1 {
+            outputs.pop().expect("one output")
+        } else {
+            concatenate(&outputs, 0)?
+        };
+        let merged =
+            attended
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[batch, length, heads * head_dim])?;
+        a.o_proj.forward(&merged)
+    }
+}
+
+/// Boolean `[queries, keys]` mask: causal and within `window` positions.
+fn sliding_mask(
+    first_query: usize,
+    queries: usize,
+    first_key: usize,
+    keys: usize,
+    window: usize,
+) -> Array {
+    let mut allowed = Vec::with_capacity(queries * keys);
+    for i in 0..queries {
+        let q = first_query + i;
+        for j in 0..keys {
+            let k = first_key + j;
+            allowed.push(k <= q && k + window > q);
+        }
+    }
+    Array::from_slice(&allowed, &[queries as i32, keys as i32])
+}

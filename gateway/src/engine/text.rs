@@ -1,0 +1,338 @@
+//! Text in and out of the model: the tokenizer (from `tokenizer.json` or
+//! built from GGUF metadata), the chat template (rendered with minijinja, with
+//! the helpers Hugging Face templates call) and end-of-sequence ids.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use minijinja::{Environment, Error as TemplateError, ErrorKind, context};
+use mlx_rs::io::GgufFile;
+use serde_json::{Value, json};
+use tokenizers::Tokenizer;
+
+use super::api::ChatMessage;
+use super::model::LoadError;
+
+/// Everything text-related a model needs.
+pub struct TextCodec {
+    tokenizer: Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    bos_id: Option<u32>,
+    /// Prepend BOS to prompts that lack it.
+    add_bos: bool,
+    /// Any of these ends generation.
+    pub eos_ids: Vec<u32>,
+}
+
+impl TextCodec {
+    /// From `tokenizer.json` + `tokenizer_config.json` (+ `generation_config.json`) in `dir`.
+    pub fn from_hf_dir(dir: &Path, config_eos: &[u32]) -> Result<TextCodec, LoadError> {
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| {
+            LoadError::Tokenizer(format!("{}: {e}", dir.join("tokenizer.json").display()))
+        })?;
+        let read_json = |name: &str| -> Value {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or(Value::Null)
+        };
+        let config = read_json("tokenizer_config.json");
+        let token_text = |key: &str| match config.get(key) {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+            _ => None,
+        };
+        let (bos_token, eos_token) = (token_text("bos_token"), token_text("eos_token"));
+        let mut eos_ids: Vec<u32> = config_eos.to_vec();
+        eos_ids.extend(eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)));
+        eos_ids.extend(ids_of(&read_json("generation_config.json")["eos_token_id"]));
+        let chat_template = match config.get("chat_template") {
+            Some(Value::String(t)) => Some(t.clone()),
+            // Newer files hold a list of named templates; "default" is the chat one.
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or(list.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
+        Ok(TextCodec::assemble(TextCodec {
+            bos_id: bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)),
+            add_bos: config
+                .get("add_bos_token")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            tokenizer,
+            chat_template,
+            bos_token,
+            eos_token,
+            eos_ids,
+        }))
+    }
+
+    /// From a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE models).
+    pub fn from_gguf(file: &GgufFile) -> Result<TextCodec, LoadError> {
+        let err = |e: mlx_rs::io::GgufError| LoadError::Tokenizer(e.to_string());
+        let model = file
+            .get_metadata_string("tokenizer.ggml.model")
+            .map_err(err)?
+            .unwrap_or_default();
+        if model != "gpt2" {
+            return Err(LoadError::Tokenizer(format!(
+                "GGUF tokenizer model `{model}` is not supported yet (byte-level BPE `gpt2` is); put a tokenizer.json next to the model"
+            )));
+        }
+        let tokens = file
+            .get_metadata_strings("tokenizer.ggml.tokens")
+            .map_err(err)?
+            .unwrap_or_default();
+        let merges = file
+            .get_metadata_strings("tokenizer.ggml.merges")
+            .map_err(err)?
+            .unwrap_or_default();
+        let types: Vec<i32> = match file
+            .get_metadata_array("tokenizer.ggml.token_type")
+            .map_err(err)?
+        {
+            Some(array) => array
+                .as_dtype(mlx_rs::Dtype::Int32)
+                .map(|a| a.as_slice::<i32>().to_vec())
+                .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
+            None => Vec::new(),
+        };
+        let pre = file
+            .get_metadata_string("tokenizer.ggml.pre")
+            .map_err(err)?
+            .unwrap_or_default();
+        let json = bpe_tokenizer_json(&tokens, &merges, &types, &pre);
+        let tokenizer = Tokenizer::from_str(&json.to_string())
+            .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        let id = |key: &str| -> Result<Option<u32>, LoadError> {
+            Ok(file
+                .get_metadata_array(key)
+                .map_err(err)?
+                .and_then(|a| a.as_dtype(mlx_rs::Dtype::Int64).ok())
+                .map(|a| a.item_cast::<i64>() as u32))
+        };
+        let (bos_id, eos_id) = (
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+        );
+        let add_bos = match file
+            .get_metadata_array("tokenizer.ggml.add_bos_token")
+            .map_err(err)?
+        {
+            Some(flag) => flag
+                .as_dtype(mlx_rs::Dtype::Int32)
+                .map(|a| a.item_cast::<i32>() != 0)
+                .unwrap_or(false),
+            None => false,
+        };
+        let text_of = |id: Option<u32>| id.and_then(|id| tokens.get(id as usize).cloned());
+        Ok(TextCodec::assemble(TextCodec {
+            bos_token: text_of(bos_id),
+            eos_token: text_of(eos_id),
+            chat_template: file
+                .get_metadata_string("tokenizer.chat_template")
+                .map_err(err)?,
+            tokenizer,
+            bos_id,
+            add_bos,
+            eos_ids: eos_id.into_iter().collect(),
+        }))
+    }
+
+    /// Adds the end-of-turn tokens chat models stop on, deduplicated.
+    fn assemble(mut codec: TextCodec) -> TextCodec {
+        for marker in [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "<end_of_turn>",
+            "<eos>",
+        ] {
+            if let Some(id) = codec.tokenizer.token_to_id(marker) {
+                codec.eos_ids.push(id);
+            }
+        }
+        codec.eos_ids.sort_unstable();
+        codec.eos_ids.dedup();
+        codec
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Token ids for a prompt (special tokens written in the text are honoured).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| e.to_string())?;
+        let mut ids = encoding.get_ids().to_vec();
+        if let Some(bos) = self.bos_id.filter(|_| self.add_bos)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true).unwrap_or_default()
+    }
+
+    /// Text of one token as the vocabulary spells it (for logprobs).
+    pub fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// Renders the chat template with a generation prompt appended.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or("this model has no chat template; use /v1/completions")?;
+        let mut env = Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // Hugging Face renders chat templates with both of these on.
+        if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+        {
+            env.set_syntax(syntax);
+        }
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, TemplateError> {
+                Err(TemplateError::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_function("strftime_now", |format: String| strftime_now(&format));
+        let rendered = env
+            .render_str(
+                template,
+                context! {
+                    messages => messages.iter().map(|m| context! { role => m.role.clone(), content => m.content.clone() }).collect::<Vec<_>>(),
+                    add_generation_prompt => true,
+                    bos_token => self.bos_token.clone().unwrap_or_default(),
+                    eos_token => self.eos_token.clone().unwrap_or_default(),
+                    tools => minijinja::Value::from(()),
+                },
+            )
+            .map_err(|e| match e.detail() {
+                Some(detail) => detail.to_owned(),
+                None => e.to_string(),
+            })?;
+        Ok(rendered)
+    }
+}
+
+/// A few templates print today's date; plain UTC formatting of the common codes.
+fn strftime_now(format: &str) -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    format
+        .replace("%Y", &year.to_string())
+        .replace("%m", &format!("{month:02}"))
+        .replace("%d", &format!("{day:02}"))
+        .replace("%B", MONTHS[(month - 1) as usize])
+        .replace("%b", &MONTHS[(month - 1) as usize][..3])
+}
+
+fn ids_of(value: &Value) -> Vec<u32> {
+    match value {
+        Value::Number(n) => n.as_u64().map(|v| v as u32).into_iter().collect(),
+        Value::Array(list) => list
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|v| v as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Qwen2's pre-tokenizer split (as published in its tokenizer.json).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A `tokenizer.json` for a byte-level BPE vocabulary from GGUF metadata.
+/// `pre` is llama.cpp's pre-tokenizer name (`tokenizer.ggml.pre`).
+fn bpe_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32], pre: &str) -> Value {
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, token)| (token.clone(), json!(id)))
+        .collect();
+    let merges: Vec<Value> = merges
+        .iter()
+        .filter_map(|m| m.split_once(' '))
+        .map(|(a, b)| json!([a, b]))
+        .collect();
+    // llama.cpp token types: 3 = control, 4 = user-defined; both match whole.
+    let added: Vec<Value> = types
+        .iter()
+        .enumerate()
+        .filter(|(_, kind)| matches!(kind, 3 | 4))
+        .map(|(id, kind)| {
+            json!({"id": id, "content": tokens[id], "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": *kind == 3})
+        })
+        .collect();
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let (normalizer, pre_tokenizer) = match pre {
+        "smollm" => (
+            Value::Null,
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        ),
+        "qwen2" => (
+            json!({"type": "NFC"}),
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
+                byte_level(false)]}),
+        ),
+        _ => (Value::Null, byte_level(true)),
+    };
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": byte_level(true),
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges}
+    })
+}
