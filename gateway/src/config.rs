@@ -43,6 +43,8 @@ pub struct FileConfig {
     pub test_routes: Option<bool>,
     #[serde(default)]
     pub keys: Vec<ApiKey>,
+    #[serde(default)]
+    pub jobs: crate::jobs::JobsConfig,
 }
 
 /// Values from flags or the environment; `None` means "not given".
@@ -68,6 +70,8 @@ pub struct Config {
     pub test_routes: bool,
     /// Configured keys plus the bootstrap admin key, if any.
     pub keys: Vec<ApiKey>,
+    /// The `[jobs]` section.
+    pub jobs: crate::jobs::JobsConfig,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +184,7 @@ impl Config {
             allow_open_inference: file.allow_open_inference.unwrap_or(false),
             test_routes: file.test_routes.unwrap_or(false),
             keys,
+            jobs: file.jobs,
         }
     }
 

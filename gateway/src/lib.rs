@@ -9,5 +9,6 @@ pub mod config;
 pub mod engine;
 pub mod fixtures;
 pub mod http;
+pub mod jobs;
 pub mod mlx;
 pub mod policy;

@@ -61,6 +61,9 @@ enum Command {
     /// Dataset tools: run a dataset-transform policy over a JSONL file.
     #[command(subcommand)]
     Dataset(mlxgate::policy::cli::DatasetCommand),
+    /// Background jobs on a running gateway: submit, list, show, watch, cancel.
+    #[command(subcommand)]
+    Jobs(mlxgate::jobs::cli::JobsCommand),
 }
 
 const SERVE_EXAMPLE: &str = "\
@@ -234,6 +237,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Policy(cmd) => mlxgate::policy::cli::run_policy(cmd),
         Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
+        Command::Jobs(cmd) => mlxgate::jobs::cli::run(cmd),
         Command::Doctor(args) => {
             // Report on the setup even where serving would be refused.
             let config = args.resolve_unvalidated()?;

@@ -28,6 +28,14 @@ pub enum ApiError {
     #[error("The model '{0}' does not exist")]
     ModelNotFound(String),
 
+    /// Some other resource is missing; `code` says what (`job_not_found`).
+    #[error("{message}")]
+    NotFound { message: String, code: &'static str },
+
+    /// The resource's state forbids the request (`job_finished`).
+    #[error("{message}")]
+    Conflict { message: String, code: &'static str },
+
     #[error("We could not parse the JSON body of your request: {0}")]
     InvalidJson(String),
 
@@ -71,7 +79,8 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         use ApiError::*;
         match self {
-            UnknownRoute { .. } | ModelNotFound(_) => StatusCode::NOT_FOUND,
+            UnknownRoute { .. } | ModelNotFound(_) | NotFound { .. } => StatusCode::NOT_FOUND,
+            Conflict { .. } => StatusCode::CONFLICT,
             MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             InvalidJson(_) | InvalidRequest { .. } | BodyRead(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -88,7 +97,8 @@ impl ApiError {
         match self {
             // OpenAI reports bad or missing keys as invalid requests.
             MissingApiKey | InvalidApiKey => "invalid_request_error",
-            UnknownRoute { .. } | ModelNotFound(_) => "not_found_error",
+            UnknownRoute { .. } | ModelNotFound(_) | NotFound { .. } => "not_found_error",
+            Conflict { .. } => "conflict_error",
             MethodNotAllowed { .. }
             | InvalidJson(_)
             | InvalidRequest { .. }
@@ -107,6 +117,7 @@ impl ApiError {
             MethodNotAllowed { .. } => "method_not_allowed",
             ModelNotFound(_) => "model_not_found",
             InvalidJson(_) => "invalid_json",
+            NotFound { code, .. } | Conflict { code, .. } => code,
             InvalidRequest { .. } => "invalid_request",
             BodyTooLarge { .. } => "request_too_large",
             BodyRead(_) => "body_read_failed",

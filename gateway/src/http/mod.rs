@@ -26,6 +26,7 @@ pub mod auth;
 pub mod body;
 pub mod error;
 mod handlers;
+pub mod jobs;
 pub mod metrics;
 
 use std::convert::Infallible;
@@ -104,6 +105,7 @@ impl AppState {
         let keys = KeyStore::new(config.keys.clone());
         let mut table = routes();
         table.extend(admin_policies::routes());
+        table.extend(jobs::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }
@@ -466,6 +468,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
             source,
         })?;
     let state = AppState::new(config);
+    jobs::start(&state);
     state.load_model_in_background(load);
     run(listener, state, shutdown_signal()).await;
     Ok(())

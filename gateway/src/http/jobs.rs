@@ -1,0 +1,249 @@
+//! The jobs API under `/api/` (the dispatcher requires the `jobs` scope):
+//!
+//! - `POST /api/jobs` `{kind, config}` -> 201 with the row. `dataset`,
+//!   `quantize` and `finetune` also need the `admin` scope.
+//! - `GET /api/jobs?status=&kind=&limit=&cursor=` -> `{data, next_cursor}`,
+//!   newest first.
+//! - `GET /api/jobs/{id}` -> the row.
+//! - `GET /api/jobs/{id}/events` -> server-sent events: the stored events
+//!   from the start, then live ones until `done`/`failed`/`cancelled`. Each
+//!   has `id: <seq>`; a `Last-Event-ID` header (or `?after=<seq>`) resumes
+//!   after that event.
+//! - `DELETE /api/jobs/{id}` -> cancels; 409 once the job has finished.
+//!
+//! One [`Jobs`] service per data dir per process, opened by [`start`] when
+//! the server starts (which also recovers rows of a previous process) or on
+//! first use.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::auth::{Caller, Scope};
+use super::body::{self, Body, BoxError, ReqBody};
+use super::{ApiError, AppState, Ctx, Route};
+use crate::jobs::{Filter, Followed, JobError, JobKind, JobStatus, Jobs, Page, PolicyProvider};
+
+type HandlerResult = Result<Response<Body>, ApiError>;
+
+/// The jobs routes; `AppState::new` extends the table with these.
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::GET, "/api/jobs", |cx, req| Box::pin(list(cx, req))),
+        Route::new(Method::POST, "/api/jobs", |cx, req| {
+            Box::pin(submit(cx, req))
+        }),
+        Route::new(Method::DELETE, "/api/jobs/{id}", |cx, req| {
+            Box::pin(cancel(cx, req))
+        }),
+        Route::new(Method::GET, "/api/jobs/{id}", |cx, req| {
+            Box::pin(get(cx, req))
+        }),
+        Route::new(Method::GET, "/api/jobs/{id}/events", |cx, req| {
+            Box::pin(events(cx, req))
+        }),
+    ]
+}
+
+fn services() -> &'static Mutex<HashMap<PathBuf, Arc<Jobs>>> {
+    static SERVICES: OnceLock<Mutex<HashMap<PathBuf, Arc<Jobs>>>> = OnceLock::new();
+    SERVICES.get_or_init(Default::default)
+}
+
+/// The jobs service of `state`'s data dir, opened (and recovered) once.
+/// Must run inside the tokio runtime: recovery schedules queued jobs.
+pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
+    let dir = &state.config.data_dir;
+    let _ = std::fs::create_dir_all(dir);
+    let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+    let mut map = services().lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(j) = map.get(&key) {
+        return Ok(Arc::clone(j));
+    }
+    let data_dir: PathBuf = dir.clone();
+    let policies: PolicyProvider = Arc::new(move || {
+        super::admin_policies::open_host(Path::new(&data_dir)).map_err(|e| e.to_string())
+    });
+    let jobs = Jobs::open(dir, state.config.jobs.clone(), Some(policies))?;
+    jobs.start()?;
+    map.insert(key, Arc::clone(&jobs));
+    Ok(jobs)
+}
+
+/// Opens the jobs service at server start, so that rows of a previous
+/// process are recovered (and queued ones re-run) before any request.
+pub fn start(state: &AppState) {
+    if let Err(e) = service(state) {
+        tracing::error!(error = %e, "the jobs service cannot start; /api/jobs will answer 500");
+    }
+}
+
+fn api_error(e: JobError) -> ApiError {
+    match e {
+        JobError::Config(c) => ApiError::InvalidRequest {
+            message: c.message,
+            param: Some(c.param),
+        },
+        JobError::NotFound(id) => ApiError::NotFound {
+            message: format!("No job `{id}`"),
+            code: "job_not_found",
+        },
+        e @ JobError::Finished { .. } => ApiError::Conflict {
+            message: e.to_string(),
+            code: "job_finished",
+        },
+        e @ (JobError::Ledger(_) | JobError::Internal(_)) => {
+            tracing::error!(error = %e, "jobs service");
+            ApiError::Internal(format!("jobs service: {e}"))
+        }
+    }
+}
+
+fn jobs(cx: &Ctx) -> Result<Arc<Jobs>, ApiError> {
+    service(&cx.state).map_err(api_error)
+}
+
+fn bad(param: &str, message: String) -> ApiError {
+    ApiError::InvalidRequest {
+        message,
+        param: Some(param.to_owned()),
+    }
+}
+
+/// `a=b&c=d`; the values this API takes are plain tokens, so a value with
+/// `%` escapes is simply refused by the parsers below.
+fn query(req: &Request<ReqBody>) -> HashMap<String, String> {
+    req.uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+#[derive(Deserialize)]
+struct SubmitBody {
+    kind: Option<Value>,
+    #[serde(default)]
+    config: Value,
+}
+
+async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let caller = req.extensions().get::<Caller>().cloned();
+    let b: SubmitBody = body::read_json(req).await?;
+    let kind: JobKind = match b.kind {
+        Some(Value::String(s)) => s.parse().map_err(|e: String| bad("kind", e))?,
+        Some(_) => return Err(bad("kind", "`kind` must be a string".into())),
+        None => return Err(bad("kind", "`kind` is required".into())),
+    };
+    if kind.needs_admin() {
+        let is_admin = caller.as_ref().is_some_and(|c| c.has(Scope::Admin));
+        if !is_admin {
+            return Err(ApiError::InsufficientScope {
+                key_id: caller.map_or_else(|| "anonymous".into(), |c| c.key_id),
+                scope: Scope::Admin,
+            });
+        }
+    }
+    let row = jobs(&cx)?
+        .submit(kind, b.config, caller.map(|c| c.key_id))
+        .await
+        .map_err(api_error)?;
+    body::json(StatusCode::CREATED, &row)
+}
+
+async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let q = query(&req);
+    let mut filter = Filter::default();
+    if let Some(s) = q.get("status").filter(|s| !s.is_empty()) {
+        filter.status = Some(s.parse::<JobStatus>().map_err(|e| bad("status", e))?);
+    }
+    if let Some(k) = q.get("kind").filter(|s| !s.is_empty()) {
+        filter.kind = Some(k.parse::<JobKind>().map_err(|e| bad("kind", e))?);
+    }
+    let mut page = Page::default();
+    if let Some(l) = q.get("limit") {
+        page.limit = l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=crate::jobs::ledger::MAX_PAGE).contains(n))
+            .ok_or_else(|| {
+                bad(
+                    "limit",
+                    format!("`limit` must be 1..={}", crate::jobs::ledger::MAX_PAGE),
+                )
+            })?;
+    }
+    if let Some(c) = q.get("cursor").filter(|s| !s.is_empty()) {
+        if !c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            return Err(bad("cursor", "`cursor` is not a job id".into()));
+        }
+        page.cursor = Some(c.clone());
+    }
+    let listing = jobs(&cx)?.list(filter, page).await.map_err(api_error)?;
+    body::json(StatusCode::OK, &listing)
+}
+
+fn id_param(cx: &Ctx) -> Result<String, ApiError> {
+    cx.param("id")
+        .map(str::to_owned)
+        .ok_or_else(|| ApiError::Internal("route without an id".into()))
+}
+
+async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let id = id_param(&cx)?;
+    let row = jobs(&cx)?.get(&id).await.map_err(api_error)?;
+    body::json(StatusCode::OK, &row)
+}
+
+async fn cancel(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let id = id_param(&cx)?;
+    let row = jobs(&cx)?.cancel(&id).await.map_err(api_error)?;
+    body::json(StatusCode::OK, &row)
+}
+
+async fn events(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let id = id_param(&cx)?;
+    let header = req
+        .headers()
+        .get("last-event-id")
+        .map(|v| v.to_str().unwrap_or("").trim().to_owned());
+    let after = match header.or_else(|| query(&req).get("after").cloned()) {
+        None => 0,
+        Some(s) if s.is_empty() => 0,
+        Some(s) => s
+            .parse::<u64>()
+            .map_err(|_| bad("Last-Event-ID", format!("`{s}` is not an event id")))?,
+    };
+    let stream = jobs(&cx)?.follow(&id, after).await.map_err(api_error)?;
+    let frames = stream.map(|item| {
+        let text = match item {
+            Followed::Event(e) => {
+                // Stored events are plain JSON values: this cannot fail.
+                let json = serde_json::to_string(&e).unwrap_or_default();
+                format!("id: {}\ndata: {json}\n\n", e.seq)
+            }
+            Followed::Idle => ": keep-alive\n\n".to_owned(),
+        };
+        Ok::<_, BoxError>(Frame::data(Bytes::from(text)))
+    });
+    let mut resp = Response::new(StreamBody::new(frames).boxed_unsync());
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(resp)
+}
