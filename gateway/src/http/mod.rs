@@ -28,12 +28,13 @@ pub mod error;
 mod handlers;
 pub mod jobs;
 pub mod metrics;
+pub mod models;
+pub mod openai;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +49,6 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::config::Config;
@@ -56,130 +56,36 @@ pub use auth::{Caller, KeyStore, Scope, Zone};
 pub use body::{Body, BodyLimit, BoxError, ReqBody};
 pub use error::ApiError;
 use metrics::Metrics;
+pub use models::{LoadedModel, ModelLoader, ModelRegistry, ModelState};
 
 /// State shared by all requests.
 pub struct AppState {
     pub config: Config,
     pub keys: KeyStore,
     pub metrics: Metrics,
-    /// Model readiness; `subscribe()` to wait for a change.
-    pub model: watch::Sender<ModelState>,
+    /// The configured models and their load state.
+    pub models: Arc<ModelRegistry>,
     routes: Vec<Route>,
-}
-
-/// Where model loading stands. Only `Ready` makes `/readyz` answer 200.
-#[derive(Debug, Clone)]
-pub enum ModelState {
-    Loading { path: PathBuf },
-    Ready(LoadedModel),
-    Failed { path: PathBuf, reason: String },
-}
-
-/// What a [`ModelLoader`] reports about the model it loaded.
-#[derive(Debug, Clone)]
-pub struct ModelInfo {
-    /// The id clients use (`/v1/models/{id}`, `model` in requests).
-    pub id: String,
-    pub architecture: String,
-    pub tensor_count: usize,
-}
-
-/// Loads the model file (blocking). Passed in by the binary, which wires it
-/// to `mlx::ModelSummary::load`, so this layer stays free of MLX.
-pub type ModelLoader = Box<dyn FnOnce(&Path) -> Result<ModelInfo, BoxError> + Send>;
-
-/// What the HTTP layer knows about the loaded model.
-#[derive(Debug, Clone)]
-pub struct LoadedModel {
-    pub id: String,
-    pub architecture: String,
-    pub tensor_count: usize,
-    pub path: PathBuf,
-    /// Unix seconds: the model file's modification time (the OpenAI
-    /// `created` field), or the load time if the file system has none.
-    pub created: u64,
 }
 
 impl AppState {
     pub fn new(config: Config) -> Arc<Self> {
         let keys = KeyStore::new(config.keys.clone());
         let mut table = routes();
+        table.extend(openai::routes());
         table.extend(admin_policies::routes());
         table.extend(jobs::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }
-        let model = watch::Sender::new(ModelState::Loading {
-            path: config.model.clone(),
-        });
+        let models = Arc::new(ModelRegistry::new(&config.models));
         Arc::new(AppState {
             config,
             keys,
             metrics: Metrics::default(),
-            model,
+            models,
             routes: table,
         })
-    }
-
-    pub fn loaded_model(&self) -> Option<LoadedModel> {
-        match &*self.model.borrow() {
-            ModelState::Ready(m) => Some(m.clone()),
-            _ => None,
-        }
-    }
-
-    /// Runs `load` on the configured model path on its own OS thread and
-    /// publishes the outcome in [`AppState::model`]. A plain thread rather
-    /// than `spawn_blocking`, so that shutdown never waits for a slow load.
-    pub fn load_model_in_background(self: &Arc<Self>, load: ModelLoader) {
-        let state = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name("model-load".into())
-            .spawn(move || {
-                let path = state.config.model.clone();
-                info!(path = %path.display(), "loading model");
-                let started = Instant::now();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| load(&path)));
-                let next = match result {
-                    Ok(Ok(info)) => {
-                        let created = std::fs::metadata(&path)
-                            .and_then(|m| m.modified())
-                            .unwrap_or_else(|_| SystemTime::now());
-                        let m = LoadedModel {
-                            id: info.id,
-                            architecture: info.architecture,
-                            tensor_count: info.tensor_count,
-                            path: path.clone(),
-                            created: unix_secs(created),
-                        };
-                        info!(model = %m.id, architecture = %m.architecture, tensors = m.tensor_count,
-                            elapsed_ms = started.elapsed().as_millis() as u64, "model ready");
-                        ModelState::Ready(m)
-                    }
-                    Ok(Err(e)) => {
-                        error!(path = %path.display(), error = %e, "model failed to load");
-                        ModelState::Failed {
-                            path,
-                            reason: e.to_string(),
-                        }
-                    }
-                    Err(_) => {
-                        error!(path = %path.display(), "model loader panicked");
-                        ModelState::Failed {
-                            path,
-                            reason: "the loader panicked (see the log)".into(),
-                        }
-                    }
-                };
-                state.model.send_replace(next);
-            });
-        if let Err(e) = spawned {
-            error!(error = %e, "cannot start the model loader thread");
-            self.model.send_replace(ModelState::Failed {
-                path: self.config.model.clone(),
-                reason: format!("cannot start loader thread: {e}"),
-            });
-        }
     }
 }
 
@@ -455,7 +361,7 @@ pub enum ServeError {
     },
 }
 
-/// Binds, starts loading the model with `load`, and serves until
+/// Binds, starts loading the models with `load`, and serves until
 /// SIGINT/SIGTERM.
 pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> {
     let (host, port) = (config.host.clone(), config.port);
@@ -469,7 +375,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
         })?;
     let state = AppState::new(config);
     jobs::start(&state);
-    state.load_model_in_background(load);
+    state.models.load_in_background(load);
     run(listener, state, shutdown_signal()).await;
     Ok(())
 }

@@ -1,0 +1,63 @@
+//! `POST /v1/chat/completions`.
+
+use http::{Request, StatusCode};
+use serde_json::Value;
+
+use super::engine::Prompt;
+use super::sse::{self, Framer, Kind};
+use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
+use super::{HandlerResult, collect, events, generate_request, now_secs, validate};
+use crate::http::body::{self, ReqBody};
+use crate::http::routing::{self, Routed};
+use crate::http::{ApiError, Ctx};
+
+pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    // Routing first: a router policy may send this request upstream or refuse it.
+    let json: Value = match routing::dispatch(&cx, req).await? {
+        Routed::Local(json) => json,
+        Routed::Proxied(resp) => return Ok(resp),
+    };
+    let chat = validate::chat_request(&json)?;
+    let model = cx.state.models.resolve(&chat.common.model)?;
+    let engine_err = |e| ApiError::from_engine(e, "messages");
+    let prompt = model
+        .engine
+        .render_chat(&chat.messages)
+        .map_err(engine_err)?;
+    let request = generate_request(Prompt::Text(prompt), &chat.common, &model)?;
+    let stream = model.engine.generate(request).map_err(engine_err)?;
+
+    let id = format!("chatcmpl-{}", cx.request_id);
+    let created = now_secs();
+    let logprobs = chat.common.logprobs.is_some();
+    if chat.common.stream {
+        let mut framer = Framer::new(Kind::Chat, id, created, model.id);
+        framer.include_usage = chat.common.include_usage;
+        framer.logprobs = logprobs;
+        return Ok(sse::response(framer, events(stream)));
+    }
+    let done = collect(events(stream), logprobs)
+        .await
+        .map_err(engine_err)?;
+    body::json(
+        StatusCode::OK,
+        &ChatCompletion {
+            id,
+            object: "chat.completion",
+            created,
+            model: model.id,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: done.text,
+                    refusal: None,
+                },
+                logprobs: logprobs.then(|| ChatLogprobs::of(&done.tokens)),
+                finish_reason: done.reason.as_str(),
+            }],
+            usage: done.usage.into(),
+            system_fingerprint: super::system_fingerprint(),
+        },
+    )
+}

@@ -1,0 +1,59 @@
+//! `POST /v1/completions` (the legacy text completion API).
+
+use http::{Request, StatusCode};
+use serde_json::Value;
+
+use super::sse::{self, Framer, Kind};
+use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
+use super::{HandlerResult, collect, events, generate_request, now_secs, validate};
+use crate::http::body::{self, ReqBody};
+use crate::http::routing::{self, Routed};
+use crate::http::{ApiError, Ctx};
+
+pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    // Routing first: a router policy may send this request upstream or refuse it.
+    let json: Value = match routing::dispatch(&cx, req).await? {
+        Routed::Local(json) => json,
+        Routed::Proxied(resp) => return Ok(resp),
+    };
+    let completion = validate::completion_request(&json)?;
+    let model = cx.state.models.resolve(&completion.common.model)?;
+    let engine_err = |e| ApiError::from_engine(e, "prompt");
+    let request = generate_request(completion.prompt, &completion.common, &model)?;
+    let stream = model.engine.generate(request).map_err(engine_err)?;
+
+    let id = format!("cmpl-{}", cx.request_id);
+    let created = now_secs();
+    let logprobs = completion.common.logprobs.is_some();
+    if completion.common.stream {
+        let mut framer = Framer::new(Kind::Completion, id, created, model.id);
+        framer.include_usage = completion.common.include_usage;
+        framer.logprobs = logprobs;
+        return Ok(sse::response(framer, events(stream)));
+    }
+    let done = collect(events(stream), logprobs)
+        .await
+        .map_err(engine_err)?;
+    let fingerprint = super::system_fingerprint();
+    body::json(
+        StatusCode::OK,
+        &TextCompletion {
+            id: &id,
+            object: "text_completion",
+            created,
+            model: &model.id,
+            system_fingerprint: &fingerprint,
+            choices: vec![TextChoice {
+                text: done.text,
+                index: 0,
+                logprobs: logprobs.then(|| {
+                    let mut l = CompletionLogprobs::default();
+                    l.push(&done.tokens, &mut 0);
+                    l
+                }),
+                finish_reason: Some(done.reason.as_str()),
+            }],
+            usage: Some(Some(done.usage.into())),
+        },
+    )
+}

@@ -1,0 +1,186 @@
+//! The OpenAI inference API: `POST /v1/chat/completions` and
+//! `POST /v1/completions`, whole or streamed as server-sent events.
+//!
+//! Handlers stay thin: [`validate`] turns the JSON body into a checked
+//! request (400s name the offending field), the model registry finds the
+//! engine (404 unknown, 503 still loading), the engine generates, and
+//! [`types`] / [`sse`] shape the answer. Every error goes through
+//! [`ApiError`](crate::http::ApiError).
+
+pub mod chat;
+pub mod completions;
+pub mod sse;
+pub mod types;
+pub mod validate;
+
+pub use crate::engine;
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use futures_util::{Stream, StreamExt};
+use http::{Method, Response};
+
+use crate::engine::{
+    EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
+    TokenOutput, Usage,
+};
+use crate::http::models::LoadedModel;
+use crate::http::{ApiError, Body, Route};
+
+pub type HandlerResult = Result<Response<Body>, ApiError>;
+
+/// The inference routes, for the route table.
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::POST, "/v1/chat/completions", |cx, req| {
+            Box::pin(chat::create(cx, req))
+        }),
+        Route::new(Method::POST, "/v1/completions", |cx, req| {
+            Box::pin(completions::create(cx, req))
+        }),
+    ]
+}
+
+/// The engine request for a validated body; checks what needs the model
+/// (token ids in `logit_bias` within the vocabulary).
+pub fn generate_request(
+    prompt: Prompt,
+    common: &validate::Common,
+    model: &LoadedModel,
+) -> Result<GenerateRequest, ApiError> {
+    let vocab = model.engine.card().vocab_size;
+    if let Some(id) = common
+        .sampling
+        .logit_bias
+        .keys()
+        .find(|&&id| id as usize >= vocab)
+    {
+        return Err(ApiError::InvalidParam {
+            message: format!(
+                "Invalid key in 'logit_bias': token id {id} is outside the vocabulary of `{}` ({vocab} tokens).",
+                model.id
+            ),
+            param: "logit_bias".into(),
+            code: "invalid_value",
+        });
+    }
+    Ok(GenerateRequest {
+        prompt,
+        sampling: common.sampling.clone(),
+        max_tokens: common.max_tokens,
+        stop: common.stop.clone(),
+        logprobs: common.logprobs,
+    })
+}
+
+/// The engine's stream as a `Stream`; owning it, so dropping this cancels.
+pub fn events(
+    stream: GenerationStream,
+) -> impl Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static {
+    futures_util::stream::unfold(stream, |mut s| async move {
+        let event = s.next().await?;
+        Some((event, s))
+    })
+}
+
+/// Identifies this server build in responses (`system_fingerprint`).
+pub fn system_fingerprint() -> String {
+    format!("fp_mlxgate_{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Unix seconds now, for `created`.
+pub fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A whole generation, for a non-streamed response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Collected {
+    pub text: String,
+    /// Filled only when logprobs were asked for.
+    pub tokens: Vec<TokenOutput>,
+    pub reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// Reads `events` to the end. A stream that stops without `Finished` is an
+/// internal error.
+pub async fn collect<S>(events: S, keep_tokens: bool) -> Result<Collected, EngineError>
+where
+    S: Stream<Item = Result<GenerateEvent, EngineError>>,
+{
+    let mut events = std::pin::pin!(events);
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    while let Some(event) = events.next().await {
+        match event? {
+            GenerateEvent::Delta {
+                text: t,
+                tokens: ts,
+            } => {
+                text.push_str(&t);
+                if keep_tokens {
+                    tokens.extend(ts);
+                }
+            }
+            GenerateEvent::Finished { reason, usage } => {
+                return Ok(Collected {
+                    text,
+                    tokens,
+                    reason,
+                    usage,
+                });
+            }
+        }
+    }
+    Err(EngineError::Internal(
+        "the generation ended without a finish reason".into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collect_joins_deltas() {
+        let tok = |t: &str| TokenOutput {
+            id: 1,
+            text: t.into(),
+            logprob: None,
+            top_logprobs: vec![],
+        };
+        let events = futures_util::stream::iter(vec![
+            Ok(GenerateEvent::Delta {
+                text: "a".into(),
+                tokens: vec![tok("a")],
+            }),
+            Ok(GenerateEvent::Delta {
+                text: "b".into(),
+                tokens: vec![tok("b")],
+            }),
+            Ok(GenerateEvent::Finished {
+                reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: 1,
+                    completion_tokens: 2,
+                },
+            }),
+        ]);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let c = rt.block_on(collect(events, true)).unwrap();
+        assert_eq!(c.text, "ab");
+        assert_eq!(c.tokens.len(), 2);
+        assert_eq!(c.reason, FinishReason::Length);
+
+        let cut = futures_util::stream::iter(vec![Ok(GenerateEvent::Delta {
+            text: "a".into(),
+            tokens: vec![],
+        })]);
+        assert!(rt.block_on(collect(cut, false)).is_err());
+    }
+}

@@ -1,0 +1,496 @@
+//! Server-sent events for `stream: true`: each engine event becomes one
+//! `data: {chunk}` frame as it arrives, then `data: [DONE]`.
+//!
+//! The response body owns the engine's event stream, so a client that hangs
+//! up drops the body, which drops the stream and cancels the generation.
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use serde::Serialize;
+
+use super::engine::{EngineError, FinishReason, GenerateEvent, TokenOutput, Usage};
+use super::types::{
+    ChatChunk, ChatLogprobs, ChunkChoice, CompletionLogprobs, Delta, TextChoice, TextCompletion,
+};
+use crate::http::{ApiError, Body, BoxError};
+
+/// Which endpoint's chunk shape to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+/// Turns engine events into SSE frames for one streamed response.
+#[derive(Debug)]
+pub struct Framer {
+    pub kind: Kind,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub fingerprint: String,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    /// For the error event: which field the prompt came from.
+    pub prompt_param: &'static str,
+    /// Characters generated so far (completions' `text_offset`).
+    offset: usize,
+}
+
+impl Framer {
+    pub fn new(kind: Kind, id: String, created: u64, model: String) -> Self {
+        Framer {
+            kind,
+            id,
+            created,
+            model,
+            fingerprint: super::system_fingerprint(),
+            include_usage: false,
+            logprobs: false,
+            prompt_param: match kind {
+                Kind::Chat => "messages",
+                Kind::Completion => "prompt",
+            },
+            offset: 0,
+        }
+    }
+
+    /// What goes out before the first event: the chat role chunk.
+    pub fn start(&mut self) -> String {
+        match self.kind {
+            Kind::Chat => self.chat_chunk(
+                Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                },
+                None,
+                None,
+            ),
+            Kind::Completion => String::new(),
+        }
+    }
+
+    /// Frames for one event, and whether the stream is over.
+    pub fn event(&mut self, event: Result<GenerateEvent, EngineError>) -> (String, bool) {
+        match event {
+            Ok(GenerateEvent::Delta { text, tokens }) => (self.delta(text, &tokens), false),
+            Ok(GenerateEvent::Finished { reason, usage }) => (self.finish(reason, usage), true),
+            Err(e) => (
+                error_frame(&ApiError::from_engine(e, self.prompt_param)),
+                true,
+            ),
+        }
+    }
+
+    /// The engine's stream ended without saying why: report it as an error.
+    pub fn cut_short(&mut self) -> String {
+        error_frame(&ApiError::Internal(
+            "the generation ended unexpectedly; the server log has details".into(),
+        ))
+    }
+
+    fn delta(&mut self, text: String, tokens: &[TokenOutput]) -> String {
+        if text.is_empty() && (tokens.is_empty() || !self.logprobs) {
+            return String::new();
+        }
+        match self.kind {
+            Kind::Chat => {
+                let logprobs = self.logprobs.then(|| ChatLogprobs::of(tokens));
+                self.chat_chunk(
+                    Delta {
+                        role: None,
+                        content: Some(text),
+                    },
+                    logprobs,
+                    None,
+                )
+            }
+            Kind::Completion => {
+                let logprobs = self.logprobs.then(|| {
+                    let mut l = CompletionLogprobs::default();
+                    l.push(tokens, &mut self.offset);
+                    l
+                });
+                if logprobs.is_none() {
+                    self.offset += text.chars().count();
+                }
+                self.text_chunk(text, logprobs, None)
+            }
+        }
+    }
+
+    fn finish(&mut self, reason: FinishReason, usage: Usage) -> String {
+        let mut out = match self.kind {
+            Kind::Chat => self.chat_chunk(Delta::default(), None, Some(reason.as_str())),
+            Kind::Completion => self.text_chunk(String::new(), None, Some(reason.as_str())),
+        };
+        if self.include_usage {
+            let usage = Some(Some(usage.into()));
+            out += &match self.kind {
+                Kind::Chat => data_frame(&ChatChunk {
+                    id: &self.id,
+                    object: "chat.completion.chunk",
+                    created: self.created,
+                    model: &self.model,
+                    system_fingerprint: &self.fingerprint,
+                    choices: Vec::new(),
+                    usage,
+                }),
+                Kind::Completion => data_frame(&TextCompletion {
+                    id: &self.id,
+                    object: "text_completion",
+                    created: self.created,
+                    model: &self.model,
+                    system_fingerprint: &self.fingerprint,
+                    choices: Vec::new(),
+                    usage,
+                }),
+            };
+        }
+        out + "data: [DONE]\n\n"
+    }
+
+    fn chat_chunk(
+        &self,
+        delta: Delta,
+        logprobs: Option<ChatLogprobs>,
+        finish_reason: Option<&'static str>,
+    ) -> String {
+        data_frame(&ChatChunk {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: &self.model,
+            system_fingerprint: &self.fingerprint,
+            choices: vec![ChunkChoice {
+                index: 0,
+                delta,
+                logprobs,
+                finish_reason,
+            }],
+            usage: self.include_usage.then_some(None),
+        })
+    }
+
+    fn text_chunk(
+        &self,
+        text: String,
+        logprobs: Option<CompletionLogprobs>,
+        finish_reason: Option<&'static str>,
+    ) -> String {
+        data_frame(&TextCompletion {
+            id: &self.id,
+            object: "text_completion",
+            created: self.created,
+            model: &self.model,
+            system_fingerprint: &self.fingerprint,
+            choices: vec![TextChoice {
+                text,
+                index: 0,
+                logprobs,
+                finish_reason,
+            }],
+            usage: self.include_usage.then_some(None),
+        })
+    }
+}
+
+fn data_frame<T: Serialize>(value: &T) -> String {
+    // Our chunk types hold only strings and numbers: serialising cannot fail.
+    let json = serde_json::to_string(value).unwrap_or_else(|_| "{}".into());
+    format!("data: {json}\n\n")
+}
+
+/// An `error` event carrying the OpenAI error JSON; the stream ends after it.
+pub fn error_frame(e: &ApiError) -> String {
+    format!(
+        "event: error\ndata: {}\n\n",
+        String::from_utf8_lossy(&e.to_json())
+    )
+}
+
+/// A `text/event-stream` response that writes each of `events` as it comes.
+/// The body owns `events`: dropping the body (client gone) drops them.
+pub fn response<S>(framer: Framer, events: S) -> Response<Body>
+where
+    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
+{
+    let frames =
+        frames(framer, events).map(|text| Ok::<_, BoxError>(Frame::data(Bytes::from(text))));
+    let mut resp = Response::new(StreamBody::new(frames).boxed_unsync());
+    *resp.status_mut() = StatusCode::OK;
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Tell buffering reverse proxies (nginx) to pass frames through at once.
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}
+
+/// The SSE text, one non-empty piece per engine event (empty pieces are
+/// skipped: an empty chunk would end a chunked HTTP body). Ends after the
+/// `Finished` event or an error, dropping `events` there.
+pub fn frames<S>(framer: Framer, events: S) -> impl Stream<Item = String> + Send + 'static
+where
+    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
+{
+    struct State<S> {
+        events: Option<std::pin::Pin<Box<S>>>,
+        framer: Framer,
+        started: bool,
+    }
+    let state = State {
+        events: Some(Box::pin(events)),
+        framer,
+        started: false,
+    };
+    futures_util::stream::unfold(state, |mut st| async move {
+        if !st.started {
+            st.started = true;
+            let first = st.framer.start();
+            if !first.is_empty() {
+                return Some((first, st));
+            }
+        }
+        loop {
+            let events = st.events.as_mut()?;
+            let (text, done) = match events.next().await {
+                Some(event) => st.framer.event(event),
+                None => (st.framer.cut_short(), true),
+            };
+            if done {
+                // Cancel/free the generation now rather than when the body goes.
+                st.events = None;
+            }
+            if !text.is_empty() {
+                return Some((text, st));
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn tok(text: &str) -> TokenOutput {
+        TokenOutput {
+            id: 7,
+            text: text.into(),
+            logprob: Some(-0.5),
+            top_logprobs: vec![(text.into(), -0.5)],
+        }
+    }
+
+    fn delta(text: &str) -> Result<GenerateEvent, EngineError> {
+        Ok(GenerateEvent::Delta {
+            text: text.into(),
+            tokens: vec![tok(text)],
+        })
+    }
+
+    fn finished(reason: FinishReason) -> Result<GenerateEvent, EngineError> {
+        Ok(GenerateEvent::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: 5,
+                completion_tokens: 2,
+            },
+        })
+    }
+
+    fn framer(kind: Kind) -> Framer {
+        Framer::new(kind, "chatcmpl-abc".into(), 1700000000, "m".into())
+    }
+
+    /// Runs `events` through the body and splits the SSE text into events:
+    /// (event name, data) pairs.
+    fn run(
+        framer: Framer,
+        events: Vec<Result<GenerateEvent, EngineError>>,
+    ) -> Vec<(String, String)> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let resp = response(framer, futures_util::stream::iter(events));
+        assert_eq!(resp.headers()[CONTENT_TYPE], "text/event-stream");
+        assert_eq!(resp.headers()[CACHE_CONTROL], "no-cache");
+        let bytes = rt.block_on(resp.into_body().collect()).unwrap().to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        assert!(text.ends_with("\n\n"), "{text:?}");
+        text.trim_end()
+            .split("\n\n")
+            .map(|ev| {
+                let mut name = String::new();
+                let mut data = String::new();
+                for line in ev.lines() {
+                    if let Some(n) = line.strip_prefix("event: ") {
+                        name = n.into();
+                    } else if let Some(d) = line.strip_prefix("data: ") {
+                        data = d.into();
+                    } else {
+                        panic!("unexpected SSE line {line:?}");
+                    }
+                }
+                (name, data)
+            })
+            .collect()
+    }
+
+    fn json_of(data: &str) -> Value {
+        serde_json::from_str(data).unwrap()
+    }
+
+    #[test]
+    fn chat_stream_role_first_then_content_then_finish_then_done() {
+        let ev = run(
+            framer(Kind::Chat),
+            vec![delta("Hel"), delta("lo"), finished(FinishReason::Length)],
+        );
+        assert_eq!(ev.len(), 5, "{ev:?}");
+        let first = json_of(&ev[0].1);
+        assert_eq!(first["object"], "chat.completion.chunk");
+        assert_eq!(first["id"], "chatcmpl-abc");
+        assert_eq!(first["model"], "m");
+        assert_eq!(first["created"], 1700000000);
+        assert_eq!(
+            first["choices"][0]["delta"],
+            json!({"role": "assistant", "content": ""})
+        );
+        assert!(first.get("usage").is_none(), "no usage key unless asked");
+        assert_eq!(
+            json_of(&ev[1].1)["choices"][0]["delta"],
+            json!({"content": "Hel"})
+        );
+        assert_eq!(json_of(&ev[1].1)["choices"][0]["logprobs"], Value::Null);
+        assert_eq!(
+            json_of(&ev[2].1)["choices"][0]["delta"],
+            json!({"content": "lo"})
+        );
+        let last = json_of(&ev[3].1);
+        assert_eq!(last["choices"][0]["delta"], json!({}));
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(ev[4], (String::new(), "[DONE]".to_owned()));
+    }
+
+    #[test]
+    fn chat_stream_usage_chunk_when_asked() {
+        let mut f = framer(Kind::Chat);
+        f.include_usage = true;
+        let ev = run(f, vec![delta("a"), finished(FinishReason::Stop)]);
+        assert_eq!(ev.len(), 5, "{ev:?}");
+        assert_eq!(json_of(&ev[0].1)["usage"], Value::Null);
+        assert!(json_of(&ev[0].1).get("usage").is_some());
+        assert_eq!(json_of(&ev[2].1)["choices"][0]["finish_reason"], "stop");
+        let usage = json_of(&ev[3].1);
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(
+            usage["usage"],
+            json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7})
+        );
+        assert_eq!(ev[4].1, "[DONE]");
+    }
+
+    #[test]
+    fn chat_stream_logprobs() {
+        let mut f = framer(Kind::Chat);
+        f.logprobs = true;
+        let ev = run(f, vec![delta("a"), finished(FinishReason::Stop)]);
+        assert_eq!(
+            json_of(&ev[1].1)["choices"][0]["logprobs"],
+            json!({"content": [{"token": "a", "logprob": -0.5, "bytes": [97],
+                "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}]})
+        );
+    }
+
+    #[test]
+    fn empty_deltas_are_skipped() {
+        let ev = run(
+            framer(Kind::Chat),
+            vec![
+                Ok(GenerateEvent::Delta {
+                    text: String::new(),
+                    tokens: vec![tok("")],
+                }),
+                finished(FinishReason::Stop),
+            ],
+        );
+        assert_eq!(ev.len(), 3, "{ev:?}");
+    }
+
+    #[test]
+    fn error_mid_stream_sends_error_event_and_stops() {
+        let ev = run(
+            framer(Kind::Chat),
+            vec![
+                delta("a"),
+                Err(EngineError::Internal("boom".into())),
+                delta("never"),
+            ],
+        );
+        assert_eq!(ev.len(), 3, "{ev:?}");
+        assert_eq!(ev[2].0, "error");
+        let e = json_of(&ev[2].1);
+        assert_eq!(e["error"]["type"], "server_error");
+        assert_eq!(e["error"]["code"], "internal_error");
+        assert!(e["error"]["message"].as_str().unwrap().contains("boom"));
+        assert!(!ev.iter().any(|(_, d)| d == "[DONE]"));
+    }
+
+    #[test]
+    fn stream_that_ends_without_finish_is_an_error() {
+        let ev = run(framer(Kind::Chat), vec![delta("a")]);
+        assert_eq!(ev.last().unwrap().0, "error");
+    }
+
+    #[test]
+    fn completion_stream_shape() {
+        let mut f = framer(Kind::Completion);
+        f.include_usage = true;
+        f.logprobs = true;
+        let ev = run(
+            f,
+            vec![delta("ab"), delta("c"), finished(FinishReason::Stop)],
+        );
+        assert_eq!(ev.len(), 5, "{ev:?}");
+        let first = json_of(&ev[0].1);
+        assert_eq!(first["object"], "text_completion");
+        assert_eq!(first["choices"][0]["text"], "ab");
+        assert_eq!(first["choices"][0]["logprobs"]["text_offset"], json!([0]));
+        assert_eq!(
+            json_of(&ev[1].1)["choices"][0]["logprobs"]["text_offset"],
+            json!([2])
+        );
+        let fin = json_of(&ev[2].1);
+        assert_eq!(fin["choices"][0]["text"], "");
+        assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+        assert_eq!(json_of(&ev[3].1)["usage"]["total_tokens"], 7);
+        assert_eq!(ev[4].1, "[DONE]");
+    }
+
+    #[test]
+    fn dropping_the_body_drops_the_events() {
+        struct Guard(std::sync::Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let guard = Guard(dropped.clone());
+        let events = futures_util::stream::pending().map(move |e| {
+            let _ = &guard;
+            e
+        });
+        let resp = response(framer(Kind::Chat), events);
+        assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+        drop(resp);
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    }
+}
