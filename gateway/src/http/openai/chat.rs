@@ -6,26 +6,25 @@ use serde_json::Value;
 use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
-use super::{HandlerResult, collect, events, generate_request, now_secs, validate};
+use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
 use crate::http::body::{self, ReqBody};
-use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
-    // Routing first: a router policy may send this request upstream or refuse it.
-    let json: Value = match routing::dispatch(&cx, req).await? {
-        Routed::Local(json) => json,
-        Routed::Proxied(resp) => return Ok(resp),
-    };
+    let json: Value = body::read_json(req).await?;
     let chat = validate::chat_request(&json)?;
     let model = cx.state.models.resolve(&chat.common.model)?;
+    let mut request = generate_request(Prompt::Text(String::new()), &chat.common, &model)?;
+    let (engine, messages) = (model.engine.clone(), chat.messages);
+    let stream = start_blocking(
+        move || {
+            request.prompt = Prompt::Text(engine.render_chat(&messages)?);
+            engine.generate(request)
+        },
+        "messages",
+    )
+    .await?;
     let engine_err = |e| ApiError::from_engine(e, "messages");
-    let prompt = model
-        .engine
-        .render_chat(&chat.messages)
-        .map_err(engine_err)?;
-    let request = generate_request(Prompt::Text(prompt), &chat.common, &model)?;
-    let stream = model.engine.generate(request).map_err(engine_err)?;
 
     let id = format!("chatcmpl-{}", cx.request_id);
     let created = now_secs();

@@ -5,22 +5,18 @@ use serde_json::Value;
 
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
-use super::{HandlerResult, collect, events, generate_request, now_secs, validate};
+use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
 use crate::http::body::{self, ReqBody};
-use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
-    // Routing first: a router policy may send this request upstream or refuse it.
-    let json: Value = match routing::dispatch(&cx, req).await? {
-        Routed::Local(json) => json,
-        Routed::Proxied(resp) => return Ok(resp),
-    };
+    let json: Value = body::read_json(req).await?;
     let completion = validate::completion_request(&json)?;
     let model = cx.state.models.resolve(&completion.common.model)?;
-    let engine_err = |e| ApiError::from_engine(e, "prompt");
     let request = generate_request(completion.prompt, &completion.common, &model)?;
-    let stream = model.engine.generate(request).map_err(engine_err)?;
+    let engine = model.engine.clone();
+    let stream = start_blocking(move || engine.generate(request), "prompt").await?;
+    let engine_err = |e| ApiError::from_engine(e, "prompt");
 
     let id = format!("cmpl-{}", cx.request_id);
     let created = now_secs();

@@ -73,6 +73,22 @@ pub fn generate_request(
     })
 }
 
+/// Runs `start` (chat template, tokenization, validation, queueing) on a
+/// blocking thread: a long prompt takes a while to tokenize and must not
+/// stall the async workers serving other requests.
+pub async fn start_blocking<F>(
+    start: F,
+    prompt_param: &'static str,
+) -> Result<GenerationStream, ApiError>
+where
+    F: FnOnce() -> Result<GenerationStream, EngineError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(start)
+        .await
+        .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
+        .map_err(|e| ApiError::from_engine(e, prompt_param))
+}
+
 /// The engine's stream as a `Stream`; owning it, so dropping this cancels.
 pub fn events(
     stream: GenerationStream,
