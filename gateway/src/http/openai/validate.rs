@@ -426,13 +426,12 @@ impl<'a> Fields<'a> {
     fn of(body: &'a Value) -> Result<Self, ApiError> {
         match body {
             Value::Object(obj) => Ok(Fields { obj }),
-            other => Err(ApiError::InvalidParam {
+            other => Err(ApiError::InvalidRequest {
                 message: format!(
                     "The request body must be a JSON object, not {}.",
                     json_kind(other)
                 ),
-                param: String::new(),
-                code: "invalid_type",
+                param: None,
             }),
         }
     }
@@ -684,7 +683,9 @@ mod tests {
     #[test]
     fn body_must_be_an_object() {
         let e = chat_request(&json!([1])).unwrap_err();
-        assert_eq!((e.status().as_u16(), e.code()), (400, "invalid_type"));
+        assert_eq!((e.status().as_u16(), e.code()), (400, "invalid_request"));
+        assert_eq!(e.param(), None);
+        assert!(e.to_string().contains("not an array"), "{e}");
     }
 
     #[test]
