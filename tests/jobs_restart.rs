@@ -72,6 +72,22 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// SIGTERM, then waits for the process to exit; returns how long it took.
+    fn sigterm(mut self) -> Duration {
+        let started = Instant::now();
+        let ok = Command::new("sh")
+            .args(["-c", &format!("kill -TERM {}", self.child.id())])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "{status}");
+        started.elapsed()
+    }
+}
+
 impl Drop for Gateway {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -174,4 +190,28 @@ fn kill_9_never_corrupts_the_ledger_or_the_logs() {
         wait_final(g.addr, ok["id"].as_str().unwrap(), T)["status"],
         "done"
     );
+}
+
+#[test]
+fn sigterm_cancels_running_jobs_and_keeps_queued_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Gateway::start(dir.path(), "concurrency = { noop = 1 }");
+    let a = submit_ok(g.addr, "noop", json!({"steps": 10000, "delay_ms": 20}));
+    let a_id = a["id"].as_str().unwrap().to_owned();
+    wait_job(g.addr, &a_id, T, |r| r["status"] == "running");
+    let b = submit_ok(g.addr, "noop", json!({"steps": 1, "delay_ms": 0}));
+    let b_id = b["id"].as_str().unwrap().to_owned();
+    let mut follower = SseStream::open(g.addr, &format!("/api/jobs/{a_id}/events"), ADMIN, &[]);
+    assert!(follower.next_event().is_some());
+    let took = g.sigterm();
+    // The follower's stream ended with the job, so draining was quick.
+    assert!(took < Duration::from_secs(8), "shutdown took {took:?}");
+    let rest = follower.collect_rest();
+    assert_eq!(rest.last().unwrap().1["type"], "cancelled", "{rest:?}");
+
+    let g = Gateway::start(dir.path(), "concurrency = { noop = 1 }");
+    let a = get_job(g.addr, &a_id);
+    assert_eq!(a["status"], "cancelled", "{a}");
+    assert!(a["message"].as_str().unwrap().contains("shut down"), "{a}");
+    assert_eq!(wait_final(g.addr, &b_id, T)["status"], "done");
 }

@@ -80,10 +80,29 @@ pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
 }
 
 /// Opens the jobs service at server start, so that rows of a previous
-/// process are recovered (and queued ones re-run) before any request.
+/// process are recovered (and queued ones re-run) before any request. On
+/// SIGINT/SIGTERM it stops running jobs at once (while the server drains its
+/// connections, which followers' event streams would otherwise hold open).
 pub fn start(state: &AppState) {
-    if let Err(e) = service(state) {
-        tracing::error!(error = %e, "the jobs service cannot start; /api/jobs will answer 500");
+    match service(state) {
+        Ok(jobs) => {
+            tokio::spawn(async move {
+                super::shutdown_signal().await;
+                jobs.shutdown();
+            });
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the jobs service cannot start; /api/jobs will answer 500")
+        }
+    }
+}
+
+/// After the server stopped: lets stopping jobs record their end (up to the
+/// shutdown grace period).
+pub async fn stop(state: &AppState) {
+    if let Ok(jobs) = service(state) {
+        jobs.shutdown();
+        jobs.drain(state.config.shutdown_grace).await;
     }
 }
 

@@ -376,7 +376,8 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
     let state = AppState::new(config);
     jobs::start(&state);
     state.models.load_in_background(load);
-    run(listener, state, shutdown_signal()).await;
+    run(listener, Arc::clone(&state), shutdown_signal()).await;
+    jobs::stop(&state).await;
     Ok(())
 }
 

@@ -150,6 +150,9 @@ pub struct Jobs {
     policies: Option<PolicyProvider>,
     slots: HashMap<JobKind, Arc<Semaphore>>,
     live: Mutex<HashMap<String, Arc<Live>>>,
+    /// Set by [`Jobs::shutdown`]: running jobs stop, queued ones stay queued
+    /// for the next start, followers' streams end.
+    stopping: AtomicBool,
 }
 
 async fn blocking<T: Send + 'static>(
@@ -192,6 +195,7 @@ impl Jobs {
             policies,
             slots,
             live: Mutex::new(HashMap::new()),
+            stopping: AtomicBool::new(false),
         }))
     }
 
@@ -309,7 +313,8 @@ impl Jobs {
             return;
         };
         if live.cancel.load(Ordering::Acquire) {
-            // Cancelled while queued: `cancel` closed the row and the log.
+            // Cancelled while queued: `cancel` closed the row and the log
+            // (or the gateway is stopping and the row stays queued).
             self.forget(&id);
             return;
         }
@@ -359,16 +364,23 @@ impl Jobs {
                     },
                 )
             }
-            Ok(Ok(Err(RunError::Cancelled))) => (
-                JobStatus::Cancelled,
-                JobEvent::Cancelled {
-                    message: Some("cancelled while running".into()),
-                },
-                Patch {
-                    message: Some("cancelled while running".into()),
-                    ..Patch::default()
-                },
-            ),
+            Ok(Ok(Err(RunError::Cancelled))) => {
+                let why = if self.stopping.load(Ordering::Acquire) {
+                    "cancelled: the gateway shut down"
+                } else {
+                    "cancelled while running"
+                };
+                (
+                    JobStatus::Cancelled,
+                    JobEvent::Cancelled {
+                        message: Some(why.into()),
+                    },
+                    Patch {
+                        message: Some(why.into()),
+                        ..Patch::default()
+                    },
+                )
+            }
             Ok(Ok(Err(RunError::Failed(error)))) => failure(error),
             Ok(Err(panic)) => failure(format!("the job panicked: {}", panic_message(&*panic))),
             Err(e) => failure(format!("the job's thread was lost: {e}")),
@@ -384,6 +396,39 @@ impl Jobs {
         }
         ctx.emit(event);
         self.forget(&id);
+    }
+
+    /// Graceful stop: asks every running job to stop (they end `cancelled`)
+    /// and leaves queued ones queued for the next start. Followers' streams
+    /// end, so they do not hold the server's connection draining up.
+    pub fn shutdown(&self) {
+        self.stopping.store(true, Ordering::Release);
+        let live: Vec<Arc<Live>> = self
+            .live
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        for l in live {
+            l.cancel.store(true, Ordering::Release);
+            l.notify.send_modify(|_| {});
+        }
+    }
+
+    /// Waits (at most `timeout`) for jobs to finish after [`Jobs::shutdown`];
+    /// whatever still runs then is found `zombie` by the next start.
+    pub async fn drain(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline
+            && !self
+                .live
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub async fn get(&self, id: &str) -> Result<JobRow, JobError> {
@@ -484,6 +529,7 @@ impl Jobs {
             after,
             done: false,
             idle_since: Instant::now(),
+            stop_grace: None,
         };
         Ok(futures_util::stream::unfold(state, |mut st| async move {
             st.next().await.map(|item| (item, st))
@@ -517,6 +563,8 @@ struct Follow {
     after: u64,
     done: bool,
     idle_since: Instant,
+    /// When to give up once the gateway is stopping.
+    stop_grace: Option<Instant>,
 }
 
 impl Follow {
@@ -532,6 +580,13 @@ impl Follow {
                 return Some(Followed::Event(e));
             }
             if self.done {
+                return None;
+            }
+            if self.jobs.stopping.load(Ordering::Acquire) && self.stop_grace.is_none() {
+                // Give the job's own closing event a moment to arrive.
+                self.stop_grace = Some(Instant::now() + Duration::from_secs(2));
+            }
+            if self.stop_grace.is_some_and(|t| Instant::now() >= t) {
                 return None;
             }
             if self.idle_since.elapsed() >= IDLE_AFTER {
