@@ -394,6 +394,61 @@ fn a_client_hanging_up_mid_stream_does_not_break_the_next_request() {
 }
 
 #[test]
+fn stream_chunks_arrive_as_they_are_generated() {
+    let (s, model) = server();
+    let body = serde_json::to_vec(&chat(
+        &model,
+        "Tell me a story about a lighthouse keeper.",
+        json!({"max_tokens": 48, "temperature": 0, "stream": true}),
+    ))
+    .unwrap();
+    let mut stream = TcpStream::connect(s.addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    stream.write_all(&body).unwrap();
+    // Arrival time of each content chunk, and of [DONE].
+    let mut reader = BufReader::new(stream);
+    let mut content_at = Vec::new();
+    let mut line = String::new();
+    let done_at = loop {
+        line.clear();
+        let n = reader.read_line(&mut line).expect("read stream");
+        assert!(n > 0, "stream ended before [DONE]");
+        let Some(data) = line.trim_end().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break started.elapsed();
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        if chunk["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty())
+        {
+            content_at.push(started.elapsed());
+        }
+    };
+    assert!(!content_at.is_empty());
+    // Unbuffered: the first token shows up long before the last one is
+    // generated (decoding dominates a 48-token answer).
+    if content_at.len() >= 16 {
+        assert!(
+            content_at[0] < done_at / 2,
+            "first content after {:?}, [DONE] after {done_at:?}: the stream looks buffered",
+            content_at[0]
+        );
+    }
+}
+
+#[test]
 fn two_models_are_served_side_by_side() {
     let path = real_model();
     let config = format!(
