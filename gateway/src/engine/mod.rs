@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 
-use mlx_rs::io::GgufFile;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 pub use api::*;
@@ -59,10 +58,10 @@ impl LoadedModel {
             });
         }
         if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
-            let file =
-                GgufFile::load(path).map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
+            let file = model::GgufReader::open(path)
+                .map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
             let transformer = model::load_gguf(path, &file)?;
-            let codec = TextCodec::from_gguf(&file)?;
+            let codec = TextCodec::for_gguf_file(path, &file)?;
             return Ok(LoadedModel {
                 transformer,
                 codec,

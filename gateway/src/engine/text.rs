@@ -6,12 +6,11 @@ use std::path::Path;
 use std::str::FromStr;
 
 use minijinja::{Environment, Error as TemplateError, ErrorKind, context};
-use mlx_rs::io::GgufFile;
 use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
 use super::api::ChatMessage;
-use super::model::LoadError;
+use super::model::{GgufMetadata, LoadError};
 
 /// Everything text-related a model needs.
 pub struct TextCodec {
@@ -73,12 +72,11 @@ impl TextCodec {
         }))
     }
 
-    /// From a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE models).
-    pub fn from_gguf(file: &GgufFile) -> Result<TextCodec, LoadError> {
-        let err = |e: mlx_rs::io::GgufError| LoadError::Tokenizer(e.to_string());
+    /// From a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE models),
+    /// read through MLX's loader or our own reader.
+    pub fn from_gguf(file: &(impl GgufMetadata + ?Sized)) -> Result<TextCodec, LoadError> {
         let model = file
-            .get_metadata_string("tokenizer.ggml.model")
-            .map_err(err)?
+            .meta_string("tokenizer.ggml.model")?
             .unwrap_or_default();
         if model != "gpt2" {
             return Err(LoadError::Tokenizer(format!(
@@ -86,58 +84,64 @@ impl TextCodec {
             )));
         }
         let tokens = file
-            .get_metadata_strings("tokenizer.ggml.tokens")
-            .map_err(err)?
+            .meta_strings("tokenizer.ggml.tokens")?
             .unwrap_or_default();
         let merges = file
-            .get_metadata_strings("tokenizer.ggml.merges")
-            .map_err(err)?
+            .meta_strings("tokenizer.ggml.merges")?
             .unwrap_or_default();
-        let types: Vec<i32> = match file
-            .get_metadata_array("tokenizer.ggml.token_type")
-            .map_err(err)?
-        {
-            Some(array) => array
-                .as_dtype(mlx_rs::Dtype::Int32)
-                .map(|a| a.as_slice::<i32>().to_vec())
-                .map_err(|e| LoadError::Tokenizer(e.to_string()))?,
-            None => Vec::new(),
-        };
-        let pre = file
-            .get_metadata_string("tokenizer.ggml.pre")
-            .map_err(err)?
-            .unwrap_or_default();
+        let types: Vec<i32> = file
+            .meta_numbers("tokenizer.ggml.token_type")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| t as i32)
+            .collect();
+        let pre = file.meta_string("tokenizer.ggml.pre")?.unwrap_or_default();
         let json = bpe_tokenizer_json(&tokens, &merges, &types, &pre);
         let tokenizer = Tokenizer::from_str(&json.to_string())
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        TextCodec::with_gguf_specials(tokenizer, file)
+    }
+
+    /// From the `tokenizer.json` next to a GGUF file (`<stem>.tokenizer.json`,
+    /// else `tokenizer.json` in its folder) when there is one, for tokenizers
+    /// GGUF metadata cannot express exactly (SentencePiece models such as
+    /// Gemma's); else from the GGUF metadata. Special ids, BOS policy and the
+    /// chat template come from the GGUF either way.
+    pub fn for_gguf_file(
+        path: &Path,
+        file: &(impl GgufMetadata + ?Sized),
+    ) -> Result<TextCodec, LoadError> {
+        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        let beside = stem.map(|stem| path.with_file_name(format!("{stem}.tokenizer.json")));
+        let shared = path.with_file_name("tokenizer.json");
+        let Some(json) = beside.into_iter().chain([shared]).find(|p| p.is_file()) else {
+            return TextCodec::from_gguf(file);
+        };
+        let tokenizer = Tokenizer::from_file(&json)
+            .map_err(|e| LoadError::Tokenizer(format!("{}: {e}", json.display())))?;
+        TextCodec::with_gguf_specials(tokenizer, file)
+    }
+
+    /// BOS / EOS ids, the add-BOS flag and the chat template from GGUF metadata.
+    fn with_gguf_specials(
+        tokenizer: Tokenizer,
+        file: &(impl GgufMetadata + ?Sized),
+    ) -> Result<TextCodec, LoadError> {
         let id = |key: &str| -> Result<Option<u32>, LoadError> {
-            Ok(file
-                .get_metadata_array(key)
-                .map_err(err)?
-                .and_then(|a| a.as_dtype(mlx_rs::Dtype::Int64).ok())
-                .map(|a| a.item_cast::<i64>() as u32))
+            Ok(file.meta_number(key)?.map(|v| v as u32))
         };
         let (bos_id, eos_id) = (
             id("tokenizer.ggml.bos_token_id")?,
             id("tokenizer.ggml.eos_token_id")?,
         );
-        let add_bos = match file
-            .get_metadata_array("tokenizer.ggml.add_bos_token")
-            .map_err(err)?
-        {
-            Some(flag) => flag
-                .as_dtype(mlx_rs::Dtype::Int32)
-                .map(|a| a.item_cast::<i32>() != 0)
-                .unwrap_or(false),
-            None => false,
-        };
-        let text_of = |id: Option<u32>| id.and_then(|id| tokens.get(id as usize).cloned());
+        let add_bos = file
+            .meta_number("tokenizer.ggml.add_bos_token")?
+            .is_some_and(|flag| flag != 0.0);
+        let text_of = |id: Option<u32>| id.and_then(|id| tokenizer.id_to_token(id));
         Ok(TextCodec::assemble(TextCodec {
             bos_token: text_of(bos_id),
             eos_token: text_of(eos_id),
-            chat_template: file
-                .get_metadata_string("tokenizer.chat_template")
-                .map_err(err)?,
+            chat_template: file.meta_string("tokenizer.chat_template")?,
             tokenizer,
             bos_id,
             add_bos,

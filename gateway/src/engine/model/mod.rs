@@ -1,7 +1,9 @@
-//! Model files -> a runnable [`Transformer`]: GGUF (through MLX's loader) or
-//! Hugging Face / mlx-community directories (safetensors + config.json).
+//! Model files -> a runnable [`Transformer`]: GGUF (through MLX's loader, or
+//! our own reader for tensor types MLX lacks) or Hugging Face / mlx-community
+//! directories (safetensors + config.json).
 
 pub mod config;
+pub mod gguf;
 pub mod kv_cache;
 pub mod transformer;
 pub mod weights;
@@ -12,6 +14,7 @@ use mlx_rs::Dtype;
 use mlx_rs::io::GgufFile;
 
 pub use config::{Family, ModelConfig};
+pub use gguf::{GgufMetadata, GgufReader};
 pub use kv_cache::KvCache;
 pub use transformer::Transformer;
 use weights::WeightMap;
@@ -45,9 +48,19 @@ pub fn compute_dtype() -> Dtype {
 
 /// Loads a GGUF file's transformer. The tokenizer is built separately from the
 /// same file's metadata.
-pub fn load_gguf(path: &Path, file: &GgufFile) -> Result<Transformer, LoadError> {
-    let config = gguf_config(file)?;
-    let mut weights = WeightMap::from_gguf(file, compute_dtype())?;
+///
+/// Files whose tensors are all of types MLX reads natively go through MLX's
+/// loader (fastest: Q4_0/Q4_1/Q8_0 arrive already in MLX's layout); others
+/// (K-quants, Q5_x, BF16) through our reader, which requantizes.
+pub fn load_gguf(path: &Path, reader: &GgufReader) -> Result<Transformer, LoadError> {
+    let config = gguf_config(reader)?;
+    let mut weights = if reader.mlx_can_load() {
+        let file =
+            GgufFile::load(path).map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
+        WeightMap::from_gguf(&file, compute_dtype())?
+    } else {
+        gguf::weight_map(reader, compute_dtype())?
+    };
     let model = Transformer::build(config, &mut weights, true)?;
     report_leftovers(path, &weights);
     Ok(model)
@@ -74,24 +87,15 @@ fn report_leftovers(path: &Path, weights: &WeightMap) {
     }
 }
 
-/// Reads the architecture facts from GGUF metadata (`{arch}.*` keys).
-fn gguf_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
-    let mlx = |e: mlx_rs::io::GgufError| LoadError::Mlx(e.to_string());
+/// Reads the architecture facts from GGUF metadata (`{arch}.*` keys), through
+/// MLX's loader or our reader alike.
+pub fn gguf_config(file: &(impl GgufMetadata + ?Sized)) -> Result<ModelConfig, LoadError> {
     let arch = file
-        .get_metadata_string("general.architecture")
-        .map_err(mlx)?
+        .meta_string("general.architecture")?
         .ok_or(LoadError::MissingConfig("general.architecture"))?;
     let family =
         Family::from_name(&arch).ok_or_else(|| LoadError::UnsupportedArchitecture(arch.clone()))?;
-    let number = |key: &str| -> Result<Option<f64>, LoadError> {
-        let value = file
-            .get_metadata_array(&format!("{arch}.{key}"))
-            .map_err(mlx)?;
-        Ok(value
-            .map(|a| a.as_dtype(Dtype::Float64).map(|a| a.item_cast::<f64>()))
-            .transpose()
-            .map_err(|e| LoadError::Mlx(e.to_string()))?)
-    };
+    let number = |key: &str| file.meta_number(&format!("{arch}.{key}"));
     let required = |key: &'static str| -> Result<usize, LoadError> {
         number(key)?
             .map(|v| v as usize)
@@ -102,15 +106,13 @@ fn gguf_config(file: &GgufFile) -> Result<ModelConfig, LoadError> {
     let vocab_size = match number("vocab_size")? {
         Some(v) => v as usize,
         None => file
-            .get_metadata_strings("tokenizer.ggml.tokens")
-            .map_err(mlx)?
+            .meta_strings("tokenizer.ggml.tokens")?
             .map_or(0, |t| t.len()),
     };
     let head_dim = number("attention.key_length")?.map_or(hidden_size / heads, |v| v as usize);
     let is_gemma = family == Family::Gemma3;
     let rope_scale = match file
-        .get_metadata_string(&format!("{arch}.rope.scaling.type"))
-        .map_err(mlx)?
+        .meta_string(&format!("{arch}.rope.scaling.type"))?
         .as_deref()
     {
         Some("linear") => number("rope.scaling.factor")?.map_or(1.0, |f| 1.0 / f as f32),
