@@ -82,7 +82,7 @@ fn right_key_passes_and_caller_is_in_request_extensions() {
     // Admin key passes the admin zone (404: no such route yet, but past auth).
     s.get_with("/admin/anything", &[("authorization", &bearer(ADMIN_KEY))])
         .api_error(404, "not_found_error", "unknown_url");
-    s.get_with("/api/no-such-route", &[("authorization", &bearer(JOBS_KEY))])
+    s.get_with("/api/nope", &[("authorization", &bearer(JOBS_KEY))])
         .api_error(404, "not_found_error", "unknown_url");
 }
 
