@@ -393,6 +393,74 @@ fn a_client_hanging_up_mid_stream_does_not_break_the_next_request() {
     assert!(!s.log_text().contains("panic"), "log:\n{}", s.log_text());
 }
 
+/// CPU time (user + system, in clock ticks) the process has used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc stat");
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the whole line.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// Starts a generation that would run for minutes (end-of-sequence banned),
+/// hangs up once it is under way, and returns how long the server took to go
+/// idle afterwards; panics if it stays busy.
+fn seconds_until_idle_after_hanging_up(stream: bool) -> u64 {
+    let (s, model) = server();
+    // SmolLM2's end-of-sequence ids: <|endoftext|> 0, <|im_end|> 2.
+    let body = serde_json::to_vec(&chat(
+        &model,
+        "Tell me a long story about a dragon.",
+        json!({"max_tokens": 4000, "stream": stream, "logit_bias": {"0": -100, "2": -100}}),
+    ))
+    .unwrap();
+    let mut conn = TcpStream::connect(s.addr).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    conn.write_all(&body).unwrap();
+    let busy = |pid| {
+        let t = cpu_ticks(pid);
+        std::thread::sleep(Duration::from_secs(1));
+        cpu_ticks(pid) - t
+    };
+    if stream {
+        // Under way once content arrives.
+        let mut reader = BufReader::new(conn.try_clone().unwrap());
+        let mut line = String::new();
+        while !line.contains("\"content\":\"") || line.contains("\"content\":\"\"") {
+            line.clear();
+            assert!(
+                reader.read_line(&mut line).expect("read") > 0,
+                "stream ended"
+            );
+        }
+    }
+    assert!(busy(s.pid()) > 20, "the server is not generating");
+    drop(conn);
+    for waited in 1..=45 {
+        // A clock tick is 10 ms: at most a tenth of a core counts as idle.
+        if busy(s.pid()) <= 10 {
+            return waited;
+        }
+    }
+    panic!("stream={stream}: the server is still busy 45 s after its only client hung up");
+}
+
+#[test]
+fn a_client_hanging_up_cancels_its_generation() {
+    for stream in [true, false] {
+        let waited = seconds_until_idle_after_hanging_up(stream);
+        eprintln!("stream={stream}: idle {waited} s after the hang-up");
+    }
+}
+
 #[test]
 fn stream_chunks_arrive_as_they_are_generated() {
     let (s, model) = server();
