@@ -12,9 +12,9 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{error, info};
 
-use crate::engine::EngineHandle;
 use super::{ApiError, BoxError};
 use crate::config::ModelSpec;
+use crate::engine::EngineHandle;
 
 /// Loads one model (blocking) and starts its engine. Passed in by the
 /// binary, which wires it to `EngineHandle::load`.
