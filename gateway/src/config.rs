@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::http::auth::{ApiKey, KeyHash, Scope};
+use crate::http::upstream::{UpstreamSpec, validate_specs};
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_PORT: u16 = 8080;
@@ -34,6 +35,9 @@ pub struct FileConfig {
     pub port: Option<u16>,
     pub model: Option<PathBuf>,
     pub data_dir: Option<PathBuf>,
+    /// OpenAI-compatible endpoints a router policy may send requests to.
+    #[serde(default)]
+    pub upstreams: Vec<UpstreamSpec>,
     pub max_body_bytes: Option<u64>,
     pub shutdown_grace_secs: Option<u64>,
     pub allow_open_inference: Option<bool>,
@@ -81,6 +85,7 @@ pub struct Config {
     /// the default when neither it nor `[[models]]` is given), then `[[models]]`.
     pub models: Vec<ModelSpec>,
     pub data_dir: PathBuf,
+    pub upstreams: Vec<UpstreamSpec>,
     pub max_body_bytes: u64,
     pub shutdown_grace: Duration,
     pub allow_open_inference: bool,
@@ -117,6 +122,8 @@ pub enum ConfigError {
     EmptyModelId,
     #[error("max_body_bytes must be greater than 0")]
     ZeroBodyLimit,
+    #[error("[[upstreams]]: {0}")]
+    Upstream(String),
     #[error(
         "refusing to serve inference without API keys on non-loopback host '{0}': anyone who can reach it could use the model. Configure [[keys]] or MLXGATE_ADMIN_KEY, bind to 127.0.0.1, or set allow_open_inference = true in the config file if this is really intended"
     )]
@@ -204,6 +211,7 @@ impl Config {
                 .data_dir
                 .or(file.data_dir)
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR)),
+            upstreams: file.upstreams,
             max_body_bytes: file.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
             shutdown_grace: Duration::from_secs(
                 file.shutdown_grace_secs
@@ -221,6 +229,7 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::ZeroBodyLimit);
         }
+        validate_specs(&self.upstreams).map_err(ConfigError::Upstream)?;
         let mut ids = std::collections::HashSet::new();
         for id in self.models.iter().filter_map(|m| m.id.as_deref()) {
             if id.trim().is_empty() {

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::auth::Scope;
 use super::body::{Body, full};
+use super::routing::RouteError;
 use crate::engine::EngineError;
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +96,11 @@ pub enum ApiError {
 
     #[error("{0}")]
     Internal(String),
+
+    /// A router policy's refusal, a `fail_closed` policy failure, or an
+    /// upstream failure; carries its own status and code.
+    #[error(transparent)]
+    Route(#[from] RouteError),
 }
 
 impl ApiError {
@@ -114,6 +120,7 @@ impl ApiError {
             InsufficientScope { .. } | ZoneClosed { .. } => StatusCode::FORBIDDEN,
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Route(e) => e.status(),
         }
     }
 
@@ -134,6 +141,7 @@ impl ApiError {
             | BodyRead(_) => "invalid_request_error",
             InsufficientScope { .. } | ZoneClosed { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
+            Route(e) => e.error_type(),
         }
     }
 
@@ -157,6 +165,7 @@ impl ApiError {
             NotReady(_) => "model_not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
+            Route(e) => e.code(),
         }
     }
 

@@ -30,6 +30,8 @@ pub mod jobs;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod routing;
+pub mod upstream;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -65,6 +67,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// The configured models and their load state.
     pub models: Arc<ModelRegistry>,
+    /// Router policy host and configured upstreams.
+    pub routing: routing::Routing,
     routes: Vec<Route>,
 }
 
@@ -79,11 +83,13 @@ impl AppState {
             table.extend(handlers::test_routes());
         }
         let models = Arc::new(ModelRegistry::new(&config.models));
+        let routing = routing::Routing::new(&config.upstreams);
         Arc::new(AppState {
             config,
             keys,
             metrics: Metrics::default(),
             models,
+            routing,
             routes: table,
         })
     }

@@ -8,10 +8,15 @@ use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
 use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
 use crate::http::body::{self, ReqBody};
+use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
-    let json: Value = body::read_json(req).await?;
+    // Routing first: a router policy may send this request upstream or refuse it.
+    let json: Value = match routing::dispatch(&cx, req).await? {
+        Routed::Local(json) => json,
+        Routed::Proxied(resp) => return Ok(resp),
+    };
     let chat = validate::chat_request(&json)?;
     let model = cx.state.models.resolve(&chat.common.model)?;
     let mut request = generate_request(Prompt::Text(String::new()), &chat.common, &model)?;

@@ -1,0 +1,356 @@
+//! Proxy throughput on loopback: the gateway (release binary, as its own
+//! process) forwarding `POST /v1/chat/completions` to a trivial upstream (a
+//! hyper server answering a fixed small JSON), with no router policy bound
+//! (static route from `[[upstreams]] models`) vs the `tenant-router` Wasm
+//! policy bound, vs nginx proxying the same upstream in the same run.
+//!
+//! Run: `scripts/bench-proxy.sh` (installs `wrk` and `nginx-light` when
+//! missing, builds the policies, then `cargo bench -p mlxgate --bench
+//! proxy_throughput`). Load: `wrk`, keep-alive connections, fixed duration;
+//! the three targets are measured in interleaved rounds so machine noise
+//! hits each alike; the medians are reported.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ROUNDS: usize = 3;
+const SECS: u32 = 5;
+const CONNECTIONS: u32 = 32;
+const KEY: &str = "bench-infer-key";
+const ADMIN: &str = "bench-admin-key";
+const ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+const REQUEST: &str =
+    r#"{"model":"bench-model","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+
+fn main() {
+    let (Some(wrk), Some(nginx)) = (find_tool("wrk"), find_tool("nginx")) else {
+        eprintln!(
+            "proxy_throughput needs wrk and nginx: run scripts/bench-proxy.sh (installs them)"
+        );
+        std::process::exit(2);
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let upstream = start_upstream();
+    let gateway = Gateway::start(dir.path(), upstream);
+    let nginx = Nginx::start(&nginx, dir.path(), upstream);
+    let script = dir.path().join("post.lua");
+    std::fs::write(
+        &script,
+        format!(
+            "wrk.method = \"POST\"\nwrk.body = '{REQUEST}'\n\
+             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+             wrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
+        ),
+    )
+    .expect("write wrk script");
+    let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
+
+    // Warm-up: connections, pools, warm policy instances.
+    gateway.bind(true);
+    load(&wrk, &script, &url(gateway.addr), 1);
+    load(&wrk, &script, &url(nginx.addr), 1);
+
+    let (mut none, mut policy, mut reference) = (vec![], vec![], vec![]);
+    for round in 1..=ROUNDS {
+        gateway.bind(false);
+        none.push(load(&wrk, &script, &url(gateway.addr), SECS));
+        gateway.bind(true);
+        policy.push(load(&wrk, &script, &url(gateway.addr), SECS));
+        reference.push(load(&wrk, &script, &url(nginx.addr), SECS));
+        println!(
+            "round {round}: gateway, no policy {:.0} req/s; gateway + tenant-router {:.0} req/s; nginx {:.0} req/s",
+            none[round - 1],
+            policy[round - 1],
+            reference[round - 1]
+        );
+    }
+    let (n, p, x) = (
+        median(&mut none),
+        median(&mut policy),
+        median(&mut reference),
+    );
+    println!(
+        "\n{ROUNDS} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
+    );
+    println!("| target | requests/s | ratio |");
+    println!("| --- | --- | --- |");
+    println!("| nginx proxy_pass (keepalive upstream) | {x:.0} | 1.00 |");
+    println!(
+        "| gateway, no policy (static route) | {n:.0} | {:.2} |",
+        n / x
+    );
+    println!(
+        "| gateway, tenant-router policy bound | {p:.0} | {:.2} |",
+        p / x
+    );
+    println!(
+        "\npolicy vs none: {:+.1}% (target: loss <= 5%); gateway (policy) vs nginx: {:.2}x (target >= 0.8x)",
+        (p / n - 1.0) * 100.0,
+        p / x
+    );
+    drop(gateway);
+    drop(nginx);
+}
+
+fn find_tool(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Runs wrk for `secs` and returns requests/s. Socket errors, or non-2xx
+/// answers above 0.1%, abort the bench (a broken setup must not pass for a
+/// slow one); fewer non-2xx answers are printed.
+fn load(wrk: &Path, script: &Path, url: &str, secs: u32) -> f64 {
+    let out = Command::new(wrk)
+        .args(["-t1", &format!("-c{CONNECTIONS}"), &format!("-d{secs}s")])
+        .arg("-s")
+        .arg(script)
+        .arg(url)
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "wrk failed: {text}");
+    assert!(
+        !text.contains("Socket errors"),
+        "socket errors under load against {url}:\n{text}"
+    );
+    let field = |prefix: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(prefix))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
+    let rps =
+        field("Requests/sec:").unwrap_or_else(|| panic!("no Requests/sec in wrk output:\n{text}"));
+    if let Some(bad) = field("Non-2xx or 3xx responses:") {
+        let total = rps * f64::from(secs);
+        println!("  {bad} non-2xx answers of ~{total:.0} from {url}");
+        assert!(bad <= total / 1000.0, "too many errors under load:\n{text}");
+    }
+    rps
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn wait_listening(addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on {addr}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The trivial upstream: one runtime thread, a fixed JSON answer.
+fn start_upstream() -> SocketAddr {
+    use http_body_util::{BodyExt, Full};
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+    let addr = listener.local_addr().expect("upstream addr");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+            while let Ok((s, _)) = listener.accept().await {
+                let _ = s.set_nodelay(true);
+                tokio::spawn(async move {
+                    let svc = service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                        // Read the body so the connection can be reused.
+                        let _ = req.into_body().collect().await;
+                        let mut r =
+                            hyper::Response::new(Full::new(bytes::Bytes::from_static(ANSWER)));
+                        r.headers_mut().insert(
+                            http::header::CONTENT_TYPE,
+                            http::HeaderValue::from_static("application/json"),
+                        );
+                        Ok::<_, std::convert::Infallible>(r)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(s), svc)
+                        .await;
+                });
+            }
+        });
+    });
+    addr
+}
+
+/// A raw HTTP/1.1 exchange on a fresh connection: (status, body).
+fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {ADMIN}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write");
+    s.write_all(body).expect("write");
+    let mut r = BufReader::new(s);
+    let mut status = String::new();
+    r.read_line(&mut status).expect("read");
+    let mut rest = String::new();
+    let _ = r.read_to_string(&mut rest);
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, rest)
+}
+
+struct Gateway {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Gateway {
+    fn start(dir: &Path, upstream: SocketAddr) -> Gateway {
+        let port = free_port();
+        let hash: String = {
+            use sha2::Digest;
+            sha2::Sha256::digest(KEY.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let config = dir.join("gateway.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[[keys]]\nid = \"bench\"\ntenant = \"bench\"\nscopes = [\"infer\"]\nsha256 = \"{hash}\"\n\
+                 [[upstreams]]\nname = \"up\"\nbase_url = \"http://{upstream}/v1\"\nmodels = [\"bench-model\"]\n"
+            ),
+        )
+        .expect("write config");
+        let child = Command::new(env!("CARGO_BIN_EXE_mlxgate"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .args(["--port", &port.to_string()])
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .arg("--model")
+            .arg(dir.join("no-model.gguf"))
+            .env("MLXGATE_ADMIN_KEY", ADMIN)
+            // One log line per request would dominate; nginx logs nothing either.
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start mlxgate");
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        wait_listening(addr, "mlxgate");
+        let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../policies/target/wasm32-unknown-unknown/release/tenant_router.wasm");
+        let bytes = std::fs::read(&wasm).unwrap_or_else(|e| {
+            panic!(
+                "{} missing ({e}): run scripts/build-policies.sh",
+                wasm.display()
+            )
+        });
+        let config = "%7B%22tenants%22%3A%7B%22bench%22%3A%7B%22upstream%22%3A%22up%22%7D%7D%7D";
+        let (status, body) = request(
+            addr,
+            "PUT",
+            // 50 ms, not the default 5 ms: saturating 2 cores stalls threads
+            // for milliseconds, and the deadline is wall-clock.
+            &format!(
+                "/admin/policies/tenants?kind=router&on_error=fail_closed&deadline_ms=50&config={config}"
+            ),
+            &bytes,
+        );
+        assert!(status == 200 || status == 201, "upload: {status} {body}");
+        Gateway { child, addr }
+    }
+
+    /// Binds the tenant router (`true`) or unbinds it.
+    fn bind(&self, on: bool) {
+        let body: &[u8] = if on {
+            br#"{"policy":"tenants"}"#
+        } else {
+            br#"{"policy":null}"#
+        };
+        let (status, text) = request(self.addr, "PUT", "/admin/bindings/router", body);
+        assert_eq!(status, 200, "bind: {text}");
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// nginx as our own foreground process with a generated config.
+struct Nginx {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Nginx {
+    fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Nginx {
+        let port = free_port();
+        let root = dir.join("nginx");
+        std::fs::create_dir_all(&root).expect("nginx dir");
+        let conf = root.join("nginx.conf");
+        let r = root.display();
+        std::fs::write(
+            &conf,
+            format!(
+                "daemon off;\nworker_processes auto;\npid {r}/nginx.pid;\nerror_log {r}/error.log warn;\n\
+                 events {{ worker_connections 1024; }}\n\
+                 http {{\n  access_log off;\n\
+                   client_body_temp_path {r}/body;\n  proxy_temp_path {r}/proxy;\n\
+                   fastcgi_temp_path {r}/fastcgi;\n  uwsgi_temp_path {r}/uwsgi;\n  scgi_temp_path {r}/scgi;\n\
+                   upstream up {{ server {upstream}; keepalive 64; }}\n\
+                   server {{\n    listen 127.0.0.1:{port};\n\
+                     location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }}\n  }}\n}}\n"
+            ),
+        )
+        .expect("write nginx.conf");
+        let child = Command::new(bin)
+            .arg("-p")
+            .arg(&root)
+            .arg("-c")
+            .arg(&conf)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nginx");
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        wait_listening(addr, "nginx");
+        Nginx { child, addr }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGTERM to the master, which stops its workers (a SIGKILL would not).
+        let _ = Command::new("sh")
+            .args(["-c", &format!("kill -TERM {}", self.child.id())])
+            .status();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,410 @@
+//! Routing in the request path: asks the bound router policy where an
+//! inference request goes (a local model, a configured upstream, or a
+//! refusal) before any local model is touched.
+//!
+//! The inference handlers call [`dispatch`] first thing:
+//!
+//! ```ignore
+//! let json = match routing::dispatch(&cx, req).await? {
+//!     Routed::Local(json) => json, // `model` already set to the chosen local model
+//!     Routed::Proxied(resp) => return Ok(resp),
+//! };
+//! ```
+//!
+//! With no router bound the request takes the default route: the upstream
+//! whose `[[upstreams]] models` lists the requested model, otherwise the
+//! requested model locally, untouched. A failing guest configured `fail_open`
+//! also takes the default route; one configured `fail_closed` refuses the
+//! request with 503. Guest calls run inline on the
+//! async worker: they are bounded by the policy's deadline (5 ms by default)
+//! and take a few microseconds when warm, far less than a thread hop.
+
+use std::borrow::Cow;
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::admin_policies::open_host;
+use super::body::{self, Body, ReqBody};
+use super::upstream::{self, Outgoing, UpstreamError, UpstreamSpec, Upstreams};
+use super::{ApiError, AppState, Caller, Ctx};
+use crate::policy::{
+    BackendKind, BackendState, PolicyError, PolicyHost, RequestFacts, RouteDecision,
+};
+
+/// Request headers a router policy sees (lower-case), when present.
+pub const POLICY_HEADERS: [&str; 3] = ["x-tenant", "x-priority", "x-user"];
+
+/// Longest header value passed to a policy; longer ones are cut.
+const MAX_HEADER_VALUE: usize = 256;
+
+/// Routing state shared by all requests: the upstreams and the policy host.
+pub struct Routing {
+    pub upstreams: Upstreams,
+    /// Opened on the first request that finds a policy store.
+    host: OnceLock<Arc<PolicyHost>>,
+}
+
+impl Routing {
+    pub fn new(upstreams: &[UpstreamSpec]) -> Routing {
+        Routing {
+            upstreams: Upstreams::new(upstreams),
+            host: OnceLock::new(),
+        }
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destination {
+    /// Serve with this local model.
+    Local { model: String },
+    /// Forward to this configured upstream, with `model` rewritten if given.
+    Upstream { name: String, model: Option<String> },
+}
+
+/// A request refused by routing, or an upstream that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    /// The router's `reject(status, message)`.
+    #[error("{message}")]
+    Rejected { status: StatusCode, message: String },
+    /// The router failed and is configured `fail_closed`, or the policy
+    /// store could not be opened.
+    #[error("{0}")]
+    PolicyFailed(String),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+}
+
+impl RouteError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RouteError::Rejected { status, .. } => *status,
+            RouteError::PolicyFailed(_) => StatusCode::SERVICE_UNAVAILABLE,
+            RouteError::Upstream(e) => e.status(),
+        }
+    }
+
+    /// The OpenAI `type` field.
+    pub fn error_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            409 => "conflict_error",
+            429 => "rate_limit_error",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            RouteError::Rejected { .. } => "policy_rejected",
+            RouteError::PolicyFailed(_) => "policy_failed",
+            RouteError::Upstream(e) => e.code(),
+        }
+    }
+}
+
+impl From<UpstreamError> for ApiError {
+    fn from(e: UpstreamError) -> Self {
+        ApiError::Route(RouteError::Upstream(e))
+    }
+}
+
+/// The facts a router sees, from the request head and what the handler
+/// knows. `prompt_tokens` is 0 when not counted yet.
+#[allow(clippy::too_many_arguments)]
+pub fn request_facts(
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    caller: Option<&Caller>,
+    model: &str,
+    prompt_tokens: u32,
+    max_tokens: Option<u32>,
+    streaming: bool,
+) -> RequestFacts {
+    let headers = POLICY_HEADERS
+        .iter()
+        .filter_map(|n| {
+            let v = headers.get(*n)?.to_str().ok()?;
+            let mut end = v.len().min(MAX_HEADER_VALUE);
+            while !v.is_char_boundary(end) {
+                end -= 1;
+            }
+            Some(((*n).to_owned(), v[..end].to_owned()))
+        })
+        .collect();
+    RequestFacts {
+        method: method.as_str().to_owned(),
+        path: path.to_owned(),
+        model: model.to_owned(),
+        headers,
+        api_key_id: caller.map(|c| c.key_id.clone()),
+        tenant: caller.map(|c| c.tenant.clone()),
+        prompt_tokens,
+        max_tokens,
+        streaming,
+    }
+}
+
+/// The policy host, if this data dir has a policy store. Cached once found,
+/// so the common case costs one atomic load.
+async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteError> {
+    if let Some(h) = state.routing.host.get() {
+        return Ok(Some(Arc::clone(h)));
+    }
+    if !state.config.data_dir.join("policies").is_dir() {
+        return Ok(None);
+    }
+    let dir = state.config.data_dir.clone();
+    let opened = tokio::task::spawn_blocking(move || open_host(&dir))
+        .await
+        .map_err(|e| RouteError::PolicyFailed(format!("policy host task failed: {e}")))?;
+    match opened {
+        Ok(h) => Ok(Some(Arc::clone(state.routing.host.get_or_init(|| h)))),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open the policy store; refusing routed requests");
+            Err(RouteError::PolicyFailed(format!(
+                "request refused: the routing policy store cannot be opened ({})",
+                e.code()
+            )))
+        }
+    }
+}
+
+/// Backend states for the router: each ready local model, each upstream.
+/// Local in-flight and queue figures are 0 until the engine reports them.
+fn backends(state: &AppState) -> Vec<BackendState> {
+    let mut out: Vec<BackendState> = state
+        .models
+        .ready()
+        .into_iter()
+        .map(|m| BackendState {
+            name: m.id,
+            kind: BackendKind::Local,
+            healthy: true,
+            in_flight: 0,
+            queue_depth: 0,
+        })
+        .collect();
+    out.extend(
+        state
+            .routing
+            .upstreams
+            .statuses()
+            .into_iter()
+            .map(|u| BackendState {
+                name: u.name,
+                kind: BackendKind::Upstream,
+                healthy: u.healthy,
+                in_flight: u.in_flight,
+                queue_depth: 0,
+            }),
+    );
+    out
+}
+
+/// Where a request goes when no policy decides: the upstream that lists the
+/// model in its `models`, otherwise the requested model, locally.
+fn default_route(state: &AppState, model: String) -> Destination {
+    match state.routing.upstreams.for_model(&model) {
+        Some(u) => Destination::Upstream {
+            name: u.name.clone(),
+            model: None,
+        },
+        None => Destination::Local { model },
+    }
+}
+
+/// Decides where a request goes. `facts.api_key_id` and `facts.tenant` are
+/// taken from `caller`. No router bound: [`default_route`].
+pub async fn route_request(
+    state: &AppState,
+    caller: Option<&Caller>,
+    mut facts: RequestFacts,
+) -> Result<Destination, ApiError> {
+    let Some(host) = policy_host(state).await? else {
+        return Ok(default_route(state, facts.model));
+    };
+    facts.api_key_id = caller.map(|c| c.key_id.clone());
+    facts.tenant = caller.map(|c| c.tenant.clone());
+    match host.route(&facts, &backends(state)) {
+        Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
+        Ok(RouteDecision::Upstream { name, model }) => {
+            if state.routing.upstreams.get(&name).is_none() {
+                return Err(UpstreamError::Unknown(name).into());
+            }
+            Ok(Destination::Upstream { name, model })
+        }
+        Ok(RouteDecision::Reject { status, message }) => {
+            let status = StatusCode::from_u16(status.clamp(400, 599))
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            Err(ApiError::Route(RouteError::Rejected { status, message }))
+        }
+        Err(e) if e.is_fail_open() => {
+            if !matches!(e, PolicyError::NotBound(_)) {
+                tracing::warn!(error = %e, "router policy failed; fail_open: default route");
+            }
+            Ok(default_route(state, facts.model))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "router policy failed; fail_closed: refusing the request");
+            let what = match &e {
+                PolicyError::Guest { policy, kind, .. } => {
+                    format!("the routing policy `{policy}` failed ({kind})")
+                }
+                other => format!("routing failed ({})", other.code()),
+            };
+            Err(ApiError::Route(RouteError::PolicyFailed(format!(
+                "request refused: {what} and is configured fail_closed"
+            ))))
+        }
+    }
+}
+
+/// What [`dispatch`] did with a request.
+pub enum Routed {
+    /// Serve locally: the parsed body, `model` set to the chosen local model.
+    Local(Value),
+    /// Answered by an upstream (or its failure): return as is.
+    Proxied(Response<Body>),
+}
+
+/// The request fields routing needs, read without building a JSON tree (a
+/// proxied body is forwarded as received unless its model is rewritten).
+#[derive(Deserialize)]
+struct Peek<'a> {
+    #[serde(borrow)]
+    model: Option<Cow<'a, str>>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    stream: Option<bool>,
+}
+
+fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))
+}
+
+/// Sets `model` in a JSON object body (anything else is left alone).
+fn set_model(json: &mut Value, model: String) {
+    if let Some(obj) = json.as_object_mut() {
+        obj.insert("model".to_owned(), Value::String(model));
+    }
+}
+
+/// Reads the JSON body, routes the request and, for an upstream, proxies it.
+/// Malformed JSON is a 400. A body whose routing fields have the wrong type
+/// is left to the handler's validation, unrouted, which names the field.
+pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiError> {
+    let method = req.method().clone();
+    let path_and_query = req
+        .uri()
+        .path_and_query()
+        .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
+    let path = req.uri().path().to_owned();
+    let headers = req.headers().clone();
+    let caller = req.extensions().get::<Caller>().cloned();
+    let bytes = body::read_bytes(req).await?;
+    let Ok(peek) = serde_json::from_slice::<Peek>(&bytes) else {
+        return parse_json(&bytes).map(Routed::Local);
+    };
+    let requested = peek.model.as_deref().unwrap_or_default();
+    let max_tokens = peek
+        .max_completion_tokens
+        .or(peek.max_tokens)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    let facts = request_facts(
+        &method,
+        &path,
+        &headers,
+        caller.as_ref(),
+        requested,
+        0,
+        max_tokens,
+        peek.stream.unwrap_or(false),
+    );
+    let destination = route_request(&cx.state, caller.as_ref(), facts).await?;
+    match destination {
+        Destination::Local { model } => {
+            let mut json = parse_json(&bytes)?;
+            if model != requested {
+                set_model(&mut json, model);
+            }
+            Ok(Routed::Local(json))
+        }
+        Destination::Upstream { name, model } => {
+            let body = match model {
+                Some(m) if m != requested => {
+                    let mut json = parse_json(&bytes)?;
+                    set_model(&mut json, m);
+                    serde_json::to_vec(&json)
+                        .map(Bytes::from)
+                        .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?
+                }
+                _ => bytes.clone(),
+            };
+            let Some(up) = cx.state.routing.upstreams.get(&name) else {
+                return Err(UpstreamError::Unknown(name).into());
+            };
+            let resp = upstream::proxy(
+                up,
+                Outgoing {
+                    method,
+                    path_and_query: &path_and_query,
+                    headers: &headers,
+                    body,
+                    request_id: &cx.request_id,
+                },
+            )
+            .await?;
+            Ok(Routed::Proxied(resp))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn facts_take_selected_headers_only() {
+        let mut h = HeaderMap::new();
+        h.insert("x-tenant", "acme".parse().unwrap());
+        h.insert("authorization", "Bearer secret".parse().unwrap());
+        h.insert("x-priority", "a".repeat(300).parse().unwrap());
+        let f = request_facts(
+            &Method::POST,
+            "/v1/chat/completions",
+            &h,
+            None,
+            "m",
+            0,
+            Some(5),
+            true,
+        );
+        assert_eq!(f.headers[0], ("x-tenant".into(), "acme".into()));
+        assert!(f.headers.iter().all(|(k, _)| k != "authorization"));
+        assert!(f.headers[1].1.len() <= MAX_HEADER_VALUE);
+        assert_eq!((f.max_tokens, f.streaming), (Some(5), true));
+    }
+
+    #[test]
+    fn route_errors_map_to_statuses() {
+        let e = RouteError::Rejected {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "slow down".into(),
+        };
+        assert_eq!(
+            (e.status().as_u16(), e.error_type()),
+            (429, "rate_limit_error")
+        );
+        assert_eq!(RouteError::PolicyFailed(String::new()).status(), 503);
+    }
+}

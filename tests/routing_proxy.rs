@@ -1,0 +1,296 @@
+//! Routing in the request path against the real binary: a bound router
+//! policy (real Wasm guests from `scripts/build-policies.sh`) sends requests
+//! to a fake upstream on loopback, refuses them, or fails open or closed;
+//! upstream failures map to 502/504 in the OpenAI error shape.
+
+#[path = "policy_common/mod.rs"]
+mod common;
+#[path = "routing_common/mod.rs"]
+mod routing;
+#[path = "support/mod.rs"]
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::wasm;
+use routing::{FIRST_EVENT, FakeUpstream, LAST_EVENT, key_hash, urlencode};
+use serde_json::json;
+use support::{Response, Server, ServerBuilder, free_port};
+
+const ADMIN: &str = "routing-admin-key";
+const TENANTS: [&str; 5] = ["acme", "slowco", "initech", "hooli", "stranger"];
+
+fn key(tenant: &str) -> String {
+    format!("key-{tenant}")
+}
+
+/// A gateway with one key per tenant, upstream `up` (the fake, 1 s timeout,
+/// statically serving `static-model`) and upstream `down` (nothing listening).
+fn gateway(up: &FakeUpstream) -> Server {
+    let mut config = String::new();
+    for t in TENANTS {
+        config += &format!(
+            "[[keys]]\nid = \"{t}-app\"\ntenant = \"{t}\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n",
+            key_hash(&key(t))
+        );
+    }
+    config += &format!(
+        "[[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\napi_key = \"sk-upstream\"\ntimeout_secs = 1.0\n\
+         models = [\"static-model\"]\n\
+         [[upstreams]]\nname = \"down\"\nbase_url = \"http://127.0.0.1:{}/v1\"\n",
+        up.base_url(),
+        free_port()
+    );
+    ServerBuilder::new()
+        .config(&config)
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start()
+}
+
+/// Uploads `crate_name` as router `name` with a roomy deadline and binds it.
+fn bind_router(s: &Server, name: &str, crate_name: &str, on_error: &str, config: &str) {
+    let auth = format!("Bearer {ADMIN}");
+    let path = format!(
+        "/admin/policies/{name}?kind=router&deadline_ms=200&on_error={on_error}&config={}",
+        urlencode(config)
+    );
+    let r = s.request(
+        "PUT",
+        &path,
+        &[("authorization", &auth)],
+        Some(&wasm(crate_name)),
+    );
+    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
+    let body = json!({ "policy": name }).to_string();
+    let r = s.request(
+        "PUT",
+        "/admin/bindings/router",
+        &[("authorization", &auth)],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 200, "bind: {}", r.text());
+}
+
+fn post(s: &Server, tenant: &str, path: &str, body: serde_json::Value) -> Response {
+    let auth = format!("Bearer {}", key(tenant));
+    s.request(
+        "POST",
+        path,
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        Some(body.to_string().as_bytes()),
+    )
+}
+
+fn chat(model: &str) -> serde_json::Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+const TENANT_CONFIG: &str = r#"{"tenants": {
+    "acme": {"upstream": "up", "model": "up-model", "deny": ["forbidden"]},
+    "slowco": {"upstream": "up"},
+    "initech": {"upstream": "down"},
+    "hooli": {"upstream": "ghost"}
+}, "unknown": "reject"}"#;
+
+#[test]
+fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    bind_router(&s, "tenants", "tenant-router", "fail_closed", TENANT_CONFIG);
+
+    // Proxied with the model rewritten and the upstream's own key.
+    let r = post(&s, "acme", "/v1/chat/completions", chat("gpt-4o"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["model"], "up-model");
+    assert_eq!(v["path"], "/v1/chat/completions");
+    assert_eq!(v["authorization"], "Bearer sk-upstream");
+    assert_eq!(v["x_request_id"].as_str(), r.header("x-request-id"));
+    assert_eq!(r.header("x-mlxgate-upstream"), Some("up"));
+    let r = post(
+        &s,
+        "acme",
+        "/v1/completions",
+        json!({"model": "gpt-4o", "prompt": "hi"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["path"], "/v1/completions");
+
+    // Routing fields of the wrong type: left to the local validation (400).
+    let mut bad = chat("gpt-4o");
+    bad["stream"] = json!("yes");
+    let r = post(&s, "acme", "/v1/chat/completions", bad);
+    assert_eq!(r.status, 400, "{}", r.text());
+
+    // The guest's reject: its status and message.
+    let e = post(&s, "acme", "/v1/chat/completions", chat("forbidden")).api_error(
+        403,
+        "permission_error",
+        "policy_rejected",
+    );
+    assert_eq!(
+        e["message"],
+        "model `forbidden` is not allowed for this tenant"
+    );
+    let e = post(&s, "stranger", "/v1/chat/completions", chat("m")).api_error(
+        403,
+        "permission_error",
+        "policy_rejected",
+    );
+    assert_eq!(e["message"], "unknown tenant");
+
+    // Upstream error answers pass through with their status and body.
+    let r = post(&s, "slowco", "/v1/chat/completions", chat("status-429"));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limited");
+
+    // Nothing listening: 502; no headers within the 1 s timeout: 504.
+    let e = post(&s, "initech", "/v1/chat/completions", chat("m")).api_error(
+        502,
+        "server_error",
+        "upstream_unavailable",
+    );
+    assert!(e["message"].as_str().unwrap().contains("`down`"), "{e}");
+    let started = Instant::now();
+    post(&s, "slowco", "/v1/chat/completions", chat("slow")).api_error(
+        504,
+        "server_error",
+        "upstream_timeout",
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "504 after {took:?}"
+    );
+
+    // A guest naming an upstream that is not configured.
+    post(&s, "hooli", "/v1/chat/completions", chat("m")).api_error(
+        502,
+        "server_error",
+        "unknown_upstream",
+    );
+}
+
+/// Reads one HTTP/1.1 response head and returns the reader positioned at the body.
+fn read_head(r: &mut BufReader<TcpStream>) -> (u16, Vec<String>) {
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line).expect("read head");
+        if line.trim_end().is_empty() {
+            break;
+        }
+        lines.push(line.trim_end().to_ascii_lowercase());
+    }
+    let status = lines[0].split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, lines)
+}
+
+#[test]
+fn streamed_answers_pass_through_incrementally() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    bind_router(&s, "tenants", "tenant-router", "fail_closed", TENANT_CONFIG);
+
+    let body =
+        json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        key("acme"),
+        body.len()
+    );
+    let mut stream = TcpStream::connect(s.addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(raw.as_bytes()).unwrap();
+    let mut r = BufReader::new(stream);
+    let (status, head) = read_head(&mut r);
+    assert_eq!(status, 200, "{head:?}");
+    assert!(
+        head.iter().any(|l| l == "content-type: text/event-stream"),
+        "{head:?}"
+    );
+    assert!(
+        head.iter().any(|l| l == "transfer-encoding: chunked"),
+        "{head:?}"
+    );
+
+    // The first event arrives while the upstream is still holding the rest.
+    let mut size = String::new();
+    r.read_line(&mut size).unwrap();
+    let n = usize::from_str_radix(size.trim(), 16).unwrap();
+    let mut chunk = vec![0; n + 2];
+    r.read_exact(&mut chunk).unwrap();
+    assert_eq!(&chunk[..n], FIRST_EVENT.as_bytes());
+
+    up.release();
+    let mut rest = String::new();
+    r.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains(LAST_EVENT), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(rest.ends_with("0\r\n\r\n"), "{rest:?}");
+}
+
+#[test]
+fn guest_failures_fail_open_or_closed_and_no_router_stays_local() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    // The local path: no model is loaded, so a local request ends in the
+    // model registry (404/503 model_*), never in routing's codes.
+    let local = |r: Response| {
+        let v = r.json();
+        let code = v["error"]["code"].as_str().unwrap_or_default().to_owned();
+        assert!(
+            code == "model_not_found" || code == "model_not_ready",
+            "not served locally: {} {}",
+            r.status,
+            r.text()
+        );
+    };
+    local(post(&s, "acme", "/v1/chat/completions", chat("panic")));
+    // No router: models listed in `[[upstreams]] models` go there.
+    let r = post(&s, "acme", "/v1/chat/completions", chat("static-model"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["model"], "static-model");
+    assert_eq!(r.header("x-mlxgate-upstream"), Some("up"));
+
+    // The hostile router panics on model `panic`.
+    bind_router(&s, "closed", "hostile-router", "fail_closed", "");
+    let e = post(&s, "acme", "/v1/chat/completions", chat("panic")).api_error(
+        503,
+        "server_error",
+        "policy_failed",
+    );
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains("`closed`") && msg.contains("fail_closed"),
+        "{msg}"
+    );
+    // Other models pass the same policy and stay local.
+    local(post(&s, "acme", "/v1/chat/completions", chat("other")));
+
+    bind_router(&s, "open", "hostile-router", "fail_open", "");
+    local(post(&s, "acme", "/v1/chat/completions", chat("panic")));
+
+    // Aliasing: the alias router's 404 for unknown models, with its message.
+    bind_router(
+        &s,
+        "alias",
+        "alias-router",
+        "fail_closed",
+        r#"{"aliases": {}}"#,
+    );
+    let e = post(&s, "acme", "/v1/chat/completions", chat("gpt-9")).api_error(
+        404,
+        "not_found_error",
+        "policy_rejected",
+    );
+    assert_eq!(e["message"], "The model `gpt-9` does not exist");
+}
