@@ -177,3 +177,70 @@ fn max_tokens_and_stop_strings_end_generation() {
         "{long:?} / {stop:?} / {stopped:?}"
     );
 }
+
+#[test]
+fn a_missing_or_misshaped_tensor_is_named_in_the_load_error() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), &TinyModelSpec::new(Architecture::Llama)).unwrap();
+    let weights_path = dir.path().join("model.safetensors");
+    let mut weights = Array::load_safetensors(&weights_path).unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    // MLX reads safetensors lazily: load everything before rewriting the file.
+    mlx_rs::transforms::eval(weights.values()).unwrap();
+    let original = weights.remove(name).unwrap();
+    Array::save_safetensors(
+        weights.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        &weights_path,
+    )
+    .unwrap();
+    let missing = LoadedModel::load(dir.path())
+        .err()
+        .expect("load must fail")
+        .to_string();
+    assert!(
+        missing.contains(name) && missing.contains("missing"),
+        "{missing}"
+    );
+
+    weights.insert(name.to_owned(), original.t());
+    Array::save_safetensors(
+        weights.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        &weights_path,
+    )
+    .unwrap();
+    let misshaped = LoadedModel::load(dir.path())
+        .err()
+        .expect("load must fail")
+        .to_string();
+    assert!(
+        misshaped.contains(name) && misshaped.contains("expected shape [128, 64]"),
+        "{misshaped}"
+    );
+}
+
+#[test]
+fn converted_directory_gives_the_same_logits_as_the_gguf() {
+    let out = tempfile::tempdir().unwrap();
+    let report = mlxgate::engine::convert::convert_gguf(&smollm2(), out.path(), None).unwrap();
+    assert_eq!((report.tensors, report.quantized), (272, 211));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["quantization"]["bits"], 4);
+    assert_eq!(config["quantization"]["model.embed_tokens"]["bits"], 8);
+
+    let prompt: Vec<u32> = (100..140).collect();
+    let first_logits = |model: LoadedModel| {
+        let model = model.transformer;
+        let mut cache = model.new_cache();
+        logits(&model.forward(&[&prompt], &mut [&mut cache]).unwrap())
+    };
+    let from_gguf = first_logits(LoadedModel::load(&smollm2()).unwrap());
+    let from_dir = first_logits(LoadedModel::load(out.path()).unwrap());
+    // The directory uses half-split RoPE on un-permuted q/k rows; the GGUF
+    // path uses interleaved RoPE on llama.cpp's permuted rows: same maths.
+    let diff = max_diff(&from_gguf, &from_dir);
+    assert!(diff < 1e-3, "GGUF and converted logits differ by {diff}");
+}

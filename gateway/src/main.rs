@@ -65,6 +65,25 @@ enum Command {
     /// Background jobs on a running gateway: submit, list, show, watch, cancel.
     #[command(subcommand)]
     Jobs(mlxgate::jobs::cli::JobsCommand),
+    /// Convert a GGUF model into an mlx-community style directory
+    /// (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
+    /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
+    /// quantized unless --quantize asks for another width.
+    Convert(ConvertArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ConvertArgs {
+    /// The GGUF file to convert.
+    input: PathBuf,
+    /// The directory to write (created if missing).
+    output: PathBuf,
+    /// Requantize every linear layer to this many bits (4 or 8).
+    #[arg(long, value_parser = ["4", "8"])]
+    quantize: Option<String>,
+    /// Group size for --quantize (32 or 64).
+    #[arg(long, default_value = "32", value_parser = ["32", "64"], requires = "quantize")]
+    group_size: String,
 }
 
 const SERVE_EXAMPLE: &str = "\
@@ -239,6 +258,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Policy(cmd) => mlxgate::policy::cli::run_policy(cmd),
         Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
         Command::Jobs(cmd) => mlxgate::jobs::cli::run(cmd),
+        Command::Convert(args) => {
+            use mlxgate::engine::convert::{Requantize, convert_gguf};
+            let requantize = match &args.quantize {
+                Some(bits) => Some(Requantize { bits: bits.parse()?, group_size: args.group_size.parse()? }),
+                None => None,
+            };
+            let report = convert_gguf(&args.input, &args.output, requantize)?;
+            println!(
+                "wrote {} ({} tensors, {} quantized, {:.1} MB)",
+                report.output.display(),
+                report.tensors,
+                report.quantized,
+                report.bytes as f64 / 1e6
+            );
+            Ok(())
+        }
         Command::Doctor(args) => {
             // Report on the setup even where serving would be refused.
             let config = args.resolve_unvalidated()?;

@@ -3,6 +3,7 @@
 //! batching. Knows nothing of HTTP; its API ([`api`]) has no MLX types.
 
 pub mod api;
+pub mod convert;
 pub mod model;
 mod output;
 mod sampler;
@@ -99,6 +100,10 @@ impl EngineHandle {
                         return;
                     }
                 };
+                if let Err(error) = mlx_rs::transforms::eval(model.transformer.parameters()) {
+                    let _ = ready.send(Err(LoadError::Mlx(error.to_string())));
+                    return;
+                }
                 let config = &model.transformer.config;
                 let card = ModelCard {
                     id: model.id.clone(),

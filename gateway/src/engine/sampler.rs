@@ -209,7 +209,7 @@ mod tests {
                 &[],
             );
             (0..64)
-                .map(|_| sampler.sample(&mut vec![1.0; 50], 0).token)
+                .map(|_| sampler.sample(&mut [1.0; 50], 0).token)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(7), draw(7));
@@ -225,7 +225,7 @@ mod tests {
             },
             &[],
         );
-        assert_eq!(biased.sample(&mut vec![0.0, 5.0, 1.0], 0).token, 0);
+        assert_eq!(biased.sample(&mut [0.0, 5.0, 1.0], 0).token, 0);
         let mut top1 = Sampler::new(
             SamplingParams {
                 top_k: 1,
@@ -234,7 +234,7 @@ mod tests {
             &[],
         );
         for _ in 0..20 {
-            assert_eq!(top1.sample(&mut vec![0.0, 5.0, 4.9], 0).token, 1);
+            assert_eq!(top1.sample(&mut [0.0, 5.0, 4.9], 0).token, 1);
         }
     }
 
@@ -247,9 +247,9 @@ mod tests {
             },
             &[],
         );
-        assert_eq!(sampler.sample(&mut vec![1.0, 0.5], 0).token, 0);
+        assert_eq!(sampler.sample(&mut [1.0, 0.5], 0).token, 0);
         // Token 0 was generated once: 1.0 - 2.0 < 0.5.
-        assert_eq!(sampler.sample(&mut vec![1.0, 0.5], 0).token, 1);
+        assert_eq!(sampler.sample(&mut [1.0, 0.5], 0).token, 1);
         let mut repetition = Sampler::new(
             SamplingParams {
                 repetition_penalty: 4.0,
@@ -257,6 +257,6 @@ mod tests {
             },
             &[0],
         );
-        assert_eq!(repetition.sample(&mut vec![1.0, 0.5], 0).token, 1);
+        assert_eq!(repetition.sample(&mut [1.0, 0.5], 0).token, 1);
     }
 }

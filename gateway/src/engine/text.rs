@@ -72,22 +72,15 @@ impl TextCodec {
         }))
     }
 
-    /// From a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE models),
-    /// read through MLX's loader or our own reader.
+    /// From a GGUF file's `tokenizer.ggml.*` metadata, read through MLX's
+    /// loader or our own reader: byte-level BPE (`gpt2`: vocab + merges) or
+    /// SentencePiece BPE (`llama`: vocab + scores, e.g. Gemma).
     pub fn from_gguf(file: &(impl GgufMetadata + ?Sized)) -> Result<TextCodec, LoadError> {
         let model = file
             .meta_string("tokenizer.ggml.model")?
             .unwrap_or_default();
-        if model != "gpt2" {
-            return Err(LoadError::Tokenizer(format!(
-                "GGUF tokenizer model `{model}` is not supported yet (byte-level BPE `gpt2` is); put a tokenizer.json next to the model"
-            )));
-        }
         let tokens = file
             .meta_strings("tokenizer.ggml.tokens")?
-            .unwrap_or_default();
-        let merges = file
-            .meta_strings("tokenizer.ggml.merges")?
             .unwrap_or_default();
         let types: Vec<i32> = file
             .meta_numbers("tokenizer.ggml.token_type")?
@@ -95,8 +88,29 @@ impl TextCodec {
             .into_iter()
             .map(|t| t as i32)
             .collect();
-        let pre = file.meta_string("tokenizer.ggml.pre")?.unwrap_or_default();
-        let json = bpe_tokenizer_json(&tokens, &merges, &types, &pre);
+        let json = match model.as_str() {
+            "gpt2" => {
+                let merges = file
+                    .meta_strings("tokenizer.ggml.merges")?
+                    .unwrap_or_default();
+                let pre = file.meta_string("tokenizer.ggml.pre")?.unwrap_or_default();
+                bpe_tokenizer_json(&tokens, &merges, &types, &pre)
+            }
+            "llama" => {
+                let scores = file
+                    .meta_numbers("tokenizer.ggml.scores")?
+                    .ok_or_else(|| LoadError::Tokenizer("SentencePiece GGUF without `tokenizer.ggml.scores`".into()))?;
+                let space_prefix = file
+                    .meta_number("tokenizer.ggml.add_space_prefix")?
+                    .is_none_or(|flag| flag != 0.0);
+                spm_tokenizer_json(&tokens, &scores, &types, space_prefix)
+            }
+            other => {
+                return Err(LoadError::Tokenizer(format!(
+                    "GGUF tokenizer model `{other}` is not supported (`gpt2` and `llama` are); put a tokenizer.json next to the model"
+                )));
+            }
+        };
         let tokenizer = Tokenizer::from_str(&json.to_string())
             .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         TextCodec::with_gguf_specials(tokenizer, file)
@@ -165,6 +179,21 @@ impl TextCodec {
         codec.eos_ids.sort_unstable();
         codec.eos_ids.dedup();
         codec
+    }
+
+    /// Writes `tokenizer.json` and `tokenizer_config.json` (with the chat
+    /// template) into `dir`, as Hugging Face tooling expects them.
+    pub fn save(&self, dir: &Path) -> Result<(), String> {
+        self.tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| e.to_string())?;
+        let config = json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        });
+        let text = serde_json::to_string_pretty(&config).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("tokenizer_config.json"), text).map_err(|e| e.to_string())
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -290,6 +319,88 @@ fn ids_of(value: &Value) -> Vec<u32> {
 /// Qwen2's pre-tokenizer split (as published in its tokenizer.json).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Control (3) and user-defined (4) tokens of a GGUF vocabulary, matched
+/// whole before the model runs, as `added_tokens` entries.
+fn added_tokens(tokens: &[String], types: &[i32]) -> Vec<Value> {
+    types
+        .iter()
+        .zip(tokens)
+        .enumerate()
+        .filter(|(_, (kind, _))| matches!(kind, 3 | 4))
+        .map(|(id, (kind, token))| {
+            json!({"id": id, "content": token, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": *kind == 3})
+        })
+        .collect()
+}
+
+/// A `tokenizer.json` for a SentencePiece BPE vocabulary from GGUF metadata
+/// (`tokenizer.ggml.model = llama`), which has scores but no merges.
+///
+/// SentencePiece BPE merges the adjacent pair whose union is the
+/// highest-scoring vocabulary piece, so the merge list is derived from the
+/// vocabulary: every split of a piece into two pieces that are themselves in
+/// the vocabulary is a merge, ranked by the score of the piece it makes. Bytes
+/// outside the vocabulary fall back to `<0xNN>` tokens. Spaces become `▁`;
+/// `space_prefix` adds one before the text (llama) or not (Gemma).
+fn spm_tokenizer_json(tokens: &[String], scores: &[f64], types: &[i32], space_prefix: bool) -> Value {
+    let ids: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(id, t)| (t.as_str(), id)).collect();
+    let mut ranked: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        // Byte and unused/control pieces are never produced by merging.
+        if matches!(types.get(id), Some(3 | 6)) {
+            continue;
+        }
+        let score = scores.get(id).copied().unwrap_or(0.0);
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if let (Some(&l), Some(&r)) = (ids.get(left), ids.get(right)) {
+                ranked.push((score, id, l, r));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
+    let merges: Vec<Value> = ranked
+        .iter()
+        .map(|&(_, _, l, r)| json!([tokens[l], tokens[r]]))
+        .collect();
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, token)| (token.clone(), json!(id)))
+        .collect();
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let (normalizer, decoder) = if space_prefix {
+        (
+            json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]}),
+            json!({"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}),
+        )
+    } else {
+        (
+            replace,
+            json!({"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]}),
+        )
+    };
+    let unk = tokens.iter().find(|t| *t == "<unk>").cloned();
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": added_tokens(tokens, types),
+        "normalizer": normalizer,
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": decoder,
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges}
+    })
+}
+
 /// A `tokenizer.json` for a byte-level BPE vocabulary from GGUF metadata.
 /// `pre` is llama.cpp's pre-tokenizer name (`tokenizer.ggml.pre`).
 fn bpe_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32], pre: &str) -> Value {
@@ -304,15 +415,7 @@ fn bpe_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32], pre: 
         .map(|(a, b)| json!([a, b]))
         .collect();
     // llama.cpp token types: 3 = control, 4 = user-defined; both match whole.
-    let added: Vec<Value> = types
-        .iter()
-        .enumerate()
-        .filter(|(_, kind)| matches!(kind, 3 | 4))
-        .map(|(id, kind)| {
-            json!({"id": id, "content": tokens[id], "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": *kind == 3})
-        })
-        .collect();
+    let added = added_tokens(tokens, types);
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let (normalizer, pre_tokenizer) = match pre {
         "smollm" => (

@@ -79,7 +79,7 @@ impl ModelConfig {
     pub fn is_sliding(&self, layer: usize) -> bool {
         self.sliding_window.is_some()
             && self.sliding_window_pattern > 0
-            && (layer + 1) % self.sliding_window_pattern != 0
+            && !(layer + 1).is_multiple_of(self.sliding_window_pattern)
     }
 
     /// Reads a Hugging Face / mlx-community `config.json`.

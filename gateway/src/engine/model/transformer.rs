@@ -13,7 +13,7 @@ use mlx_rs::{Array, Dtype};
 use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
-use super::weights::{Embedding, Linear, MlxResult, WeightMap};
+use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
 
 struct Attention {
     q_proj: Linear,
@@ -146,6 +146,54 @@ impl Transformer {
             final_norm,
             lm_head,
         })
+    }
+
+    /// Every weight array, to evaluate once at load: casts and renames are
+    /// lazy in MLX, and the first request should not pay for them.
+    pub fn parameters(&self) -> Vec<&Array> {
+        fn kernel(k: &Kernel) -> Vec<&Array> {
+            match k {
+                Kernel::Dense(w) => vec![w],
+                Kernel::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    ..
+                } => vec![weight, scales, biases],
+            }
+        }
+        fn linear(l: &Linear) -> Vec<&Array> {
+            let mut arrays = kernel(&l.kernel);
+            arrays.extend(l.bias.iter());
+            arrays
+        }
+        let mut arrays = kernel(&self.embed.kernel);
+        arrays.push(&self.final_norm);
+        arrays.extend(self.lm_head.iter().flat_map(linear));
+        for block in &self.blocks {
+            let a = &block.attention;
+            for l in [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &block.mlp.gate_proj,
+                &block.mlp.up_proj,
+                &block.mlp.down_proj,
+            ] {
+                arrays.extend(linear(l));
+            }
+            arrays.extend(a.q_norm.iter().chain(a.k_norm.iter()));
+            arrays.push(&block.input_norm);
+            arrays.push(&block.pre_mlp_norm);
+            arrays.extend(
+                block
+                    .post_attention_norm
+                    .iter()
+                    .chain(block.post_mlp_norm.iter()),
+            );
+        }
+        arrays
     }
 
     /// A fresh cache shaped for this model.

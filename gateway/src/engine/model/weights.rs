@@ -151,7 +151,7 @@ impl WeightMap {
         if weight.dtype() != Dtype::Uint32
             || dim(&weight, 0) != out
             || groups == 0
-            || input % groups != 0
+            || !input.is_multiple_of(groups)
         {
             return Err(bad(format!(
                 "quantized weight {:?} {:?} with scales {:?} does not fit a [{out}, {input}] linear",

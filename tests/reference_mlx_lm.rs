@@ -1,0 +1,88 @@
+//! mlxgate's engine against Python mlx-lm on the same converted model: the
+//! first-step logits agree within 1e-4 and 64 greedy tokens are identical.
+//!
+//! Needs reference figures from `scripts/check-against-mlx-lm.sh`, which runs
+//! this test with `MLXGATE_REFERENCE_JSON` set; without it the test only says so.
+
+use std::path::PathBuf;
+
+use mlxgate::engine::LoadedModel;
+use serde_json::Value;
+
+fn argmax(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
+}
+
+#[test]
+fn engine_matches_mlx_lm_logits_and_greedy_tokens() {
+    let Some(path) = std::env::var_os("MLXGATE_REFERENCE_JSON") else {
+        eprintln!(
+            "MLXGATE_REFERENCE_JSON not set: run scripts/check-against-mlx-lm.sh for this check"
+        );
+        return;
+    };
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        reference[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, expected_tokens) = (ids("prompt_tokens"), ids("greedy_tokens"));
+    let expected_logits: Vec<f32> = reference["first_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+
+    let model_dir = PathBuf::from(reference["model_dir"].as_str().unwrap());
+    let model = LoadedModel::load(&model_dir).unwrap().transformer;
+    let mut cache = model.new_cache();
+    let first = model.forward(&[&prompt], &mut [&mut cache]).unwrap();
+    first.eval().unwrap();
+    let logits = first.as_slice::<f32>().to_vec();
+    assert_eq!(logits.len(), expected_logits.len());
+    let diff = logits
+        .iter()
+        .zip(&expected_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    println!(
+        "first-step logits: max |mlxgate - mlx-lm| = {diff:.3e} over {} values",
+        logits.len()
+    );
+
+    let mut tokens = Vec::new();
+    let mut step = logits;
+    for _ in 0..expected_tokens.len() {
+        let token = argmax(&step);
+        tokens.push(token);
+        let next = model.forward(&[&[token]], &mut [&mut cache]).unwrap();
+        next.eval().unwrap();
+        step = next.as_slice::<f32>().to_vec();
+    }
+    let same = tokens
+        .iter()
+        .zip(&expected_tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!(
+        "greedy tokens identical: {same} of {}",
+        expected_tokens.len()
+    );
+    assert!(diff <= 1e-4, "first-step logits differ by {diff}");
+    assert_eq!(
+        tokens, expected_tokens,
+        "greedy tokens diverge after {same}"
+    );
+}
