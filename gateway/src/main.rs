@@ -261,7 +261,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {
-                Some(bits) => Some(Requantize { bits: bits.parse()?, group_size: args.group_size.parse()? }),
+                Some(bits) => Some(Requantize {
+                    bits: bits.parse()?,
+                    group_size: args.group_size.parse()?,
+                }),
                 None => None,
             };
             let report = convert_gguf(&args.input, &args.output, requantize)?;

@@ -97,9 +97,11 @@ impl TextCodec {
                 bpe_tokenizer_json(&tokens, &merges, &types, &pre)
             }
             "llama" => {
-                let scores = file
-                    .meta_numbers("tokenizer.ggml.scores")?
-                    .ok_or_else(|| LoadError::Tokenizer("SentencePiece GGUF without `tokenizer.ggml.scores`".into()))?;
+                let scores = file.meta_numbers("tokenizer.ggml.scores")?.ok_or_else(|| {
+                    LoadError::Tokenizer(
+                        "SentencePiece GGUF without `tokenizer.ggml.scores`".into(),
+                    )
+                })?;
                 let space_prefix = file
                     .meta_number("tokenizer.ggml.add_space_prefix")?
                     .is_none_or(|flag| flag != 0.0);
@@ -184,7 +186,9 @@ impl TextCodec {
     /// Writes `tokenizer.json` and `tokenizer_config.json` (with the chat
     /// template) into `dir`, as Hugging Face tooling expects them.
     pub fn save(&self, dir: &Path) -> Result<(), String> {
-        self.tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| e.to_string())?;
+        self.tokenizer
+            .save(dir.join("tokenizer.json"), false)
+            .map_err(|e| e.to_string())?;
         let config = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.bos_token,
@@ -343,9 +347,17 @@ fn added_tokens(tokens: &[String], types: &[i32]) -> Vec<Value> {
 /// the vocabulary is a merge, ranked by the score of the piece it makes. Bytes
 /// outside the vocabulary fall back to `<0xNN>` tokens. Spaces become `▁`;
 /// `space_prefix` adds one before the text (llama) or not (Gemma).
-fn spm_tokenizer_json(tokens: &[String], scores: &[f64], types: &[i32], space_prefix: bool) -> Value {
-    let ids: std::collections::HashMap<&str, usize> =
-        tokens.iter().enumerate().map(|(id, t)| (t.as_str(), id)).collect();
+fn spm_tokenizer_json(
+    tokens: &[String],
+    scores: &[f64],
+    types: &[i32],
+    space_prefix: bool,
+) -> Value {
+    let ids: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.as_str(), id))
+        .collect();
     let mut ranked: Vec<(f64, usize, usize, usize)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
         // Byte and unused/control pieces are never produced by merging.
@@ -360,7 +372,10 @@ fn spm_tokenizer_json(tokens: &[String], scores: &[f64], types: &[i32], space_pr
             }
         }
     }
-    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3))));
+    ranked.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
+    });
     let merges: Vec<Value> = ranked
         .iter()
         .map(|&(_, _, l, r)| json!([tokens[l], tokens[r]]))
