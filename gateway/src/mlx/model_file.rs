@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use mlx_rs::io::{GgufError, GgufFile};
 
+use crate::engine::model::GgufReader;
+
 /// Why a model file could not be loaded. Each variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelFileError {
@@ -21,6 +23,14 @@ pub enum ModelFileError {
         path: PathBuf,
         #[source]
         source: GgufError,
+    },
+    /// Our own GGUF reader refused the file (files with tensor types MLX
+    /// lacks, such as K-quants, are summarised through it).
+    #[error("could not read {path}: {source}")]
+    Gguf {
+        path: PathBuf,
+        #[source]
+        source: crate::engine::model::gguf::GgufError,
     },
     /// The file loaded but lacks metadata every model needs.
     #[error("model file {path} has no `{key}` metadata")]
@@ -56,6 +66,13 @@ impl ModelSummary {
             path: path.to_owned(),
             source,
         };
+        let reader = GgufReader::open(path).map_err(|source| ModelFileError::Gguf {
+            path: path.to_owned(),
+            source,
+        })?;
+        if !reader.mlx_can_load() {
+            return ModelSummary::from_reader(path, &reader);
+        }
         let file = GgufFile::load(path).map_err(mlx_error)?;
         let architecture = file
             .get_metadata_string("general.architecture")
@@ -76,6 +93,30 @@ impl ModelSummary {
             tensor_count,
             quantized_count,
             bytes,
+        })
+    }
+}
+
+impl ModelSummary {
+    /// For files MLX's loader rejects: counts from our reader's tensor table;
+    /// `bytes` are the bytes as stored in the file.
+    fn from_reader(path: &Path, reader: &GgufReader) -> Result<ModelSummary, ModelFileError> {
+        let architecture = reader
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .ok_or(ModelFileError::MissingMetadata {
+                path: path.to_owned(),
+                key: "general.architecture",
+            })?
+            .to_owned();
+        let tensors = reader.tensors();
+        Ok(ModelSummary {
+            id: model_id(path),
+            path: path.to_owned(),
+            architecture,
+            tensor_count: tensors.len(),
+            quantized_count: tensors.iter().filter(|t| !t.kind.is_float()).count(),
+            bytes: tensors.iter().map(|t| t.size).sum(),
         })
     }
 }
