@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 const SECS: u32 = 5;
 const CONNECTIONS: u32 = 32;
 const KEY: &str = "bench-infer-key";
@@ -53,46 +53,117 @@ fn main() {
     load(&wrk, &script, &url(gateway.addr), 1);
     load(&wrk, &script, &url(nginx.addr), 1);
 
+    let gw_pids = || vec![gateway.child.id()];
+    let nginx_pids = || nginx.pids();
     let (mut none, mut policy, mut reference) = (vec![], vec![], vec![]);
     for round in 1..=ROUNDS {
         gateway.bind(false);
-        none.push(load(&wrk, &script, &url(gateway.addr), SECS));
+        none.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
         gateway.bind(true);
-        policy.push(load(&wrk, &script, &url(gateway.addr), SECS));
-        reference.push(load(&wrk, &script, &url(nginx.addr), SECS));
+        policy.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
+        reference.push(measure(&wrk, &script, &url(nginx.addr), &nginx_pids));
+        let last = |v: &[Sample]| v[round - 1];
         println!(
-            "round {round}: gateway, no policy {:.0} req/s; gateway + tenant-router {:.0} req/s; nginx {:.0} req/s",
-            none[round - 1],
-            policy[round - 1],
-            reference[round - 1]
+            "round {round}: gateway, no policy {}; gateway + tenant-router {}; nginx {}",
+            last(&none),
+            last(&policy),
+            last(&reference)
         );
     }
-    let (n, p, x) = (
-        median(&mut none),
-        median(&mut policy),
-        median(&mut reference),
-    );
+    let med = |v: &[Sample], f: fn(&Sample) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(f).collect();
+        median(&mut x)
+    };
+    let rps = |v: &[Sample]| med(v, |s| s.rps);
+    let cpu = |v: &[Sample]| med(v, |s| s.cpu_us);
+    let (n, p, x) = (rps(&none), rps(&policy), rps(&reference));
+    let (cn, cp, cx) = (cpu(&none), cpu(&policy), cpu(&reference));
     println!(
         "\n{ROUNDS} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
     );
-    println!("| target | requests/s | ratio |");
-    println!("| --- | --- | --- |");
-    println!("| nginx proxy_pass (keepalive upstream) | {x:.0} | 1.00 |");
+    println!("| target | requests/s | vs nginx | proxy CPU per request | vs nginx |");
+    println!("| --- | --- | --- | --- | --- |");
+    println!("| nginx proxy_pass (keepalive upstream) | {x:.0} | 1.00x | {cx:.1} us | 1.00x |");
     println!(
-        "| gateway, no policy (static route) | {n:.0} | {:.2} |",
-        n / x
+        "| gateway, no policy (static route) | {n:.0} | {:.2}x | {cn:.1} us | {:.2}x |",
+        n / x,
+        cn / cx
     );
     println!(
-        "| gateway, tenant-router policy bound | {p:.0} | {:.2} |",
-        p / x
+        "| gateway, tenant-router policy bound | {p:.0} | {:.2}x | {cp:.1} us | {:.2}x |",
+        p / x,
+        cp / cx
     );
     println!(
-        "\npolicy vs none: {:+.1}% (target: loss <= 5%); gateway (policy) vs nginx: {:.2}x (target >= 0.8x)",
+        "\npolicy vs none: throughput {:+.1}%, CPU per request {:+.1}% (target: loss <= 5%)\n\
+         gateway (policy) vs nginx: throughput {:.2}x (target >= 0.8x), CPU per request {:.2}x",
         (p / n - 1.0) * 100.0,
-        p / x
+        (cp / cn - 1.0) * 100.0,
+        p / x,
+        cp / cx
     );
     drop(gateway);
     drop(nginx);
+}
+
+/// One load run: throughput, and the proxy's own CPU time per request
+/// (user + system, all its processes), which other load on a shared machine
+/// disturbs much less than throughput.
+#[derive(Clone, Copy)]
+struct Sample {
+    rps: f64,
+    cpu_us: f64,
+}
+
+impl std::fmt::Display for Sample {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.0} req/s, {:.1} us CPU/req", self.rps, self.cpu_us)
+    }
+}
+
+fn measure(wrk: &Path, script: &Path, url: &str, pids: &dyn Fn() -> Vec<u32>) -> Sample {
+    let before = cpu_ticks(&pids());
+    let (rps, requests) = load(wrk, script, url, SECS);
+    let after = cpu_ticks(&pids());
+    // USER_HZ is 100 on Linux: one tick is 10 ms.
+    let cpu_us = after.saturating_sub(before) as f64 * 10_000.0 / requests.max(1.0);
+    Sample { rps, cpu_us }
+}
+
+/// utime + stime of `pids`, in clock ticks.
+fn cpu_ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .filter_map(|stat| {
+            // Fields after the parenthesised command name; utime and stime
+            // are fields 14 and 15 of the whole line.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum()
+}
+
+/// Processes whose parent is `parent`.
+fn children(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse()
+                        .ok()
+                })
+                == Some(parent)
+        })
+        .collect()
 }
 
 fn find_tool(name: &str) -> Option<PathBuf> {
@@ -103,10 +174,10 @@ fn find_tool(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Runs wrk for `secs` and returns requests/s. Socket errors, or non-2xx
+/// Runs wrk for `secs`: (requests/s, requests). Socket errors, or non-2xx
 /// answers above 0.1%, abort the bench (a broken setup must not pass for a
 /// slow one); fewer non-2xx answers are printed.
-fn load(wrk: &Path, script: &Path, url: &str, secs: u32) -> f64 {
+fn load(wrk: &Path, script: &Path, url: &str, secs: u32) -> (f64, f64) {
     let out = Command::new(wrk)
         .args(["-t1", &format!("-c{CONNECTIONS}"), &format!("-d{secs}s")])
         .arg("-s")
@@ -127,12 +198,19 @@ fn load(wrk: &Path, script: &Path, url: &str, secs: u32) -> f64 {
     };
     let rps =
         field("Requests/sec:").unwrap_or_else(|| panic!("no Requests/sec in wrk output:\n{text}"));
+    let requests = text
+        .lines()
+        .find(|l| l.contains(" requests in "))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no request count in wrk output:\n{text}"));
     if let Some(bad) = field("Non-2xx or 3xx responses:") {
-        let total = rps * f64::from(secs);
-        println!("  {bad} non-2xx answers of ~{total:.0} from {url}");
-        assert!(bad <= total / 1000.0, "too many errors under load:\n{text}");
+        println!("  {bad} non-2xx answers of {requests} from {url}");
+        assert!(
+            bad <= requests / 1000.0,
+            "too many errors under load:\n{text}"
+        );
     }
-    rps
+    (rps, requests)
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -342,6 +420,13 @@ impl Nginx {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         wait_listening(addr, "nginx");
         Nginx { child, addr }
+    }
+
+    /// The master and its workers.
+    fn pids(&self) -> Vec<u32> {
+        let mut p = children(self.child.id());
+        p.push(self.child.id());
+        p
     }
 }
 
