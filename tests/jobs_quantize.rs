@@ -53,6 +53,12 @@ fn quantized_model_is_loadable_and_within_one_step() {
     );
     let mean = sum["mean_rel_error"].as_f64().unwrap();
     assert!(mean > 0.0 && mean < 0.15, "{sum}");
+    // The logit check ran both models on the text sample: quantization moved
+    // the logits a little, not wildly.
+    let logits = &sum["logit_error"];
+    assert!(logits["sample_tokens"].as_u64().unwrap() > 10, "{sum}");
+    let mean_abs = logits["mean_abs"].as_f64().unwrap();
+    assert!(mean_abs > 0.0 && mean_abs < 0.5, "{sum}");
 
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();

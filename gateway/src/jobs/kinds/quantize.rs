@@ -295,6 +295,20 @@ impl QuantizeSpec {
 
         let size_after =
             std::fs::metadata(self.output_dir.join("model.safetensors")).map_or(0, |m| m.len());
+        ctx.emit(JobEvent::stage(
+            "evaluate",
+            Some(0.95),
+            Some("comparing logits of the original and quantized models on a text sample".into()),
+        ));
+        // Inputs the engine cannot run (other architectures) still quantize;
+        // the logit check is then reported as skipped.
+        let logits = match logit_error(&self.input, &self.output_dir) {
+            Ok(figures) => figures,
+            Err(reason) => {
+                ctx.emit(JobEvent::log(format!("logit check skipped: {reason}")));
+                json!(null)
+            }
+        };
         let errors: Vec<f64> = reports
             .iter()
             .filter_map(|r| r["rel_error"].as_f64())
@@ -315,6 +329,7 @@ impl QuantizeSpec {
             "compression": if size_after > 0 { size_before as f64 / size_after as f64 } else { 0.0 },
             "mean_rel_error": mean,
             "max_rel_error": max,
+            "logit_error": logits,
             "per_tensor": reports,
         });
         ctx.emit(JobEvent::stage(
@@ -370,6 +385,54 @@ impl QuantizeSpec {
         }
         Ok(())
     }
+}
+
+/// Text the logit check runs through both models.
+const LOGIT_SAMPLE: &str = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and the Seine runs through it.";
+
+/// Runs `LOGIT_SAMPLE` token by token through the original and the quantized
+/// model and compares next-token logits at every position: mean and max
+/// absolute difference, and how often both pick the same next token.
+fn logit_error(original: &Path, quantized: &Path) -> Result<Value, String> {
+    use crate::engine::LoadedModel;
+    let a = LoadedModel::load(original).map_err(|e| e.to_string())?;
+    let b = LoadedModel::load(quantized).map_err(|e| e.to_string())?;
+    let tokens = a.codec.encode(LOGIT_SAMPLE)?;
+    let tokens = &tokens[..tokens.len().min(32)];
+    let (mut cache_a, mut cache_b) = (a.transformer.new_cache(), b.transformer.new_cache());
+    let (mut sum, mut max, mut count, mut agree) = (0.0f64, 0.0f32, 0usize, 0usize);
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+            .0
+    };
+    for token in tokens {
+        let step = |model: &LoadedModel,
+                    cache: &mut crate::engine::model::KvCache|
+         -> Result<Vec<f32>, String> {
+            let logits = model
+                .transformer
+                .forward(&[&[*token]], &mut [cache])
+                .map_err(|e| e.to_string())?;
+            logits.eval().map_err(|e| e.to_string())?;
+            Ok(logits.as_slice::<f32>().to_vec())
+        };
+        let (x, y) = (step(&a, &mut cache_a)?, step(&b, &mut cache_b)?);
+        for (p, q) in x.iter().zip(&y) {
+            let d = (p - q).abs();
+            sum += f64::from(d);
+            max = max.max(d);
+        }
+        count += x.len();
+        agree += usize::from(argmax(&x) == argmax(&y));
+    }
+    Ok(json!({
+        "sample_tokens": tokens.len(),
+        "mean_abs": if count > 0 { sum / count as f64 } else { 0.0 },
+        "max_abs": max,
+        "top1_agreement": if tokens.is_empty() { 0.0 } else { agree as f64 / tokens.len() as f64 },
+    }))
 }
 
 fn partial_dir(output: &Path, job: &str) -> PathBuf {
