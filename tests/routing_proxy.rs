@@ -86,6 +86,18 @@ fn post(s: &Server, tenant: &str, path: &str, body: serde_json::Value) -> Respon
     )
 }
 
+/// `GET /admin/upstreams`, as a map from name to status.
+fn upstream_status(s: &Server, name: &str) -> serde_json::Value {
+    let auth = format!("Bearer {ADMIN}");
+    let r = s.get_with("/admin/upstreams", &[("authorization", &auth)]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    v["data"]
+        .as_array()
+        .and_then(|a| a.iter().find(|u| u["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no upstream {name} in {v}"))
+}
+
 fn chat(model: &str) -> serde_json::Value {
     json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
 }
@@ -168,6 +180,17 @@ fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
         "504 after {took:?}"
     );
 
+    // Health as the router sees it: both failed just now.
+    let down = upstream_status(&s, "down");
+    assert_eq!(down["healthy"], false, "{down}");
+    assert!(
+        down["last_error"].as_str().unwrap().contains("connect"),
+        "{down}"
+    );
+    let up_status = upstream_status(&s, "up");
+    assert_eq!(up_status["healthy"], false, "{up_status}");
+    assert_eq!(up_status["in_flight"], 0, "{up_status}");
+
     // A guest naming an upstream that is not configured.
     post(&s, "hooli", "/v1/chat/completions", chat("m")).api_error(
         502,
@@ -230,12 +253,19 @@ fn streamed_answers_pass_through_incrementally() {
     r.read_exact(&mut chunk).unwrap();
     assert_eq!(&chunk[..n], FIRST_EVENT.as_bytes());
 
+    assert_eq!(upstream_status(&s, "up")["in_flight"], 1);
     up.release();
     let mut rest = String::new();
     r.read_to_string(&mut rest).unwrap();
     assert!(rest.contains(LAST_EVENT), "{rest}");
     assert!(rest.contains("data: [DONE]"), "{rest}");
     assert!(rest.ends_with("0\r\n\r\n"), "{rest:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while upstream_status(&s, "up")["in_flight"] != 0 {
+        assert!(Instant::now() < deadline, "in-flight count not released");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(upstream_status(&s, "up")["healthy"], true);
 }
 
 #[test]

@@ -78,6 +78,7 @@ impl AppState {
         let mut table = routes();
         table.extend(openai::routes());
         table.extend(admin_policies::routes());
+        table.extend(routing::routes());
         table.extend(jobs::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());

@@ -30,10 +30,24 @@ use serde_json::Value;
 use super::admin_policies::open_host;
 use super::body::{self, Body, ReqBody};
 use super::upstream::{self, Outgoing, UpstreamError, UpstreamSpec, Upstreams};
-use super::{ApiError, AppState, Caller, Ctx};
+use super::{ApiError, AppState, Caller, Ctx, Route};
 use crate::policy::{
     BackendKind, BackendState, PolicyError, PolicyHost, RequestFacts, RouteDecision,
 };
+
+/// `GET /admin/upstreams`: each configured upstream's health, last error
+/// and in-flight count, as the router sees them.
+pub fn routes() -> Vec<Route> {
+    vec![Route::new(Method::GET, "/admin/upstreams", |cx, _req| {
+        Box::pin(async move {
+            let data = cx.state.routing.upstreams.statuses();
+            body::json(
+                StatusCode::OK,
+                &serde_json::json!({"object": "list", "data": data}),
+            )
+        })
+    })]
+}
 
 /// Request headers a router policy sees (lower-case), when present.
 pub const POLICY_HEADERS: [&str; 3] = ["x-tenant", "x-priority", "x-user"];

@@ -207,8 +207,8 @@ impl UpstreamError {
     }
 }
 
-/// What the router sees of an upstream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What the router (and `GET /admin/upstreams`) sees of an upstream.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct UpstreamStatus {
     pub name: String,
     pub healthy: bool,
