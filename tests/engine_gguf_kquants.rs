@@ -581,6 +581,21 @@ fn truncated_or_corrupt_files_are_errors_not_panics() {
         error.contains("x.weight") && error.contains("type #23"),
         "{error}"
     );
+    let error = gguf::weight_map(&reader, mlx_rs::Dtype::Float32)
+        .err()
+        .unwrap();
+    assert!(error.to_string().contains("x.weight"), "{error}");
+
+    // Empty dimensions are odd but not corrupt: no panic, an empty array.
+    let empty = dir.path().join("empty.gguf");
+    write_gguf(
+        &empty,
+        &[],
+        &[tensor("e.weight", GgmlType::Q4K, 0, 256, vec![])],
+    )
+    .unwrap();
+    let reader = GgufReader::open(&empty).unwrap();
+    assert!(gguf::weight_map(&reader, mlx_rs::Dtype::Float32).is_ok());
 }
 
 #[test]
@@ -889,4 +904,76 @@ fn gemma3_tokenizer_from_gguf_scores_matches_the_published_one() {
         let expected = reference.encode(text, true).unwrap().get_ids().to_vec();
         assert_eq!(ids, expected, "{text:?}");
     }
+}
+
+/// A SentencePiece vocabulary with scores (no merges), as Gemma's GGUF has,
+/// written by the test: merges follow the scores of the pieces they make,
+/// unknown characters fall back to byte tokens, control tokens match whole.
+#[test]
+fn sentencepiece_tokenizer_is_built_from_gguf_scores() {
+    let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
+        .map(str::to_owned)
+        .to_vec();
+    let mut types = vec![3, 3, 3, 2, 3];
+    let mut scores = vec![0.0f32; 5];
+    for byte in 0..=255u8 {
+        tokens.push(format!("<0x{byte:02X}>"));
+        types.push(6);
+        scores.push(0.0);
+    }
+    let pieces = [
+        "▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁w", "or", "▁wor",
+        "▁world", "ld",
+    ];
+    for (rank, piece) in pieces.iter().enumerate() {
+        tokens.push((*piece).to_owned());
+        types.push(1);
+        scores.push(-(rank as f32) - 1.0);
+    }
+    let id = |piece: &str| tokens.iter().position(|t| t == piece).unwrap() as u32;
+    let strings = |items: &[String]| {
+        MetaValue::Array(items.iter().map(|t| MetaValue::String(t.clone())).collect())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spm.gguf");
+    write_gguf(
+        &path,
+        &[
+            ("tokenizer.ggml.model", MetaValue::String("llama".into())),
+            ("tokenizer.ggml.tokens", strings(&tokens)),
+            (
+                "tokenizer.ggml.scores",
+                MetaValue::Array(scores.iter().map(|&s| MetaValue::F32(s)).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                MetaValue::Array(types.iter().map(|&t| MetaValue::I32(t)).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", MetaValue::U32(2)),
+            ("tokenizer.ggml.eos_token_id", MetaValue::U32(1)),
+            ("tokenizer.ggml.add_bos_token", MetaValue::Bool(true)),
+            ("tokenizer.ggml.add_space_prefix", MetaValue::Bool(false)),
+        ],
+        &[],
+    )
+    .unwrap();
+    let reader = GgufReader::open(&path).unwrap();
+    let codec = TextCodec::from_gguf(&reader).unwrap();
+    // "▁world" needs "ld", the last-ranked merge, before its own can apply.
+    let ids = codec.encode("hello world").unwrap();
+    assert_eq!(ids, [2, id("hello"), id("▁world")]);
+    assert_eq!(codec.decode(&ids), "hello world");
+    let ids = codec.encode("<start_of_turn>hé").unwrap();
+    assert_eq!(
+        ids,
+        [
+            2,
+            id("<start_of_turn>"),
+            id("h"),
+            id("<0xC3>"),
+            id("<0xA9>")
+        ]
+    );
+    assert_eq!(codec.decode(&ids), "hé");
+    assert!(codec.eos_ids.contains(&1));
 }

@@ -934,21 +934,24 @@ impl GgufMetadata for GgufReader {
         match self.get(key) {
             None => Ok(None),
             Some(MetaValue::String(s)) => Ok(Some(s.clone())),
-            Some(other) => Err(wrong_type(key, "a string", other)),
+            Some(other) => Err(self.wrong_type(key, "a string", other)),
         }
     }
 
     fn meta_strings(&self, key: &str) -> Result<Option<Vec<String>>, LoadError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(MetaValue::Array(items)) => items
-                .iter()
-                .map(|v| v.as_str().map(str::to_owned))
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| wrong_type(key, "an array of strings", &items[0])),
-            Some(other) => Err(wrong_type(key, "an array of strings", other)),
-        }
+        let items = self.array(key, "an array of strings")?;
+        items
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_owned)
+                            .ok_or_else(|| self.wrong_type(key, "an array of strings", v))
+                    })
+                    .collect()
+            })
+            .transpose()
     }
 
     fn meta_number(&self, key: &str) -> Result<Option<f64>, LoadError> {
@@ -957,33 +960,46 @@ impl GgufMetadata for GgufReader {
             Some(value) => value
                 .as_f64()
                 .map(Some)
-                .ok_or_else(|| wrong_type(key, "a number", value)),
+                .ok_or_else(|| self.wrong_type(key, "a number", value)),
         }
     }
 
     fn meta_numbers(&self, key: &str) -> Result<Option<Vec<f64>>, LoadError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(MetaValue::Array(items)) => items
-                .iter()
-                .map(MetaValue::as_f64)
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| wrong_type(key, "an array of numbers", &items[0])),
-            Some(other) => Err(wrong_type(key, "an array of numbers", other)),
-        }
+        let items = self.array(key, "an array of numbers")?;
+        items
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|v| {
+                        v.as_f64()
+                            .ok_or_else(|| self.wrong_type(key, "an array of numbers", v))
+                    })
+                    .collect()
+            })
+            .transpose()
     }
 }
 
-fn wrong_type(key: &str, wanted: &str, found: &MetaValue) -> LoadError {
-    let found = match found {
-        MetaValue::String(_) => "a string".to_owned(),
-        MetaValue::Array(_) => "an array".to_owned(),
-        other => format!("{other:?}"),
-    };
-    LoadError::Tokenizer(format!(
-        "metadata `{key}` should be {wanted}, found {found}"
-    ))
+impl GgufReader {
+    fn array(&self, key: &str, wanted: &str) -> Result<Option<&[MetaValue]>, LoadError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(MetaValue::Array(items)) => Ok(Some(items)),
+            Some(other) => Err(self.wrong_type(key, wanted, other)),
+        }
+    }
+
+    fn wrong_type(&self, key: &str, wanted: &str, found: &MetaValue) -> LoadError {
+        let found = match found {
+            MetaValue::String(_) => "a string".to_owned(),
+            MetaValue::Array(_) => "an array".to_owned(),
+            other => format!("{other:?}"),
+        };
+        LoadError::Io(
+            self.path.clone(),
+            format!("metadata `{key}` should be {wanted}, found {found}"),
+        )
+    }
 }
 
 impl GgufMetadata for GgufFile {
@@ -1211,7 +1227,11 @@ fn read_weights(
         let shape = info.shape();
         let plan = mlx_quantization(info.kind)
             .filter(|_| requantize_2d)
-            .filter(|layout| shape.len() == 2 && shape[1] % layout.group_size as usize == 0);
+            .filter(|layout| {
+                shape.len() == 2
+                    && shape.iter().all(|&d| d > 0)
+                    && shape[1] % layout.group_size as usize == 0
+            });
         match plan {
             Some(layout) => {
                 let (weight, scales, biases) = to_mlx_affine(reader, info, layout)
