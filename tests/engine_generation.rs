@@ -244,3 +244,35 @@ fn converted_directory_gives_the_same_logits_as_the_gguf() {
     let diff = max_diff(&from_gguf, &from_dir);
     assert!(diff < 1e-3, "GGUF and converted logits differ by {diff}");
 }
+
+#[test]
+fn load_counts_live_streams_and_a_dropped_stream_frees_its_slot() {
+    let engine = EngineHandle::load(&smollm2()).unwrap();
+    assert_eq!(engine.current_load(), (0, 0));
+    let request = GenerateRequest {
+        prompt: Prompt::Text("Count to a hundred:".into()),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        max_tokens: Some(200),
+        stop: vec![],
+        logprobs: None,
+    };
+    let mut first = engine.generate(request.clone()).unwrap();
+    let second = engine.generate(request).unwrap();
+    assert_eq!(engine.current_load().0, 2);
+    assert!(matches!(
+        first.blocking_next(),
+        Some(Ok(GenerateEvent::Delta { .. }))
+    ));
+    drop(second);
+    drop(first);
+    assert_eq!(engine.current_load().0, 0);
+    // Admission drains the queue even for cancelled requests.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while engine.current_load().1 != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(engine.current_load(), (0, 0));
+}

@@ -11,6 +11,7 @@ mod scheduler;
 pub mod text;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 
@@ -34,8 +35,28 @@ pub struct EngineHandle {
 
 struct Inner {
     card: ModelCard,
+    /// Generations whose stream is alive (queued or running).
+    in_flight: Arc<AtomicUsize>,
+    /// Generations sent to the engine thread and not yet admitted.
+    queued: Arc<AtomicUsize>,
     codec: Arc<TextCodec>,
-    jobs: Mutex<Sender<Job>>,
+    /// `None` once the engine is shutting down.
+    jobs: Mutex<Option<Sender<Job>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    /// The last handle is gone: close the queue and wait for the engine thread
+    /// to finish what is running, so MLX is never torn down (process exit)
+    /// under a thread that is still computing.
+    fn drop(&mut self) {
+        if let Ok(mut jobs) = self.jobs.lock() {
+            jobs.take();
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// A model in memory, before its thread starts.
@@ -89,8 +110,10 @@ impl EngineHandle {
         let path = path.to_owned();
         let (ready, loaded) = mpsc::channel();
         let (jobs, receiver) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let scheduler_queued = Arc::clone(&queued);
         let name = format!("engine-{}", crate::mlx::model_id(&path));
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
                 let model = match LoadedModel::load(&path) {
@@ -113,7 +136,8 @@ impl EngineHandle {
                 };
                 let codec = Arc::new(model.codec);
                 if ready.send(Ok((card, Arc::clone(&codec)))).is_ok() {
-                    Scheduler::new(model.transformer, codec, MAX_BATCH).run(receiver);
+                    Scheduler::new(model.transformer, codec, MAX_BATCH, scheduler_queued)
+                        .run(receiver);
                 }
             })
             .map_err(|e| LoadError::Io(PathBuf::from("engine thread"), e.to_string()))?;
@@ -123,10 +147,22 @@ impl EngineHandle {
         Ok(EngineHandle {
             inner: Arc::new(Inner {
                 card,
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                queued,
                 codec,
-                jobs: Mutex::new(jobs),
+                jobs: Mutex::new(Some(jobs)),
+                thread: Some(thread),
             }),
         })
+    }
+
+    /// Generations alive (queued or running) and those still waiting for
+    /// the engine thread to admit them: what routing policies see as load.
+    pub fn current_load(&self) -> (usize, usize) {
+        (
+            self.inner.in_flight.load(Ordering::Relaxed),
+            self.inner.queued.load(Ordering::Relaxed),
+        )
     }
 
     pub fn card(&self) -> &ModelCard {
@@ -191,10 +227,16 @@ impl EngineHandle {
             .jobs
             .lock()
             .map_err(|_| EngineError::Unavailable)?;
-        jobs.send(job).map_err(|_| EngineError::Unavailable)?;
+        let jobs = jobs.as_ref().ok_or(EngineError::Unavailable)?;
+        self.inner.queued.fetch_add(1, Ordering::Relaxed);
+        if jobs.send(job).is_err() {
+            self.inner.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable);
+        }
         Ok(GenerationStream {
             receiver,
             prompt_tokens,
+            _in_flight: InFlight::new(&self.inner.in_flight),
         })
     }
 }
@@ -203,6 +245,23 @@ impl EngineHandle {
 pub struct GenerationStream {
     receiver: UnboundedReceiver<Result<GenerateEvent, EngineError>>,
     prompt_tokens: usize,
+    _in_flight: InFlight,
+}
+
+/// Counts a live stream in `EngineHandle::current_load` until it is dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(counter: &Arc<AtomicUsize>) -> InFlight {
+        counter.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(counter))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl GenerationStream {

@@ -5,6 +5,7 @@
 //! which frees its cache.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 
 use mlx_rs::Array;
@@ -50,14 +51,22 @@ pub struct Scheduler {
     model: Transformer,
     codec: Arc<TextCodec>,
     max_batch: usize,
+    /// Requests sent but not yet admitted (shared with the handles).
+    queued: Arc<AtomicUsize>,
 }
 
 impl Scheduler {
-    pub fn new(model: Transformer, codec: Arc<TextCodec>, max_batch: usize) -> Scheduler {
+    pub fn new(
+        model: Transformer,
+        codec: Arc<TextCodec>,
+        max_batch: usize,
+        queued: Arc<AtomicUsize>,
+    ) -> Scheduler {
         Scheduler {
             model,
             codec,
             max_batch: max_batch.max(1),
+            queued,
         }
     }
 
@@ -98,6 +107,7 @@ impl Scheduler {
 
     /// Prefills a new request and emits its first token; returns it if it goes on.
     fn start(&self, job: Job) -> Option<Sequence> {
+        self.queued.fetch_sub(1, Ordering::Relaxed);
         if job.events.is_closed() {
             return None;
         }

@@ -194,18 +194,21 @@ async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteE
 }
 
 /// Backend states for the router: each ready local model, each upstream.
-/// Local in-flight and queue figures are 0 until the engine reports them.
+/// Local load comes from each model's engine (live streams, not yet admitted).
 fn backends(state: &AppState) -> Vec<BackendState> {
     let mut out: Vec<BackendState> = state
         .models
         .ready()
         .into_iter()
-        .map(|m| BackendState {
-            name: m.id,
-            kind: BackendKind::Local,
-            healthy: true,
-            in_flight: 0,
-            queue_depth: 0,
+        .map(|m| {
+            let (in_flight, queued) = m.engine.current_load();
+            BackendState {
+                name: m.id,
+                kind: BackendKind::Local,
+                healthy: true,
+                in_flight: in_flight as u32,
+                queue_depth: queued as u32,
+            }
         })
         .collect();
     out.extend(
