@@ -722,45 +722,78 @@ fn gemma3_continues_the_capital_of_france() {
     assert!(text.starts_with(" Paris"), "{text:?}");
 }
 
-/// First-step logits of Gemma: requantized weights vs the exact decoded ones,
-/// whose top logits match Python mlx-lm's gemma3_text to ~0.003.
+/// Last-position logits for `prompt`, from exact decoded weights (dense
+/// f32) and from the loader's MLX affine weights.
+fn exact_and_loaded_logits(reader: &GgufReader, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let mut results = Vec::new();
+    for dense in [true, false] {
+        let mut weights = if dense {
+            gguf::dense_weight_map(reader, mlx_rs::Dtype::Float32).unwrap()
+        } else {
+            gguf::weight_map(reader, mlx_rs::Dtype::Float32).unwrap()
+        };
+        let model = Transformer::build(gguf_config(reader).unwrap(), &mut weights, true).unwrap();
+        let mut cache = model.new_cache();
+        results.push(values(
+            &model.forward(&[prompt], &mut [&mut cache]).unwrap(),
+        ));
+    }
+    let loaded = results.pop().unwrap();
+    (results.pop().unwrap(), loaded)
+}
+
+fn top(logits: &[f32], n: usize) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    ids.truncate(n);
+    ids
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// First-step logits of Gemma: the exact weights reproduce Python mlx-lm's
+/// gemma3_text on the same decoded weights (top logits 19.089, 18.546,
+/// 18.271), and the loaded (requantized) model stays close.
 #[test]
-fn gemma3_requantized_logits_stay_close_to_exact_weights() {
+fn gemma3_logits_match_mlx_lm_and_survive_requantization() {
     let Some(path) = extra_model(GEMMA) else {
         return;
     };
     let reader = GgufReader::open(&path).unwrap();
-    let prompt = [2u32, 818, 5279, 529, 7001, 563];
-    let mut results = Vec::new();
-    for dense in [true, false] {
-        let mut weights = if dense {
-            gguf::dense_weight_map(&reader, mlx_rs::Dtype::Float32).unwrap()
-        } else {
-            gguf::weight_map(&reader, mlx_rs::Dtype::Float32).unwrap()
-        };
-        let model = Transformer::build(gguf_config(&reader).unwrap(), &mut weights, true).unwrap();
-        let mut cache = model.new_cache();
-        results.push(values(
-            &model.forward(&[&prompt], &mut [&mut cache]).unwrap(),
-        ));
-    }
-    let (exact, requantized) = (&results[0], &results[1]);
-    let top = |l: &[f32]| {
-        let mut ids: Vec<usize> = (0..l.len()).collect();
-        ids.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
-        ids.truncate(3);
-        ids
-    };
-    // " the", " a", " Paris" (mlx-lm: 19.089, 18.546, 18.271).
-    assert_eq!(top(exact), [506, 496, 9079]);
+    let (exact, loaded) = exact_and_loaded_logits(&reader, &[2, 818, 5279, 529, 7001, 563]);
+    // " the", " a", " Paris"
+    assert_eq!(top(&exact, 3), [506, 496, 9079]);
+    // mlx-lm scales embeddings by sqrt(640) rounded to bf16; we use it exact.
     assert!((exact[506] - 19.089).abs() < 0.02, "{}", exact[506]);
-    assert_eq!(top(requantized), [506, 496, 9079]);
-    let diff = exact
-        .iter()
-        .zip(requantized)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    eprintln!("Gemma first-step logits: requantized vs exact max |diff| = {diff}");
+    assert_eq!(top(&loaded, 3), [506, 496, 9079]);
+    let diff = max_abs_diff(&exact, &loaded);
+    eprintln!("Gemma first-step logits: loaded vs exact max |diff| = {diff}");
+    assert!(diff < 0.5, "{diff}");
+}
+
+/// Same for Qwen2.5-Coder on a chat prompt (mlx-lm qwen2 on the same decoded
+/// weights: top-5 ids below, top logit 22.5864).
+#[test]
+fn qwen2_logits_match_mlx_lm_and_survive_requantization() {
+    let Some(path) = extra_model(QWEN) else {
+        return;
+    };
+    let reader = GgufReader::open(&path).unwrap();
+    let codec = TextCodec::from_gguf(&reader).unwrap();
+    let prompt = codec
+        .encode("<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n")
+        .unwrap();
+    let (exact, loaded) = exact_and_loaded_logits(&reader, &prompt);
+    assert_eq!(top(&exact, 5), [8420, 95456, 2610, 6713, 39814]);
+    assert!((exact[8420] - 22.5864).abs() < 0.002, "{}", exact[8420]);
+    assert_eq!(top(&loaded, 5), [8420, 95456, 2610, 6713, 39814]);
+    let diff = max_abs_diff(&exact, &loaded);
+    eprintln!("Qwen first-step logits: loaded vs exact max |diff| = {diff}");
     assert!(diff < 0.5, "{diff}");
 }
 
