@@ -1010,3 +1010,14 @@ fn sentencepiece_tokenizer_is_built_from_gguf_scores() {
     assert_eq!(codec.decode(&ids), "hé");
     assert!(codec.eos_ids.contains(&1));
 }
+
+/// `mlxgate doctor` summarises files MLX's loader rejects through our reader.
+#[test]
+fn model_summary_reads_files_mlx_cannot_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = small_file(dir.path());
+    let summary = mlxgate::mlx::ModelSummary::load(&path).unwrap();
+    assert_eq!(summary.architecture, "llama");
+    assert_eq!((summary.tensor_count, summary.quantized_count), (2, 2));
+    assert_eq!(summary.bytes, 2 * 144 + 210);
+}
