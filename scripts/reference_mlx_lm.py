@@ -18,9 +18,12 @@ STEPS = 64
 
 def main(model_dir: str, out_path: str) -> None:
     model, tokenizer = load(model_dir)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
-    )
+    if tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+        )
+    else:  # base models: the prompt as plain text
+        prompt = tokenizer.encode(PROMPT)
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt, add_special_tokens=False)
     prompt = [int(t) for t in prompt]

@@ -13,13 +13,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use mlx_rs::io::GgufFile;
 use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::{Array, Dtype};
 use serde_json::{Value, json};
 
-use super::model::weights::gguf_to_hf_name;
-use super::model::{Family, LoadError, ModelConfig, gguf_config};
+use super::model::weights::Kernel;
+use super::model::{Family, GgufReader, LoadError, ModelConfig, gguf_config, gguf_weights};
 use super::text::TextCodec;
 
 /// Requantization wanted by `--quantize` / `--group-size`.
@@ -52,18 +51,6 @@ pub enum ConvertError {
     BadQuantization { bits: i32, group_size: i32 },
 }
 
-/// An MLX affine-quantized tensor, or a plain one.
-enum Tensor {
-    Dense(Array),
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        group_size: i32,
-        bits: i32,
-    },
-}
-
 /// Converts `input` (GGUF) into the directory `output` (created).
 pub fn convert_gguf(
     input: &Path,
@@ -75,10 +62,11 @@ pub fn convert_gguf(
     {
         return Err(ConvertError::BadQuantization { bits, group_size });
     }
-    let file = GgufFile::load(input).map_err(|e| LoadError::Io(input.to_owned(), e.to_string()))?;
-    let config = gguf_config(&file)?;
-    let codec = TextCodec::from_gguf(&file)?;
-    let (tensors, plain) = collect_tensors(&file, &config)?;
+    let reader =
+        GgufReader::open(input).map_err(|e| LoadError::Io(input.to_owned(), e.to_string()))?;
+    let config = gguf_config(&reader)?;
+    let codec = TextCodec::for_gguf_file(input, &reader)?;
+    let (tensors, plain) = collect_tensors(gguf_weights(input, &reader)?.into_tensors(), &config)?;
 
     let mut arrays: BTreeMap<String, Array> = BTreeMap::new();
     for (name, array) in plain {
@@ -89,7 +77,7 @@ pub fn convert_gguf(
     for (name, tensor) in tensors {
         let tensor = match (tensor, requantize) {
             (
-                Tensor::Quantized {
+                Kernel::Quantized {
                     weight,
                     scales,
                     biases,
@@ -101,7 +89,7 @@ pub fn convert_gguf(
                 let dense = dequantize(&weight, &scales, &biases, group_size, bits)?;
                 requantized(&dense, target)?
             }
-            (Tensor::Dense(array), Some(target)) if is_linear(&name, &array, target.group_size) => {
+            (Kernel::Dense(array), Some(target)) if is_linear(&name, &array, target.group_size) => {
                 requantized(&array, target)?
             }
             (tensor, _) => tensor,
@@ -112,7 +100,7 @@ pub fn convert_gguf(
     // rest become mlx-lm's per-module overrides.
     let mut settings: BTreeMap<(i32, i32), usize> = BTreeMap::new();
     for (_, tensor) in &converted {
-        if let Tensor::Quantized {
+        if let Kernel::Quantized {
             group_size, bits, ..
         } = tensor
         {
@@ -127,10 +115,10 @@ pub fn convert_gguf(
     let mut quantized = 0;
     for (name, tensor) in converted {
         match tensor {
-            Tensor::Dense(array) => {
+            Kernel::Dense(array) => {
                 arrays.insert(format!("{name}.weight"), array.as_dtype(Dtype::Float32)?);
             }
-            Tensor::Quantized {
+            Kernel::Quantized {
                 weight,
                 scales,
                 biases,
@@ -186,13 +174,12 @@ pub fn convert_gguf(
 /// GGUF arrays grouped into tensors under HF module names, fixed up for HF layout.
 /// Tensors by module name (written as `{module}.weight` ...) and the
 /// remaining plain arrays (such as linear biases) by full name.
-type Collected = (BTreeMap<String, Tensor>, BTreeMap<String, Array>);
+type Collected = (BTreeMap<String, Kernel>, BTreeMap<String, Array>);
 
-fn collect_tensors(file: &GgufFile, config: &ModelConfig) -> Result<Collected, ConvertError> {
-    let mut raw: HashMap<String, Array> = HashMap::new();
-    for (name, array) in file.arrays().map_err(|e| LoadError::Mlx(e.to_string()))? {
-        raw.insert(gguf_to_hf_name(&name).unwrap_or(name), array);
-    }
+fn collect_tensors(
+    mut raw: HashMap<String, Array>,
+    config: &ModelConfig,
+) -> Result<Collected, ConvertError> {
     let modules: Vec<String> = raw
         .keys()
         .filter_map(|k| k.strip_suffix(".weight"))
@@ -212,7 +199,7 @@ fn collect_tensors(file: &GgufFile, config: &ModelConfig) -> Result<Collected, C
                 let input = scales.shape()[1] as usize * 32;
                 // GGUF's MLX-native types all use groups of 32.
                 let bits = (weight.shape()[1] as usize * 32 / input) as i32;
-                Tensor::Quantized {
+                Kernel::Quantized {
                     weight,
                     scales,
                     biases,
@@ -220,13 +207,13 @@ fn collect_tensors(file: &GgufFile, config: &ModelConfig) -> Result<Collected, C
                     bits,
                 }
             }
-            _ => Tensor::Dense(weight),
+            _ => Kernel::Dense(weight),
         };
         let tensor = match config.family {
             Family::Llama if module.ends_with("q_proj") => unpermute(tensor, config.heads)?,
             Family::Llama if module.ends_with("k_proj") => unpermute(tensor, config.kv_heads)?,
             Family::Gemma3 if module.ends_with("norm") => match tensor {
-                Tensor::Dense(w) => Tensor::Dense(mlx_rs::ops::subtract(&w, Array::from_f32(1.0))?),
+                Kernel::Dense(w) => Kernel::Dense(mlx_rs::ops::subtract(&w, Array::from_f32(1.0))?),
                 other => other,
             },
             _ => tensor,
@@ -253,7 +240,7 @@ fn hf_module_name(module: &str, family: Family) -> String {
 
 /// Undoes llama.cpp's q/k row permutation: rows are (head, half, i) in HF
 /// order and (head, i, half) in GGUF order.
-fn unpermute(tensor: Tensor, heads: usize) -> Result<Tensor, ConvertError> {
+fn unpermute(tensor: Kernel, heads: usize) -> Result<Kernel, ConvertError> {
     let rows = |array: &Array| -> Result<Array, ConvertError> {
         let shape = array.shape();
         let (out, cols) = (shape[0], shape[1]);
@@ -264,14 +251,14 @@ fn unpermute(tensor: Tensor, heads: usize) -> Result<Tensor, ConvertError> {
             .reshape(&[out, cols])?)
     };
     Ok(match tensor {
-        Tensor::Dense(w) => Tensor::Dense(rows(&w)?),
-        Tensor::Quantized {
+        Kernel::Dense(w) => Kernel::Dense(rows(&w)?),
+        Kernel::Quantized {
             weight,
             scales,
             biases,
             group_size,
             bits,
-        } => Tensor::Quantized {
+        } => Kernel::Quantized {
             weight: rows(&weight)?,
             scales: rows(&scales)?,
             biases: rows(&biases)?,
@@ -285,13 +272,13 @@ fn is_linear(name: &str, array: &Array, group_size: i32) -> bool {
     array.ndim() == 2 && !name.contains("norm") && array.shape()[1] % group_size == 0
 }
 
-fn requantized(dense: &Array, target: Requantize) -> Result<Tensor, ConvertError> {
+fn requantized(dense: &Array, target: Requantize) -> Result<Kernel, ConvertError> {
     let (weight, scales, biases) = quantize(
         dense.as_dtype(Dtype::Float32)?,
         target.group_size,
         target.bits,
     )?;
-    Ok(Tensor::Quantized {
+    Ok(Kernel::Quantized {
         weight,
         scales,
         biases,
@@ -327,7 +314,9 @@ fn hf_config(config: &ModelConfig, codec: &TextCodec) -> Value {
         value["sliding_window"] = json!(config.sliding_window);
         value["sliding_window_pattern"] = json!(config.sliding_window_pattern);
         value["rope_local_base_freq"] = json!(config.rope_local_theta);
-        value["query_pre_attn_scalar"] = json!(config.query_pre_attn_scalar);
+        // transformers validates this field as an integer.
+        value["query_pre_attn_scalar"] =
+            json!(config.query_pre_attn_scalar.map(|v| v.round() as i64));
     }
     if config.rope_scale != 1.0 {
         value["rope_scaling"] = json!({"type": "linear", "factor": 1.0 / config.rope_scale});

@@ -186,8 +186,22 @@ impl TextCodec {
     /// Writes `tokenizer.json` and `tokenizer_config.json` (with the chat
     /// template) into `dir`, as Hugging Face tooling expects them.
     pub fn save(&self, dir: &Path) -> Result<(), String> {
-        self.tokenizer
-            .save(dir.join("tokenizer.json"), false)
+        let mut tokenizer: Value =
+            serde_json::from_str(&self.tokenizer.to_string(false).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+        // Hugging Face tokenizers add BOS through the post-processor (Gemma
+        // needs it); ours prepends it in `encode` instead.
+        if let (true, Some(bos), Some(id)) = (self.add_bos, &self.bos_token, self.bos_id) {
+            let special = json!({"SpecialToken": {"id": bos, "type_id": 0}});
+            tokenizer["post_processor"] = json!({
+                "type": "TemplateProcessing",
+                "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [special, {"Sequence": {"id": "A", "type_id": 0}},
+                         special, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos.as_str(): {"id": bos, "ids": [id], "tokens": [bos]}},
+            });
+        }
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string())
             .map_err(|e| e.to_string())?;
         let config = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",

@@ -54,16 +54,22 @@ pub fn compute_dtype() -> Dtype {
 /// (K-quants, Q5_x, BF16) through our reader, which requantizes.
 pub fn load_gguf(path: &Path, reader: &GgufReader) -> Result<Transformer, LoadError> {
     let config = gguf_config(reader)?;
-    let mut weights = if reader.mlx_can_load() {
-        let file =
-            GgufFile::load(path).map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
-        WeightMap::from_gguf(&file, compute_dtype())?
-    } else {
-        gguf::weight_map(reader, compute_dtype())?
-    };
+    let mut weights = gguf_weights(path, reader)?;
     let model = Transformer::build(config, &mut weights, true)?;
     report_leftovers(path, &weights);
     Ok(model)
+}
+
+/// A GGUF file's tensors under HF names: through MLX's loader when it reads
+/// every tensor type natively, else through our reader (which requantizes).
+pub fn gguf_weights(path: &Path, reader: &GgufReader) -> Result<WeightMap, LoadError> {
+    if reader.mlx_can_load() {
+        let file =
+            GgufFile::load(path).map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
+        WeightMap::from_gguf(&file, compute_dtype())
+    } else {
+        gguf::weight_map(reader, compute_dtype())
+    }
 }
 
 /// Loads an HF / mlx-community directory's transformer.

@@ -215,8 +215,11 @@ impl Transformer {
         let ids = Array::from_slice(&flat, &[batch, length]);
         let mut x = self.embed.lookup(&ids)?;
         if self.config.family == Family::Gemma3 {
-            let scale =
-                Array::from_f32((self.config.hidden_size as f32).sqrt()).as_dtype(x.dtype())?;
+            // Gemma was trained with sqrt(hidden) rounded to bfloat16 (as the
+            // reference implementations compute it); the exact root drifts.
+            let scale = Array::from_f32((self.config.hidden_size as f32).sqrt())
+                .as_dtype(Dtype::Bfloat16)?
+                .as_dtype(x.dtype())?;
             x = multiply(&x, &scale)?;
         }
         let eps = self.config.rms_norm_eps;

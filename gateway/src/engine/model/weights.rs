@@ -76,6 +76,11 @@ impl WeightMap {
         Ok(WeightMap::new(tensors, float_dtype))
     }
 
+    /// All tensors as stored (no casts), for tools that rewrite a model.
+    pub fn into_tensors(self) -> HashMap<String, Array> {
+        self.tensors
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
