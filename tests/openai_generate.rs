@@ -124,7 +124,7 @@ fn chat_completion_whole() {
     let lp = choice["logprobs"]["content"].as_array().expect("logprobs");
     assert_eq!(lp.len() as u64, c, "one logprob entry per token");
     let joined: String = lp.iter().filter_map(|t| t["token"].as_str()).collect();
-    // The end-of-sequence token, when generated, has a logprob but no text.
+    // The end-of-sequence token is neither content nor a logprob entry.
     assert!(
         joined.starts_with(text),
         "tokens spell the content: {joined:?}"

@@ -184,7 +184,9 @@ impl Scheduler {
         let context_full = seq.prompt_len + seq.generated >= self.model.config.context_length;
         let token = seq.logprobs.map(|_| self.token_output(&choice));
         if self.codec.eos_ids.contains(&choice.token) {
-            // The end-of-sequence token is not content: no text, no logprob entry.
+            // The end-of-sequence token is not content: no text, no logprob
+            // entry, not counted in usage (as mlx-lm's server counts).
+            seq.generated -= 1;
             let rest = seq.stop.flush();
             return self.finish(seq, rest, None, FinishReason::Stop);
         }
