@@ -24,13 +24,13 @@ SHORT = "Tell me about the sea."
 LONG = "The history of the lighthouse is long and full of storms. " * 25
 
 
-def wait_ready(base, proc, timeout=120):
+def wait_ready(base, proc, ready_path, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            urllib.request.urlopen(base + "/v1/models", timeout=1).read()
+            urllib.request.urlopen(base + ready_path, timeout=1).read()
             return
         except Exception:
             time.sleep(0.2)
@@ -72,7 +72,9 @@ def stream_chat(base, model, prompt, max_tokens):
 def measure(name, command, base, model):
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(base, proc)
+        # mlxgate answers /readyz once its model has loaded; mlx_lm.server
+        # loads before it listens.
+        wait_ready(base, proc, "/readyz" if name == "mlxgate" else "/v1/models")
         stream_chat(base, model, "Warm up.", 4)
         ttft_short, _, _ = stream_chat(base, model, SHORT, 1)
         ttft_long, _, _ = stream_chat(base, model, LONG, 1)
