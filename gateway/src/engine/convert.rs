@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use mlx_rs::ops::{dequantize, quantize};
+use mlx_rs::ops::quantize;
 use mlx_rs::{Array, Dtype};
 use serde_json::{Value, json};
 
@@ -75,37 +75,25 @@ pub fn convert_gguf(
     let tensor_count = tensors.len();
     let mut converted = Vec::with_capacity(tensor_count);
     for (name, tensor) in tensors {
-        let tensor = match (tensor, requantize) {
-            (
-                Kernel::Quantized {
-                    weight,
-                    scales,
-                    biases,
-                    group_size,
-                    bits,
-                },
-                Some(target),
-            ) => {
-                let dense = dequantize(&weight, &scales, &biases, group_size, bits)?;
-                requantized(&dense, target)?
+        let tensor = match requantize {
+            Some(target)
+                if tensor.quantization().is_some()
+                    || matches!(&tensor, Kernel::Dense(a) if is_linear(&name, a, target.group_size)) =>
+            {
+                requantized(&tensor.dense()?, target)?
             }
-            (Kernel::Dense(array), Some(target)) if is_linear(&name, &array, target.group_size) => {
-                requantized(&array, target)?
-            }
-            (tensor, _) => tensor,
+            _ => tensor,
         };
         converted.push((name, tensor));
     }
     // The most common (group size, bits) is the directory-wide setting; the
     // rest become mlx-lm's per-module overrides.
     let mut settings: BTreeMap<(i32, i32), usize> = BTreeMap::new();
-    for (_, tensor) in &converted {
-        if let Kernel::Quantized {
-            group_size, bits, ..
-        } = tensor
-        {
-            *settings.entry((*group_size, *bits)).or_default() += 1;
-        }
+    for setting in converted
+        .iter()
+        .filter_map(|(_, tensor)| tensor.quantization())
+    {
+        *settings.entry(setting).or_default() += 1;
     }
     let main_quantization = settings
         .iter()
@@ -241,31 +229,15 @@ fn hf_module_name(module: &str, family: Family) -> String {
 /// Undoes llama.cpp's q/k row permutation: rows are (head, half, i) in HF
 /// order and (head, i, half) in GGUF order.
 fn unpermute(tensor: Kernel, heads: usize) -> Result<Kernel, ConvertError> {
-    let rows = |array: &Array| -> Result<Array, ConvertError> {
+    Ok(tensor.map_rows(|array| {
         let shape = array.shape();
         let (out, cols) = (shape[0], shape[1]);
         let half = out / heads as i32 / 2;
-        Ok(array
+        array
             .reshape(&[heads as i32, half, 2, cols])?
             .swap_axes(1, 2)?
-            .reshape(&[out, cols])?)
-    };
-    Ok(match tensor {
-        Kernel::Dense(w) => Kernel::Dense(rows(&w)?),
-        Kernel::Quantized {
-            weight,
-            scales,
-            biases,
-            group_size,
-            bits,
-        } => Kernel::Quantized {
-            weight: rows(&weight)?,
-            scales: rows(&scales)?,
-            biases: rows(&biases)?,
-            group_size,
-            bits,
-        },
-    })
+            .reshape(&[out, cols])
+    })?)
 }
 
 fn is_linear(name: &str, array: &Array, group_size: i32) -> bool {

@@ -16,6 +16,8 @@ use super::model::{GgufMetadata, LoadError};
 pub struct TextCodec {
     tokenizer: Tokenizer,
     chat_template: Option<String>,
+    /// The chat template compiled once, on first use.
+    chat_env: std::sync::OnceLock<Result<Environment<'static>, String>>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     bos_id: Option<u32>,
@@ -59,6 +61,7 @@ impl TextCodec {
             _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
         };
         Ok(TextCodec::assemble(TextCodec {
+            chat_env: std::sync::OnceLock::new(),
             bos_id: bos_token.as_deref().and_then(|t| tokenizer.token_to_id(t)),
             add_bos: config
                 .get("add_bos_token")
@@ -155,6 +158,7 @@ impl TextCodec {
             .is_some_and(|flag| flag != 0.0);
         let text_of = |id: Option<u32>| id.and_then(|id| tokenizer.id_to_token(id));
         Ok(TextCodec::assemble(TextCodec {
+            chat_env: std::sync::OnceLock::new(),
             bos_token: text_of(bos_id),
             eos_token: text_of(eos_id),
             chat_template: file.meta_string("tokenizer.chat_template")?,
@@ -249,26 +253,14 @@ impl TextCodec {
             .chat_template
             .as_deref()
             .ok_or("this model has no chat template; use /v1/completions")?;
-        let mut env = Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        // Hugging Face renders chat templates with both of these on.
-        if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-        {
-            env.set_syntax(syntax);
-        }
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<String, TemplateError> {
-                Err(TemplateError::new(ErrorKind::InvalidOperation, message))
-            },
-        );
-        env.add_function("strftime_now", |format: String| strftime_now(&format));
-        let rendered = env
-            .render_str(
-                template,
+        let env = self
+            .chat_env
+            .get_or_init(|| chat_environment(template.to_owned()))
+            .as_ref()
+            .map_err(Clone::clone)?;
+        let template = env.get_template("chat").map_err(|e| e.to_string())?;
+        let rendered = template
+            .render(
                 context! {
                     messages => messages.iter().map(|m| context! { role => m.role.clone(), content => m.content.clone() }).collect::<Vec<_>>(),
                     add_generation_prompt => true,
@@ -283,6 +275,31 @@ impl TextCodec {
             })?;
         Ok(rendered)
     }
+}
+
+/// A minijinja environment holding `template` as "chat", with the settings
+/// and helper functions Hugging Face chat templates expect.
+fn chat_environment(template: String) -> Result<Environment<'static>, String> {
+    let mut env = Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // Hugging Face renders chat templates with both of these on.
+    if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+    {
+        env.set_syntax(syntax);
+    }
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, TemplateError> {
+            Err(TemplateError::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    env.add_function("strftime_now", |format: String| strftime_now(&format));
+    env.add_template_owned("chat", template)
+        .map_err(|e| format!("chat template does not parse: {e}"))?;
+    Ok(env)
 }
 
 /// A few templates print today's date; plain UTC formatting of the common codes.

@@ -7,7 +7,7 @@
 //! policies stored in a data dir.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +21,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 
+use super::jsonl::{Batch, JsonlBatches};
 use super::{
     HostConfig, Limits, OnError, PolicyHost, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome,
 };
@@ -408,7 +409,7 @@ fn transform(a: TransformArgs) -> anyhow::Result<()> {
     let input =
         File::open(&a.input).with_context(|| format!("cannot open {}", a.input.display()))?;
     let total_bytes = input.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut reader = BufReader::new(input);
+    let reader = BufReader::new(input);
     let mut out = BufWriter::new(
         File::create(&a.output).with_context(|| format!("cannot create {}", a.output.display()))?,
     );
@@ -422,68 +423,45 @@ fn transform(a: TransformArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut last_report = Instant::now();
     let mut tally = Tally::default();
-    let mut consumed: u64 = 0;
-    let mut line_no: u64 = 0;
-    let mut batch: Vec<String> = Vec::with_capacity(a.batch);
-    let mut lines: Vec<u64> = Vec::with_capacity(a.batch);
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        let n = reader
-            .read_until(b'\n', &mut buf)
-            .with_context(|| format!("reading {}", a.input.display()))?;
-        let eof = n == 0;
-        consumed += n as u64;
-        if !eof {
-            line_no += 1;
-            let text = String::from_utf8_lossy(&buf);
-            let text = text.trim_end_matches(['\n', '\r']);
-            if !text.trim().is_empty() {
-                batch.push(text.to_string());
-                lines.push(line_no);
-            }
-        }
-        if batch.len() == a.batch || (eof && !batch.is_empty()) {
-            let outcomes = host.transform_batch(&a.policy, &batch)?;
-            for (outcome, line) in outcomes.iter().zip(&lines) {
-                tally.read += 1;
-                match outcome {
-                    RecordOutcome::Keep(json) => {
-                        tally.kept += 1;
-                        out.write_all(json.as_bytes())?;
-                        out.write_all(b"\n")?;
-                    }
-                    RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
-                        let what = if matches!(outcome, RecordOutcome::Drop(_)) {
-                            tally.dropped += 1;
-                            "drop"
-                        } else {
-                            tally.failed += 1;
-                            "error"
-                        };
-                        if let Some(r) = rejects.as_mut() {
-                            let rec = json!({"line": line, "outcome": what, "reason": reason});
-                            writeln!(r, "{rec}")?;
-                        }
+    let mut batches = JsonlBatches::new(reader, a.batch);
+    while let Some(Batch { records, lines }) = batches
+        .next_batch()
+        .with_context(|| format!("reading {}", a.input.display()))?
+    {
+        let outcomes = host.transform_batch(&a.policy, &records)?;
+        for (outcome, line) in outcomes.iter().zip(&lines) {
+            tally.read += 1;
+            match outcome {
+                RecordOutcome::Keep(json) => {
+                    tally.kept += 1;
+                    out.write_all(json.as_bytes())?;
+                    out.write_all(b"\n")?;
+                }
+                RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
+                    let what = if matches!(outcome, RecordOutcome::Drop(_)) {
+                        tally.dropped += 1;
+                        "drop"
+                    } else {
+                        tally.failed += 1;
+                        "error"
+                    };
+                    if let Some(r) = rejects.as_mut() {
+                        let rec = json!({"line": line, "outcome": what, "reason": reason});
+                        writeln!(r, "{rec}")?;
                     }
                 }
             }
-            batch.clear();
-            lines.clear();
-            if last_report.elapsed() >= Duration::from_secs(1) {
-                last_report = Instant::now();
-                progress(&tally, consumed, total_bytes, started.elapsed());
-            }
         }
-        if eof {
-            break;
+        if last_report.elapsed() >= Duration::from_secs(1) {
+            last_report = Instant::now();
+            progress(&tally, batches.consumed(), total_bytes, started.elapsed());
         }
     }
     out.flush()?;
     if let Some(r) = rejects.as_mut() {
         r.flush()?;
     }
-    progress(&tally, consumed, total_bytes, started.elapsed());
+    progress(&tally, batches.consumed(), total_bytes, started.elapsed());
     eprintln!(
         "done: {} records in {:.2}s -> {} kept in {}, {} dropped, {} errors",
         tally.read,

@@ -13,6 +13,7 @@ pub mod cli;
 mod engine;
 mod error;
 mod host;
+pub mod jsonl;
 mod metrics;
 mod runtime;
 mod storage;

@@ -13,7 +13,7 @@ use mlx_rs::{Array, Dtype};
 use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
-use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
+use super::weights::{Embedding, Linear, MlxResult, WeightMap};
 
 struct Attention {
     q_proj: Linear,
@@ -155,23 +155,12 @@ impl Transformer {
     /// Every weight array, to evaluate once at load: casts and renames are
     /// lazy in MLX, and the first request should not pay for them.
     pub fn parameters(&self) -> Vec<&Array> {
-        fn kernel(k: &Kernel) -> Vec<&Array> {
-            match k {
-                Kernel::Dense(w) => vec![w],
-                Kernel::Quantized {
-                    weight,
-                    scales,
-                    biases,
-                    ..
-                } => vec![weight, scales, biases],
-            }
-        }
         fn linear(l: &Linear) -> Vec<&Array> {
-            let mut arrays = kernel(&l.kernel);
+            let mut arrays = l.kernel.arrays();
             arrays.extend(l.bias.iter());
             arrays
         }
-        let mut arrays = kernel(&self.embed.kernel);
+        let mut arrays = self.embed.kernel.arrays();
         arrays.push(&self.final_norm);
         arrays.extend(self.lm_head.iter().flat_map(linear));
         for block in &self.blocks {

@@ -262,6 +262,50 @@ impl Kernel {
         }
     }
 
+    /// The stored arrays: the matrix, or packed weight, scales and biases.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Kernel::Dense(weight) => vec![weight],
+            Kernel::Quantized {
+                weight,
+                scales,
+                biases,
+                ..
+            } => vec![weight, scales, biases],
+        }
+    }
+
+    /// `(group_size, bits)` when stored quantized.
+    pub fn quantization(&self) -> Option<(i32, i32)> {
+        match self {
+            Kernel::Dense(_) => None,
+            Kernel::Quantized {
+                group_size, bits, ..
+            } => Some((*group_size, *bits)),
+        }
+    }
+
+    /// The same kernel with a row operation (a permutation of output rows)
+    /// applied to every stored array: each has one row per output feature.
+    pub fn map_rows(self, rows: impl Fn(&Array) -> MlxResult<Array>) -> MlxResult<Kernel> {
+        Ok(match self {
+            Kernel::Dense(weight) => Kernel::Dense(rows(&weight)?),
+            Kernel::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => Kernel::Quantized {
+                weight: rows(&weight)?,
+                scales: rows(&scales)?,
+                biases: rows(&biases)?,
+                group_size,
+                bits,
+            },
+        })
+    }
+
     /// The dense matrix (dequantized when stored quantized).
     pub fn dense(&self) -> MlxResult<Array> {
         match self {

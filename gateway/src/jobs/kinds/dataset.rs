@@ -19,6 +19,7 @@ use serde_json::{Map, Value, json};
 use super::{ConfigError, Env, Fields, Outcome};
 use crate::jobs::runner::{JobCtx, RunError};
 use crate::jobs::types::JobEvent;
+use crate::policy::jsonl::{Batch, JsonlBatches};
 use crate::policy::{PolicyHost, PolicyKind, RecordOutcome};
 
 pub struct DatasetSpec {
@@ -169,93 +170,72 @@ impl DatasetSpec {
             )),
         ));
         let mut t = Tally::default();
-        let (mut consumed, mut line_no, mut step) = (0u64, 0u64, 0u64);
-        let mut batch: Vec<String> = Vec::with_capacity(self.batch_size);
-        let mut lines: Vec<u64> = Vec::with_capacity(self.batch_size);
-        let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            let n = reader
-                .read_until(b'\n', &mut buf)
-                .map_err(|e| RunError::Failed(format!("cannot read the input: {e}")))?;
-            let eof = n == 0;
-            consumed += n as u64;
-            if !eof {
-                line_no += 1;
-                let text = String::from_utf8_lossy(&buf);
-                let text = text.trim_end_matches(['\n', '\r']);
-                if !text.trim().is_empty() {
-                    batch.push(text.to_owned());
-                    lines.push(line_no);
-                }
-            }
-            if batch.len() == self.batch_size || (eof && !batch.is_empty()) {
-                ctx.check()?;
-                let outcomes = self
-                    .host
-                    .transform_batch(&self.policy, &batch)
-                    .map_err(|e| RunError::Failed(format!("policy {}: {e}", self.policy)))?;
-                for ((outcome, line), record) in outcomes.iter().zip(&lines).zip(&batch) {
-                    t.read += 1;
-                    match outcome {
-                        RecordOutcome::Keep(json) => {
-                            let valid = self.valid_ratio > 0.0
-                                && unit_hash(self.seed, t.kept) < self.valid_ratio;
-                            t.kept += 1;
-                            let w = if valid {
-                                t.valid += 1;
-                                &mut outs[1]
-                            } else {
-                                t.train += 1;
-                                &mut outs[0]
-                            };
-                            w.write_all(json.as_bytes()).map_err(werr)?;
-                            w.write_all(b"\n").map_err(werr)?;
-                        }
-                        RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
-                            let what = if matches!(outcome, RecordOutcome::Drop(_)) {
-                                t.dropped += 1;
-                                "drop"
-                            } else {
-                                t.errors += 1;
-                                "error"
-                            };
-                            let rec = json!({"line": line, "outcome": what, "reason": reason, "record": record});
-                            let rejected = outs.len() - 1;
-                            writeln!(outs[rejected], "{rec}").map_err(werr)?;
-                        }
+        let mut step = 0u64;
+        let mut batches = JsonlBatches::new(reader, self.batch_size);
+        let read_error =
+            |e: std::io::Error| RunError::Failed(format!("cannot read the input: {e}"));
+        while let Some(Batch { records, lines }) = batches.next_batch().map_err(read_error)? {
+            ctx.check()?;
+            let outcomes = self
+                .host
+                .transform_batch(&self.policy, &records)
+                .map_err(|e| RunError::Failed(format!("policy {}: {e}", self.policy)))?;
+            for ((outcome, line), record) in outcomes.iter().zip(&lines).zip(&records) {
+                t.read += 1;
+                match outcome {
+                    RecordOutcome::Keep(json) => {
+                        let valid = self.valid_ratio > 0.0
+                            && unit_hash(self.seed, t.kept) < self.valid_ratio;
+                        t.kept += 1;
+                        let w = if valid {
+                            t.valid += 1;
+                            &mut outs[1]
+                        } else {
+                            t.train += 1;
+                            &mut outs[0]
+                        };
+                        w.write_all(json.as_bytes()).map_err(werr)?;
+                        w.write_all(b"\n").map_err(werr)?;
+                    }
+                    RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
+                        let what = if matches!(outcome, RecordOutcome::Drop(_)) {
+                            t.dropped += 1;
+                            "drop"
+                        } else {
+                            t.errors += 1;
+                            "error"
+                        };
+                        let rec = json!({"line": line, "outcome": what, "reason": reason, "record": record});
+                        let rejected = outs.len() - 1;
+                        writeln!(outs[rejected], "{rec}").map_err(werr)?;
                     }
                 }
-                batch.clear();
-                lines.clear();
-                step += 1;
-                let progress = if total > 0 {
-                    consumed as f64 / total as f64
-                } else {
-                    1.0
-                };
-                let extra = Map::from_iter([
-                    ("records".to_owned(), Value::from(t.read)),
-                    ("kept".to_owned(), Value::from(t.kept)),
-                    ("dropped".to_owned(), Value::from(t.dropped)),
-                    ("errors".to_owned(), Value::from(t.errors)),
-                ]);
-                ctx.emit(JobEvent::Metric {
-                    kind: "dataset".into(),
-                    step,
-                    loss: None,
-                    progress: Some(progress),
-                    message: Some(format!(
-                        "{} records: {} kept, {} dropped, {} errors",
-                        t.read, t.kept, t.dropped, t.errors
-                    )),
-                    extra,
-                });
             }
-            if eof {
-                return Ok(t);
-            }
+            step += 1;
+            let progress = if total > 0 {
+                batches.consumed() as f64 / total as f64
+            } else {
+                1.0
+            };
+            let extra = Map::from_iter([
+                ("records".to_owned(), Value::from(t.read)),
+                ("kept".to_owned(), Value::from(t.kept)),
+                ("dropped".to_owned(), Value::from(t.dropped)),
+                ("errors".to_owned(), Value::from(t.errors)),
+            ]);
+            ctx.emit(JobEvent::Metric {
+                kind: "dataset".into(),
+                step,
+                loss: None,
+                progress: Some(progress),
+                message: Some(format!(
+                    "{} records: {} kept, {} dropped, {} errors",
+                    t.read, t.kept, t.dropped, t.errors
+                )),
+                extra,
+            });
         }
+        Ok(t)
     }
 }
 
