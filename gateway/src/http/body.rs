@@ -51,7 +51,13 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Result<Response<Body
 /// limit is crossed.
 pub async fn read_bytes(req: Request<ReqBody>) -> Result<Bytes, ApiError> {
     let limit = req.extensions().get::<BodyLimit>().map_or(0, |l| l.0);
-    match req.into_body().collect().await {
+    read_body(req.into_body(), limit).await
+}
+
+/// [`read_bytes`] for a body already split from its request head; `limit`
+/// is the request's [`BodyLimit`] (for the 413 message).
+pub async fn read_body(body: ReqBody, limit: u64) -> Result<Bytes, ApiError> {
+    match body.collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             Err(ApiError::BodyTooLarge { limit })

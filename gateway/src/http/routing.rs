@@ -28,8 +28,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::admin_policies::open_host;
-use super::body::{self, Body, ReqBody};
-use super::upstream::{self, Outgoing, UpstreamError, UpstreamSpec, Upstreams};
+use super::body::{self, Body, BodyLimit, ReqBody};
+use super::upstream::{self, Outgoing, Upstream, UpstreamError, UpstreamSpec, Upstreams};
 use super::{ApiError, AppState, Caller, Ctx, Route};
 use crate::policy::{
     BackendKind, BackendState, PolicyError, PolicyHost, RequestFacts, RouteDecision,
@@ -72,12 +72,15 @@ impl Routing {
 }
 
 /// Where a request goes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum Destination {
     /// Serve with this local model.
     Local { model: String },
     /// Forward to this configured upstream, with `model` rewritten if given.
-    Upstream { name: String, model: Option<String> },
+    Upstream {
+        upstream: Arc<Upstream>,
+        model: Option<String>,
+    },
 }
 
 /// A request refused by routing, or an upstream that failed.
@@ -144,22 +147,22 @@ pub fn request_facts(
     max_tokens: Option<u32>,
     streaming: bool,
 ) -> RequestFacts {
-    let headers = POLICY_HEADERS
-        .iter()
-        .filter_map(|n| {
-            let v = headers.get(*n)?.to_str().ok()?;
-            let mut end = v.len().min(MAX_HEADER_VALUE);
-            while !v.is_char_boundary(end) {
-                end -= 1;
-            }
-            Some(((*n).to_owned(), v[..end].to_owned()))
-        })
-        .collect();
+    let mut selected = Vec::new();
+    for n in POLICY_HEADERS {
+        let Some(v) = headers.get(n).and_then(|v| v.to_str().ok()) else {
+            continue;
+        };
+        let mut end = v.len().min(MAX_HEADER_VALUE);
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        selected.push((n.to_owned(), v[..end].to_owned()));
+    }
     RequestFacts {
         method: method.as_str().to_owned(),
         path: path.to_owned(),
         model: model.to_owned(),
-        headers,
+        headers: selected,
         api_key_id: caller.map(|c| c.key_id.clone()),
         tenant: caller.map(|c| c.tenant.clone()),
         prompt_tokens,
@@ -230,36 +233,37 @@ fn backends(state: &AppState) -> Vec<BackendState> {
 
 /// Where a request goes when no policy decides: the upstream that lists the
 /// model in its `models`, otherwise the requested model, locally.
-fn default_route(state: &AppState, model: String) -> Destination {
-    match state.routing.upstreams.for_model(&model) {
+fn default_route(state: &AppState, model: &str) -> Destination {
+    match state.routing.upstreams.for_model(model) {
         Some(u) => Destination::Upstream {
-            name: u.name.clone(),
+            upstream: Arc::clone(u),
             model: None,
         },
-        None => Destination::Local { model },
+        None => Destination::Local {
+            model: model.to_owned(),
+        },
     }
 }
 
-/// Decides where a request goes. `facts.api_key_id` and `facts.tenant` are
-/// taken from `caller`. No router bound: [`default_route`].
+/// Decides where a request goes. No router bound: [`default_route`]; the
+/// facts and backend states are only gathered when a router is bound.
 pub async fn route_request(
     state: &AppState,
-    caller: Option<&Caller>,
-    mut facts: RequestFacts,
+    model: &str,
+    facts: impl FnOnce() -> RequestFacts,
 ) -> Result<Destination, ApiError> {
     let Some(host) = policy_host(state).await? else {
-        return Ok(default_route(state, facts.model));
+        return Ok(default_route(state, model));
     };
-    facts.api_key_id = caller.map(|c| c.key_id.clone());
-    facts.tenant = caller.map(|c| c.tenant.clone());
-    match host.route(&facts, &backends(state)) {
+    match host.route_if_bound(facts, || backends(state)) {
         Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
-        Ok(RouteDecision::Upstream { name, model }) => {
-            if state.routing.upstreams.get(&name).is_none() {
-                return Err(UpstreamError::Unknown(name).into());
-            }
-            Ok(Destination::Upstream { name, model })
-        }
+        Ok(RouteDecision::Upstream { name, model }) => match state.routing.upstreams.get(&name) {
+            Some(u) => Ok(Destination::Upstream {
+                upstream: Arc::clone(u),
+                model,
+            }),
+            None => Err(UpstreamError::Unknown(name).into()),
+        },
         Ok(RouteDecision::Reject { status, message }) => {
             let status = StatusCode::from_u16(status.clamp(400, 599))
                 .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -269,7 +273,7 @@ pub async fn route_request(
             if !matches!(e, PolicyError::NotBound(_)) {
                 tracing::warn!(error = %e, "router policy failed; fail_open: default route");
             }
-            Ok(default_route(state, facts.model))
+            Ok(default_route(state, model))
         }
         Err(e) => {
             tracing::warn!(error = %e, "router policy failed; fail_closed: refusing the request");
@@ -319,36 +323,34 @@ fn set_model(json: &mut Value, model: String) {
 /// Reads the JSON body, routes the request and, for an upstream, proxies it.
 /// Malformed JSON is a 400. A body whose routing fields have the wrong type
 /// is left to the handler's validation, unrouted, which names the field.
+/// A proxied body is forwarded as received (no JSON tree is built) unless
+/// the decision rewrites its model.
 pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiError> {
-    let method = req.method().clone();
-    let path_and_query = req
-        .uri()
-        .path_and_query()
-        .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
-    let path = req.uri().path().to_owned();
-    let headers = req.headers().clone();
-    let caller = req.extensions().get::<Caller>().cloned();
-    let bytes = body::read_bytes(req).await?;
+    let (head, body) = req.into_parts();
+    let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
+    let bytes = body::read_body(body, limit).await?;
     let Ok(peek) = serde_json::from_slice::<Peek>(&bytes) else {
         return parse_json(&bytes).map(Routed::Local);
     };
     let requested = peek.model.as_deref().unwrap_or_default();
-    let max_tokens = peek
-        .max_completion_tokens
-        .or(peek.max_tokens)
-        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
-    let facts = request_facts(
-        &method,
-        &path,
-        &headers,
-        caller.as_ref(),
-        requested,
-        0,
-        max_tokens,
-        peek.stream.unwrap_or(false),
-    );
-    let destination = route_request(&cx.state, caller.as_ref(), facts).await?;
-    match destination {
+    let caller = head.extensions.get::<Caller>();
+    let facts = || {
+        let max_tokens = peek
+            .max_completion_tokens
+            .or(peek.max_tokens)
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+        request_facts(
+            &head.method,
+            head.uri.path(),
+            &head.headers,
+            caller,
+            requested,
+            0,
+            max_tokens,
+            peek.stream.unwrap_or(false),
+        )
+    };
+    match route_request(&cx.state, requested, facts).await? {
         Destination::Local { model } => {
             let mut json = parse_json(&bytes)?;
             if model != requested {
@@ -356,7 +358,7 @@ pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiErro
             }
             Ok(Routed::Local(json))
         }
-        Destination::Upstream { name, model } => {
+        Destination::Upstream { upstream, model } => {
             let body = match model {
                 Some(m) if m != requested => {
                     let mut json = parse_json(&bytes)?;
@@ -367,15 +369,16 @@ pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiErro
                 }
                 _ => bytes.clone(),
             };
-            let Some(up) = cx.state.routing.upstreams.get(&name) else {
-                return Err(UpstreamError::Unknown(name).into());
-            };
+            let path_and_query = head
+                .uri
+                .path_and_query()
+                .map_or_else(|| head.uri.path(), |p| p.as_str());
             let resp = upstream::proxy(
-                up,
+                &upstream,
                 Outgoing {
-                    method,
-                    path_and_query: &path_and_query,
-                    headers: &headers,
+                    method: head.method.clone(),
+                    path_and_query,
+                    headers: &head.headers,
                     body,
                     request_id: &cx.request_id,
                 },
@@ -407,6 +410,7 @@ mod tests {
             true,
         );
         assert_eq!(f.headers[0], ("x-tenant".into(), "acme".into()));
+        assert_eq!(f.headers.len(), 2);
         assert!(f.headers.iter().all(|(k, _)| k != "authorization"));
         assert!(f.headers[1].1.len() <= MAX_HEADER_VALUE);
         assert_eq!((f.max_tokens, f.streaming), (Some(5), true));

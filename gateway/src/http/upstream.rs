@@ -9,29 +9,33 @@
 //! client's), and streams the answer back frame by frame, so server-sent
 //! events reach the client as the upstream writes them.
 //!
-//! Each upstream keeps an in-flight count and its last error, which the
-//! router sees as the upstream's backend state.
+//! Each upstream keeps its own pool of keep-alive connections, driven on
+//! the request's task (see `upstream/pool.rs`), an in-flight count and its
+//! last error, which the router sees as the upstream's backend state.
+
+mod pool;
 
 use std::fmt;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{
-    ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderMap, HeaderName,
+    ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderMap, HeaderName,
     HeaderValue, USER_AGENT,
 };
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 use serde::Deserialize;
 
 use super::body::{Body, BoxError};
+use pool::{Lease, Pool};
 
 /// Default for `timeout_secs`: connect plus first byte of the answer. A
 /// non-streamed completion sends its first byte only when it is done.
@@ -159,17 +163,28 @@ impl Base {
         })
     }
 
-    /// The upstream URI for a gateway path under `/v1` (query kept).
-    fn uri_for(&self, path_and_query: &str) -> Result<Uri, String> {
+    /// The upstream request target (origin form, as sent on the wire) for a
+    /// gateway path under `/v1` (query kept).
+    fn target_for(&self, path_and_query: &str) -> Result<Uri, String> {
         let rest = path_and_query.strip_prefix("/v1").unwrap_or(path_and_query);
-        Uri::builder()
-            .scheme("http")
-            .authority(self.authority.clone())
-            .path_and_query(format!("{}{rest}", self.prefix))
-            .build()
-            .map_err(|e| format!("cannot build the upstream URL: {e}"))
+        let mut target = String::with_capacity(self.prefix.len() + rest.len() + 1);
+        target.push_str(&self.prefix);
+        if !rest.starts_with('/') {
+            target.push('/');
+        }
+        target.push_str(rest);
+        Uri::try_from(target).map_err(|e| format!("cannot build the upstream URL: {e}"))
+    }
+
+    /// `host:port` to connect to (port 80 when the URL names none).
+    fn socket_authority(&self) -> String {
+        let port = self.authority.port_u16().unwrap_or(80);
+        format!("{}:{port}", self.authority.host())
     }
 }
+
+/// Gateway paths that are proxied; their upstream targets are built once.
+const PROXIED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
 /// Why a proxied request failed before the upstream's answer began.
 #[derive(Debug, thiserror::Error)]
@@ -228,10 +243,18 @@ pub struct Upstream {
     /// Models routed here statically (see [`UpstreamSpec::models`]).
     models: Vec<String>,
     base: Base,
+    /// `host:port` connected to.
+    connect_to: String,
+    /// The `host` header sent.
+    host: HeaderValue,
+    /// Upstream targets of [`PROXIED_PATHS`], in that order.
+    targets: Vec<Option<Uri>>,
+    /// `x-mlxgate-upstream` on answers.
+    name_header: Option<HeaderValue>,
     /// `Bearer <key>`, marked sensitive so it never shows in debug output.
     auth: Option<HeaderValue>,
     timeout: Duration,
-    client: Client<HttpConnector, Full<Bytes>>,
+    pool: Arc<Pool>,
     in_flight: AtomicU32,
     health: Mutex<Health>,
 }
@@ -250,13 +273,6 @@ impl Upstream {
             v.set_sensitive(true);
             Some(v)
         });
-        let mut connector = HttpConnector::new();
-        // Small request/response exchanges: don't wait for Nagle.
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
         let base = Base::parse(&spec.base_url).unwrap_or_else(|_| Base {
             // Unreachable when validated; the port-0 authority fails fast.
             authority: http::uri::Authority::from_static("invalid.invalid:0"),
@@ -265,13 +281,38 @@ impl Upstream {
         Upstream {
             name: spec.name.clone(),
             models: spec.models.clone(),
+            connect_to: base.socket_authority(),
+            host: HeaderValue::from_str(base.authority.as_str())
+                .unwrap_or_else(|_| HeaderValue::from_static("invalid.invalid")),
+            targets: PROXIED_PATHS
+                .iter()
+                .map(|p| base.target_for(p).ok())
+                .collect(),
+            name_header: HeaderValue::from_str(&spec.name).ok(),
             base,
             auth,
             timeout: Duration::from_secs_f64(spec.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS)),
-            client,
+            pool: Arc::new(Pool::default()),
             in_flight: AtomicU32::new(0),
             health: Mutex::new(Health::default()),
         }
+    }
+
+    /// The upstream target for a gateway path and query.
+    fn target_for(&self, path_and_query: &str) -> Result<Uri, String> {
+        if let Some(Some(t)) = PROXIED_PATHS
+            .iter()
+            .position(|p| *p == path_and_query)
+            .and_then(|i| self.targets.get(i))
+        {
+            return Ok(t.clone());
+        }
+        self.base.target_for(path_and_query)
+    }
+
+    /// Idle pooled connections (tests and diagnostics).
+    pub fn idle_connections(&self) -> usize {
+        self.pool.idle_count()
     }
 
     pub fn status(&self) -> UpstreamStatus {
@@ -356,18 +397,19 @@ impl Upstreams {
 /// `authorization` above all) stays here.
 const FORWARDED: [HeaderName; 3] = [ACCEPT, USER_AGENT, HeaderName::from_static("openai-beta")];
 
-/// Response headers not passed back: hop-by-hop ones, and the length, which
-/// hyper recomputes from the streamed body.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    name == CONNECTION
-        || name == CONTENT_LENGTH
-        || name == http::header::TRANSFER_ENCODING
-        || name == http::header::TE
-        || name == http::header::TRAILER
-        || name == http::header::UPGRADE
-        || name == http::header::PROXY_AUTHENTICATE
-        || name.as_str() == "keep-alive"
-}
+/// Response headers not passed back: hop-by-hop ones, and the length, which hyper recomputes from the streamed body.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    CONNECTION,
+    CONTENT_LENGTH,
+    http::header::TRANSFER_ENCODING,
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::UPGRADE,
+    http::header::PROXY_AUTHENTICATE,
+    HeaderName::from_static("keep-alive"),
+];
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// What to send upstream.
 pub struct Outgoing<'a> {
@@ -389,87 +431,180 @@ pub async fn proxy(
     out: Outgoing<'_>,
 ) -> Result<Response<Body>, UpstreamError> {
     let name = &upstream.name;
-    let uri = upstream
-        .base
-        .uri_for(out.path_and_query)
-        .map_err(|detail| UpstreamError::Request {
-            name: name.clone(),
-            detail,
-        })?;
-    let mut req = Request::new(Full::new(out.body));
-    *req.method_mut() = out.method;
-    *req.uri_mut() = uri;
-    let h = req.headers_mut();
-    for n in &FORWARDED {
-        if let Some(v) = out.headers.get(n) {
-            h.insert(n.clone(), v.clone());
-        }
-    }
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if let Ok(v) = HeaderValue::from_str(out.request_id) {
-        h.insert(HeaderName::from_static("x-request-id"), v);
-    }
-    if let Some(a) = &upstream.auth {
-        h.insert(AUTHORIZATION, a.clone());
-    }
-
-    let guard = InFlight::start(upstream);
-    let resp = match tokio::time::timeout(upstream.timeout, upstream.client.request(req)).await {
-        Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => {
-            let detail = if e.is_connect() {
-                format!("cannot connect: {}", error_chain(&e))
-            } else {
-                error_chain(&e)
-            };
-            upstream.record_error(detail.clone());
-            tracing::warn!(upstream = %name, error = %detail, "upstream request failed");
-            return Err(UpstreamError::Unavailable {
+    let target =
+        upstream
+            .target_for(out.path_and_query)
+            .map_err(|detail| UpstreamError::Request {
                 name: name.clone(),
                 detail,
-            });
+            })?;
+    let request_id = HeaderValue::from_str(out.request_id).ok();
+    let request = || {
+        let mut req = Request::new(Full::new(out.body.clone()));
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = target.clone();
+        let h = req.headers_mut();
+        h.reserve(8);
+        h.insert(HOST, upstream.host.clone());
+        for n in &FORWARDED {
+            if let Some(v) = out.headers.get(n) {
+                h.insert(n.clone(), v.clone());
+            }
         }
-        Err(_) => {
-            let secs = upstream.timeout.as_secs_f64();
-            upstream.record_error(format!("no answer within {secs} s"));
-            tracing::warn!(upstream = %name, secs, "upstream timed out");
-            return Err(UpstreamError::Timeout {
-                name: name.clone(),
-                secs,
-            });
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(v) = &request_id {
+            h.insert(X_REQUEST_ID.clone(), v.clone());
         }
+        if let Some(a) = &upstream.auth {
+            h.insert(AUTHORIZATION, a.clone());
+        }
+        req
     };
+
+    let guard = InFlight::start(upstream);
+    let (resp, lease) =
+        match tokio::time::timeout(upstream.timeout, exchange(upstream, request)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(detail)) => {
+                upstream.record_error(detail.clone());
+                tracing::warn!(upstream = %name, error = %detail, "upstream request failed");
+                return Err(UpstreamError::Unavailable {
+                    name: name.clone(),
+                    detail,
+                });
+            }
+            Err(_) => {
+                let secs = upstream.timeout.as_secs_f64();
+                upstream.record_error(format!("no answer within {secs} s"));
+                tracing::warn!(upstream = %name, secs, "upstream timed out");
+                return Err(UpstreamError::Timeout {
+                    name: name.clone(),
+                    secs,
+                });
+            }
+        };
 
     if resp.status().is_server_error() {
         upstream.record_error(format!("answered {}", resp.status()));
     } else {
         upstream.record_ok();
     }
-    let (parts, incoming) = resp.into_parts();
-    let failed = Arc::clone(upstream);
-    let body = incoming
-        .map_err(move |e| -> BoxError {
-            failed.record_error(format!("response body: {e}"));
-            Box::new(e)
-        })
-        // The guard lives as long as the body: in flight until streamed out.
-        .map_frame(move |f| {
-            let _ = &guard;
-            f
-        })
-        .boxed_unsync();
-    let mut out_resp = Response::new(body);
-    *out_resp.status_mut() = parts.status;
-    let headers = out_resp.headers_mut();
-    for (k, v) in &parts.headers {
-        if !is_hop_by_hop(k) {
-            headers.append(k.clone(), v.clone());
+    let (mut parts, incoming) = resp.into_parts();
+    // Hop-by-hop headers stay here; the length is recomputed by hyper from
+    // the body's exact size hint.
+    for h in HOP_BY_HOP {
+        parts.headers.remove(h);
+    }
+    if let Some(v) = &upstream.name_header {
+        parts
+            .headers
+            .insert(HeaderName::from_static("x-mlxgate-upstream"), v.clone());
+    }
+    let mut body = ProxyBody {
+        incoming,
+        lease: Some(lease),
+        guard,
+    };
+    if body.incoming.is_end_stream() {
+        // No body: the server will not poll it, so the connection is done now.
+        body.finish();
+    }
+    Ok(Response::from_parts(parts, body.boxed_unsync()))
+}
+
+/// Sends the request on a pooled connection (or a new one) and waits for the
+/// answer's head. A reused connection that fails before any answer (the
+/// upstream closed it as we sent) is replaced by a new one, once.
+async fn exchange(
+    upstream: &Upstream,
+    request: impl Fn() -> Request<Full<Bytes>>,
+) -> Result<(Response<Incoming>, Lease), String> {
+    let mut lease = match upstream.pool.checkout() {
+        Some(l) => l,
+        None => connect(upstream).await?,
+    };
+    match lease.send(request()).await {
+        Ok(resp) => return Ok((resp, lease)),
+        Err(e) if lease.reused => {
+            tracing::debug!(upstream = %upstream.name, error = %error_chain(&e), "pooled connection failed; retrying on a new one");
+        }
+        Err(e) => return Err(error_chain(&e)),
+    }
+    let mut lease = connect(upstream).await?;
+    match lease.send(request()).await {
+        Ok(resp) => Ok((resp, lease)),
+        Err(e) => Err(error_chain(&e)),
+    }
+}
+
+async fn connect(upstream: &Upstream) -> Result<Lease, String> {
+    pool::connect(&upstream.connect_to)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", upstream.connect_to))
+}
+
+/// The upstream's answer body, passed through frame by frame. Polling it
+/// also drives the upstream connection, which returns to the pool once the
+/// body is complete; dropping it early closes the connection.
+struct ProxyBody {
+    incoming: Incoming,
+    lease: Option<Lease>,
+    /// In flight until the body is streamed out or dropped.
+    guard: InFlight,
+}
+
+impl ProxyBody {
+    fn finish(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.guard.0.pool.checkin(lease);
         }
     }
-    if let Ok(v) = HeaderValue::from_str(name) {
-        headers.insert(HeaderName::from_static("x-mlxgate-upstream"), v);
+}
+
+impl hyper::body::Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let mut polled = Pin::new(&mut this.incoming).poll_frame(cx);
+        if polled.is_pending()
+            && let Some(lease) = this.lease.as_mut()
+        {
+            // The connection reads what the body is waiting for.
+            lease.poll_conn(cx);
+            polled = Pin::new(&mut this.incoming).poll_frame(cx);
+        }
+        match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.incoming.is_end_stream() {
+                    this.finish();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.lease = None;
+                this.guard.0.record_error(format!("response body: {e}"));
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+        }
     }
-    Ok(out_resp)
+
+    fn is_end_stream(&self) -> bool {
+        self.incoming.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.incoming.size_hint()
+    }
 }
 
 /// An error and its sources, `: `-joined (hyper's own messages are terse).
@@ -503,13 +638,21 @@ mod tests {
     fn base_urls_map_paths_under_v1() {
         let b = Base::parse("http://127.0.0.1:9000/v1/").unwrap();
         assert_eq!(
-            b.uri_for("/v1/chat/completions").unwrap().to_string(),
-            "http://127.0.0.1:9000/v1/chat/completions"
+            b.target_for("/v1/chat/completions").unwrap().to_string(),
+            "/v1/chat/completions"
         );
+        assert_eq!(b.socket_authority(), "127.0.0.1:9000");
         let b = Base::parse("http://h:1").unwrap();
         assert_eq!(
-            b.uri_for("/v1/completions?x=1").unwrap().to_string(),
-            "http://h:1/completions?x=1"
+            b.target_for("/v1/completions?x=1").unwrap().to_string(),
+            "/completions?x=1"
+        );
+        assert_eq!(b.target_for("/v1").unwrap().to_string(), "/");
+        assert_eq!(
+            Base::parse("http://example.com/api/v1")
+                .unwrap()
+                .socket_authority(),
+            "example.com:80"
         );
         assert!(Base::parse("https://api.openai.com/v1").is_err());
         assert!(Base::parse("ftp://x/v1").is_err());
@@ -568,5 +711,219 @@ mod tests {
         let mut s = spec("a", "http://x/v1");
         s.api_key = Some("sk-secret".into());
         assert!(!format!("{s:?}").contains("sk-secret"));
+    }
+
+    // ---------------------------------------------------------------- pool
+
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::AtomicUsize;
+
+    /// What the raw test upstream does with one accepted connection
+    /// (numbered from 0): answer requests, close, ...
+    type Script = fn(usize, TcpStream);
+
+    /// A raw HTTP/1.1 upstream on loopback running `script` per connection;
+    /// returns its base URL and the number of connections accepted so far.
+    fn raw_upstream(script: Script) -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(s) = s else { return };
+                let n = count.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || script(n, s));
+            }
+        });
+        (format!("http://{addr}/v1"), accepted)
+    }
+
+    /// Reads one request (head and `content-length` body); false at EOF.
+    fn read_request(s: &mut TcpStream) -> bool {
+        let mut buf = Vec::new();
+        let mut byte = [0u8; 1];
+        while !buf.ends_with(b"\r\n\r\n") {
+            match s.read(&mut byte) {
+                Ok(1) => buf.push(byte[0]),
+                _ => return false,
+            }
+        }
+        let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+        let len = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        let mut body = vec![0; len];
+        s.read_exact(&mut body).is_ok()
+    }
+
+    fn answer(s: &mut TcpStream, close: bool) {
+        let body = r#"{"ok":true}"#;
+        let connection = if close { "connection: close\r\n" } else { "" };
+        let _ = write!(
+            s,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{connection}content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+    }
+
+    /// Answers every request on the connection, keeping it open.
+    fn keep_alive(_: usize, mut s: TcpStream) {
+        while read_request(&mut s) {
+            answer(&mut s, false);
+        }
+    }
+
+    async fn call(up: &Arc<Upstream>) -> Result<(StatusCode, Bytes), UpstreamError> {
+        let headers = HeaderMap::new();
+        let resp = proxy(
+            up,
+            Outgoing {
+                method: Method::POST,
+                path_and_query: "/v1/chat/completions",
+                headers: &headers,
+                body: Bytes::from_static(br#"{"model":"m"}"#),
+                request_id: "req-1",
+            },
+        )
+        .await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        Ok((status, body))
+    }
+
+    fn upstream(url: &str) -> Arc<Upstream> {
+        let mut s = spec("up", url);
+        s.timeout_secs = Some(5.0);
+        Arc::new(Upstream::new(&s))
+    }
+
+    #[tokio::test]
+    async fn keep_alive_connections_are_reused() {
+        let (url, accepted) = raw_upstream(keep_alive);
+        let up = upstream(&url);
+        for _ in 0..5 {
+            let (status, body) = call(&up).await.unwrap();
+            assert_eq!(
+                (status, &body[..]),
+                (StatusCode::OK, &br#"{"ok":true}"#[..])
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(up.idle_connections(), 1);
+        assert_eq!(up.status().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closes_after_answering_is_not_reused() {
+        // `connection: close` on every answer.
+        let (url, accepted) = raw_upstream(|_, mut s| {
+            if read_request(&mut s) {
+                answer(&mut s, true);
+            }
+        });
+        let up = upstream(&url);
+        for _ in 0..3 {
+            assert_eq!(call(&up).await.unwrap().0, StatusCode::OK);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!(up.idle_connections(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_upstream_closed_is_replaced() {
+        // Answers keep-alive, then closes the idle connection (an upstream's
+        // idle timeout).
+        let (url, accepted) = raw_upstream(|_, mut s| {
+            if read_request(&mut s) {
+                answer(&mut s, false);
+            }
+        });
+        let up = upstream(&url);
+        assert_eq!(call(&up).await.unwrap().0, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(call(&up).await.unwrap().0, StatusCode::OK);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_closed_as_the_request_is_sent_is_retried_once() {
+        // The first connection answers once, then takes the next request
+        // and closes without answering; later connections answer.
+        let (url, accepted) = raw_upstream(|n, mut s| {
+            if n == 0 {
+                if read_request(&mut s) {
+                    answer(&mut s, false);
+                }
+                read_request(&mut s);
+                return;
+            }
+            keep_alive(n, s);
+        });
+        let up = upstream(&url);
+        assert_eq!(call(&up).await.unwrap().0, StatusCode::OK);
+        assert_eq!(call(&up).await.unwrap().0, StatusCode::OK);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(up.idle_connections(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_new_connection_closed_without_an_answer_is_a_502_not_a_retry() {
+        let (url, accepted) = raw_upstream(|_, mut s| {
+            read_request(&mut s);
+        });
+        let up = upstream(&url);
+        let e = call(&up).await.unwrap_err();
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::BAD_GATEWAY, "upstream_unavailable")
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert!(!up.status().healthy);
+        assert_eq!(up.status().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_is_a_502_naming_the_connect_failure() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let up = upstream(&format!("http://127.0.0.1:{port}/v1"));
+        let e = call(&up).await.unwrap_err();
+        assert_eq!(e.code(), "upstream_unavailable");
+        assert!(e.to_string().contains("cannot connect"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_midway_closes_its_connection() {
+        // Announces 100 bytes, sends 10, then waits for the next request
+        // on the same connection (which never comes).
+        let (url, accepted) = raw_upstream(|_, mut s| {
+            while read_request(&mut s) {
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789");
+            }
+        });
+        let up = upstream(&url);
+        let headers = HeaderMap::new();
+        let out = || Outgoing {
+            method: Method::POST,
+            path_and_query: "/v1/completions",
+            headers: &headers,
+            body: Bytes::from_static(b"{}"),
+            request_id: "r",
+        };
+        let mut body = proxy(&up, out()).await.unwrap().into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&first[..], b"0123456789");
+        assert_eq!(up.status().in_flight, 1);
+        drop(body);
+        assert_eq!((up.idle_connections(), up.status().in_flight), (0, 0));
+        let _ = proxy(&up, out()).await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 }

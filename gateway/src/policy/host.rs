@@ -374,6 +374,18 @@ impl PolicyHost {
         route_on(&p, facts, backends)
     }
 
+    /// [`PolicyHost::route`] for the request path: the facts and backend
+    /// states are only gathered when a router is bound (else
+    /// `Err(NotBound)`, which is fail-open).
+    pub fn route_if_bound(
+        &self,
+        facts: impl FnOnce() -> RequestFacts,
+        backends: impl FnOnce() -> Vec<BackendState>,
+    ) -> Result<RouteDecision, PolicyError> {
+        let p = self.bound(PolicyKind::Router)?;
+        route_on(&p, &facts(), &backends())
+    }
+
     /// Calls the router policy `name` directly (dry runs, tests).
     pub fn route_with(
         &self,
