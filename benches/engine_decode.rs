@@ -25,6 +25,7 @@ fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
         max_tokens: Some(max_tokens),
         stop: vec![],
         logprobs: None,
+        prompt_cache: None,
     }
 }
 

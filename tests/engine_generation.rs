@@ -136,6 +136,7 @@ fn smollm2_answers_a_chat_question_greedily_and_deterministically() {
         max_tokens: Some(24),
         stop: vec![],
         logprobs: None,
+        prompt_cache: None,
     };
     let (text, _, tokens) = collect(&engine, request.clone());
     assert!(text.contains("Paris"), "unexpected answer: {text:?}");
@@ -160,6 +161,7 @@ fn max_tokens_and_stop_strings_end_generation() {
         max_tokens: Some(max_tokens),
         stop,
         logprobs: None,
+        prompt_cache: None,
     };
     let (text, reason, tokens) = collect(&engine, request(3, vec![]));
     assert_eq!((reason, tokens), (FinishReason::Length, 3), "{text:?}");
@@ -258,6 +260,7 @@ fn load_counts_live_streams_and_a_dropped_stream_frees_its_slot() {
         max_tokens: Some(200),
         stop: vec![],
         logprobs: None,
+        prompt_cache: None,
     };
     let mut first = engine.generate(request.clone()).unwrap();
     let second = engine.generate(request).unwrap();

@@ -622,6 +622,7 @@ fn greedy(max_tokens: usize, prompt: String) -> GenerateRequest {
         max_tokens: Some(max_tokens),
         stop: vec![],
         logprobs: None,
+        prompt_cache: None,
     }
 }
 

@@ -52,6 +52,36 @@ pub struct FileConfig {
     pub models: Vec<ModelSpec>,
     #[serde(default)]
     pub jobs: crate::jobs::JobsConfig,
+    #[serde(default)]
+    pub prompt_cache: PromptCacheConfig,
+}
+
+/// The `[prompt_cache]` section: reuse of prompt prefixes in memory and
+/// from page-aligned files on disk.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PromptCacheConfig {
+    /// Keys and values kept in memory per model for prefix reuse, in MiB
+    /// (least recently used dropped first); 0 turns the memory tier off.
+    pub memory_mb: u64,
+    /// Directory of cache files; default `<data_dir>/prompt-caches`.
+    pub dir: Option<PathBuf>,
+    /// Automatic mode: save the cache of every prompt of at least this many
+    /// tokens to a file, and reuse files after restarts; 0 turns it off.
+    pub auto_save_min_tokens: usize,
+    /// Disk the automatic files may use, in MiB (oldest removed first).
+    pub auto_disk_mb: u64,
+}
+
+impl Default for PromptCacheConfig {
+    fn default() -> Self {
+        PromptCacheConfig {
+            memory_mb: 512,
+            dir: None,
+            auto_save_min_tokens: 0,
+            auto_disk_mb: 4096,
+        }
+    }
 }
 
 /// One served model: `[[models]] path = "...", id = "alias"`.
@@ -94,6 +124,18 @@ pub struct Config {
     pub keys: Vec<ApiKey>,
     /// The `[jobs]` section.
     pub jobs: crate::jobs::JobsConfig,
+    /// The `[prompt_cache]` section.
+    pub prompt_cache: PromptCacheConfig,
+}
+
+impl Config {
+    /// Where cache files live.
+    pub fn prompt_cache_dir(&self) -> PathBuf {
+        self.prompt_cache
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("prompt-caches"))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -221,6 +263,7 @@ impl Config {
             test_routes: file.test_routes.unwrap_or(false),
             keys,
             jobs: file.jobs,
+            prompt_cache: file.prompt_cache,
         }
     }
 

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlxgate::config::{Config, Overrides};
-use mlxgate::engine::EngineHandle;
+use mlxgate::engine::{EngineHandle, EngineOptions};
 use mlxgate::http::BoxError;
 use mlxgate::http::auth::KeyHash;
 
@@ -65,6 +65,10 @@ enum Command {
     /// Background jobs on a running gateway: submit, list, show, watch, cancel.
     #[command(subcommand)]
     Jobs(mlxgate::jobs::cli::JobsCommand),
+    /// Prompt caches on a running gateway: save, list, show, rm; and
+    /// inspect a cache file offline.
+    #[command(subcommand)]
+    Cache(mlxgate::http::prompt_caches::cli::CacheCommand),
     /// Convert a GGUF model into an mlx-community style directory
     /// (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
     /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
@@ -210,8 +214,8 @@ fn init_tracing(format: LogFormat) {
 
 /// The model loader the server runs in the background: loads the model and
 /// starts its engine thread.
-fn load_model(path: &Path) -> Result<EngineHandle, BoxError> {
-    Ok(EngineHandle::load(path)?)
+fn load_model(path: &Path, options: &EngineOptions) -> Result<EngineHandle, BoxError> {
+    Ok(EngineHandle::load_with(path, options.clone())?)
 }
 
 fn main() -> ExitCode {
@@ -258,6 +262,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Policy(cmd) => mlxgate::policy::cli::run_policy(cmd),
         Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
         Command::Jobs(cmd) => mlxgate::jobs::cli::run(cmd),
+        Command::Cache(cmd) => mlxgate::http::prompt_caches::cli::run(cmd),
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {

@@ -69,6 +69,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// `None`: no logprobs. `Some(n)`: the chosen token's logprob plus the top n (n <= 20).
     pub logprobs: Option<usize>,
+    /// A named prompt cache file to start from (its tokens must begin the prompt).
+    pub prompt_cache: Option<String>,
 }
 
 /// A generated token, with logprobs when asked for.
@@ -105,6 +107,8 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens served from a prompt cache instead of prefilled.
+    pub cached_tokens: usize,
 }
 
 /// What a generation stream yields, in order: any number of `Delta`s, then
@@ -156,4 +160,11 @@ pub enum EngineError {
     /// MLX or tokenizer failure during generation.
     #[error("generation failed: {0}")]
     Internal(String),
+    /// No prompt cache of that name exists.
+    #[error("there is no prompt cache named `{0}`; GET /v1/prompt_caches lists them")]
+    PromptCacheNotFound(String),
+    /// The named prompt cache cannot serve this request (other model, no
+    /// shared prefix, or a damaged file).
+    #[error("{0}")]
+    PromptCache(String),
 }

@@ -6,6 +6,7 @@ pub mod api;
 pub mod convert;
 pub mod model;
 mod output;
+pub mod prompt_cache;
 mod sampler;
 mod scheduler;
 pub mod text;
@@ -20,11 +21,35 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 pub use api::*;
 pub use model::LoadError;
 use model::Transformer;
-use scheduler::{Job, Scheduler};
+use prompt_cache::{
+    CacheInfo, CacheStats, CacheStatsSnapshot, CacheStore, Fingerprint, PromptCacheOptions,
+};
+use scheduler::{Caching, Command, Job, Scheduler};
 use text::TextCodec;
 
 /// Most sequences decoded together in one step.
 const MAX_BATCH: usize = 16;
+
+/// In-memory prompt cache of an engine loaded without options.
+const DEFAULT_MEMORY_CACHE_BYTES: usize = 256 * 1024 * 1024;
+
+/// How an engine runs, besides its model file.
+#[derive(Clone)]
+pub struct EngineOptions {
+    pub prompt_cache: PromptCacheOptions,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            prompt_cache: PromptCacheOptions {
+                memory_bytes: DEFAULT_MEMORY_CACHE_BYTES,
+                store: None,
+                auto_save_min_tokens: None,
+            },
+        }
+    }
+}
 
 /// A running model. Cheap to clone; the engine thread stops when the last
 /// handle is dropped and its work is done.
@@ -40,8 +65,12 @@ struct Inner {
     /// Generations sent to the engine thread and not yet admitted.
     queued: Arc<AtomicUsize>,
     codec: Arc<TextCodec>,
+    /// What this engine's prompt caches depend on.
+    fingerprint: Fingerprint,
+    cache_stats: Arc<CacheStats>,
+    store: Option<Arc<CacheStore>>,
     /// `None` once the engine is shutting down.
-    jobs: Mutex<Option<Sender<Job>>>,
+    jobs: Mutex<Option<Sender<Command>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -101,13 +130,21 @@ impl LoadedModel {
 }
 
 impl EngineHandle {
+    /// Loads the model at `path` with default options. Blocking.
+    pub fn load(path: &Path) -> Result<EngineHandle, LoadError> {
+        EngineHandle::load_with(path, EngineOptions::default())
+    }
+
     /// Loads the model at `path` and starts its engine thread. Blocking.
     ///
     /// Loading happens on the engine thread itself: MLX ties arrays to the
     /// stream of the thread that created them, so the thread that evaluates
     /// the model must be the one that loaded it.
-    pub fn load(path: &Path) -> Result<EngineHandle, LoadError> {
+    pub fn load_with(path: &Path, options: EngineOptions) -> Result<EngineHandle, LoadError> {
         let path = path.to_owned();
+        let store = options.prompt_cache.store.clone();
+        let cache_stats = Arc::new(CacheStats::default());
+        let scheduler_stats = Arc::clone(&cache_stats);
         let (ready, loaded) = mpsc::channel();
         let (jobs, receiver) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
@@ -134,14 +171,39 @@ impl EngineHandle {
                     context_length: config.context_length,
                     vocab_size: config.vocab_size,
                 };
+                let fingerprint = Fingerprint {
+                    model: model.id.clone(),
+                    architecture: config.family.name().to_owned(),
+                    weights: prompt_cache::weights_digest(&path),
+                    quantization: model.transformer.quantization_label(),
+                    dtype: prompt_cache::tensors::dtype_name(model::compute_dtype()).to_owned(),
+                    layers: config.layers,
+                    kv_heads: config.kv_heads,
+                    head_dim: config.head_dim,
+                    adapters: String::new(),
+                };
                 let codec = Arc::new(model.codec);
-                if ready.send(Ok((card, Arc::clone(&codec)))).is_ok() {
-                    Scheduler::new(model.transformer, codec, MAX_BATCH, scheduler_queued)
-                        .run(receiver);
+                if ready
+                    .send(Ok((card, Arc::clone(&codec), fingerprint.clone())))
+                    .is_ok()
+                {
+                    let caching = Caching {
+                        options: options.prompt_cache,
+                        fingerprint,
+                        stats: scheduler_stats,
+                    };
+                    Scheduler::new(
+                        model.transformer,
+                        codec,
+                        MAX_BATCH,
+                        scheduler_queued,
+                        caching,
+                    )
+                    .run(receiver);
                 }
             })
             .map_err(|e| LoadError::Io(PathBuf::from("engine thread"), e.to_string()))?;
-        let (card, codec) = loaded
+        let (card, codec, fingerprint) = loaded
             .recv()
             .map_err(|_| LoadError::Mlx("the engine thread stopped while loading".into()))??;
         Ok(EngineHandle {
@@ -150,6 +212,9 @@ impl EngineHandle {
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 queued,
                 codec,
+                fingerprint,
+                cache_stats,
+                store,
                 jobs: Mutex::new(Some(jobs)),
                 thread: Some(thread),
             }),
@@ -177,6 +242,15 @@ impl EngineHandle {
             .map_err(EngineError::Template)
     }
 
+    /// The prompt text for `messages` without the assistant turn's opening:
+    /// a prefix that later conversations extend (for saved prompt caches).
+    pub fn render_chat_prefix(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.inner
+            .codec
+            .render_chat_with(messages, false)
+            .map_err(EngineError::Template)
+    }
+
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.inner
             .codec
@@ -184,24 +258,31 @@ impl EngineHandle {
             .map_err(EngineError::InvalidPrompt)
     }
 
-    /// Validates `request` (prompt, context length) and queues it.
-    pub fn generate(&self, request: GenerateRequest) -> Result<GenerationStream, EngineError> {
-        let card = &self.inner.card;
-        let prompt = match request.prompt {
+    /// The token ids of `prompt`: tokenized text, or ids checked against the
+    /// vocabulary. An empty prompt is an error.
+    pub fn prompt_tokens(&self, prompt: Prompt) -> Result<Vec<u32>, EngineError> {
+        let vocab = self.inner.card.vocab_size;
+        let ids = match prompt {
             Prompt::Text(text) => self.tokenize(&text)?,
             Prompt::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&id| id as usize >= card.vocab_size) {
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::InvalidPrompt(format!(
-                        "token id {bad} is outside the vocabulary (size {})",
-                        card.vocab_size
+                        "token id {bad} is outside the vocabulary (size {vocab})"
                     )));
                 }
                 ids
             }
         };
-        if prompt.is_empty() {
+        if ids.is_empty() {
             return Err(EngineError::InvalidPrompt("the prompt is empty".into()));
         }
+        Ok(ids)
+    }
+
+    /// Validates `request` (prompt, context length) and queues it.
+    pub fn generate(&self, request: GenerateRequest) -> Result<GenerationStream, EngineError> {
+        let card = &self.inner.card;
+        let prompt = self.prompt_tokens(request.prompt)?;
         let context = card.context_length;
         let wanted = request.max_tokens.unwrap_or(1).max(1);
         if prompt.len() + wanted > context {
@@ -212,6 +293,10 @@ impl EngineHandle {
                 requested: prompt.len() + wanted,
             });
         }
+        let prompt_cache = match &request.prompt_cache {
+            Some(name) => Some(self.open_named_cache(name, &prompt)?),
+            None => None,
+        };
         let (events, receiver) = unbounded_channel();
         let prompt_tokens = prompt.len();
         let job = Job {
@@ -220,24 +305,107 @@ impl EngineHandle {
             sampling: request.sampling,
             stop: request.stop,
             logprobs: request.logprobs,
+            prompt_cache,
             events,
         };
-        let jobs = self
-            .inner
-            .jobs
-            .lock()
-            .map_err(|_| EngineError::Unavailable)?;
-        let jobs = jobs.as_ref().ok_or(EngineError::Unavailable)?;
         self.inner.queued.fetch_add(1, Ordering::Relaxed);
-        if jobs.send(job).is_err() {
+        if let Err(error) = self.send(Command::Generate(job)) {
             self.inner.queued.fetch_sub(1, Ordering::Relaxed);
-            return Err(EngineError::Unavailable);
+            return Err(error);
         }
         Ok(GenerationStream {
             receiver,
             prompt_tokens,
             _in_flight: InFlight::new(&self.inner.in_flight),
         })
+    }
+}
+
+impl EngineHandle {
+    fn send(&self, command: Command) -> Result<(), EngineError> {
+        let jobs = self
+            .inner
+            .jobs
+            .lock()
+            .map_err(|_| EngineError::Unavailable)?;
+        let jobs = jobs.as_ref().ok_or(EngineError::Unavailable)?;
+        jobs.send(command).map_err(|_| EngineError::Unavailable)
+    }
+
+    /// The prompt-cache store this engine uses, if any.
+    pub fn prompt_cache_store(&self) -> Option<&Arc<CacheStore>> {
+        self.inner.store.as_ref()
+    }
+
+    pub fn prompt_cache_stats(&self) -> CacheStatsSnapshot {
+        self.inner.cache_stats.snapshot()
+    }
+
+    /// Maps and checks the named cache a request asked for: it must exist,
+    /// fit this model and share a prefix with `prompt`. Blocking (reads and
+    /// checksums the file).
+    fn open_named_cache(
+        &self,
+        name: &str,
+        prompt: &[u32],
+    ) -> Result<Arc<prompt_cache::file::MappedFile>, EngineError> {
+        let store = self.inner.store.as_ref().ok_or_else(|| {
+            EngineError::PromptCache("prompt caches are not enabled on this server".into())
+        })?;
+        let (path, header) = store
+            .header(name)
+            .ok_or_else(|| EngineError::PromptCacheNotFound(name.to_owned()))?;
+        let unusable = |why: String| {
+            EngineError::PromptCache(format!("prompt cache `{name}` cannot be used: {why}"))
+        };
+        if let Some(why) = header.fingerprint.mismatch(&self.inner.fingerprint) {
+            return Err(unusable(why));
+        }
+        let shared = prompt_cache::common_prefix(&header.tokens, prompt);
+        if shared == 0 || !prompt_cache::store::file_reusable(&header, shared.min(prompt.len() - 1))
+        {
+            return Err(unusable(format!(
+                "this prompt does not start with its {} tokens",
+                header.tokens.len()
+            )));
+        }
+        CacheStore::open_file(&path, &self.inner.fingerprint)
+            .map(Arc::new)
+            .map_err(|e| unusable(e.to_string()))
+    }
+
+    /// Prefills `prompt` (from [`EngineHandle::prompt_tokens`]) and saves its
+    /// cache as the named file. Blocking: waits for the engine thread, then
+    /// writes the file.
+    pub fn save_prompt_cache(
+        &self,
+        name: &str,
+        prompt: Vec<u32>,
+    ) -> Result<CacheInfo, EngineError> {
+        let store = self.inner.store.clone().ok_or_else(|| {
+            EngineError::PromptCache("prompt caches are not enabled on this server".into())
+        })?;
+        prompt_cache::store::validate_name(name).map_err(EngineError::PromptCache)?;
+        let context = self.inner.card.context_length;
+        if prompt.len() > context {
+            return Err(EngineError::ContextLengthExceeded {
+                context_length: context,
+                prompt_tokens: prompt.len(),
+                max_tokens: 0,
+                requested: prompt.len(),
+            });
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Command::Snapshot {
+            prompt: prompt.clone(),
+            reply,
+        })?;
+        let layers = answer
+            .blocking_recv()
+            .map_err(|_| EngineError::Unavailable)??;
+        store
+            .save(name, &self.inner.fingerprint, &prompt, &layers)
+            .map_err(|e| EngineError::Internal(format!("cannot write the prompt cache: {e}")))
     }
 }
 

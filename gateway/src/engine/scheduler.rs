@@ -3,6 +3,12 @@
 //! (prefilling each), then runs one decode step for all running sequences as
 //! one batch. A sequence whose client went away is dropped at the next step,
 //! which frees its cache.
+//!
+//! Prompt caches plug in at both ends of a sequence: before prefill the
+//! longest cached prefix (memory, or a file) replaces that part of the
+//! prompt's prefill; after prefill and at the end, the sequence's cache is
+//! offered to the in-memory tier (and, for long prompts in automatic mode,
+//! written to a file in the background).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +20,11 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
 use super::model::{KvCache, Transformer};
 use super::output::{Detokenizer, Filtered, StopFilter};
+use super::prompt_cache::file::{LayerBytes, MappedFile};
+use super::prompt_cache::memory::MemoryCache;
+use super::prompt_cache::{
+    CacheSource, CacheStats, CacheStore, Fingerprint, PromptCacheOptions, common_prefix, tensors,
+};
 use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
 
@@ -23,6 +34,17 @@ const PREFILL_CHUNK: usize = 512;
 
 pub type EventSender = UnboundedSender<Result<GenerateEvent, EngineError>>;
 
+/// What the engine thread is asked to do.
+pub enum Command {
+    Generate(Job),
+    /// Prefill a prompt (reusing what is cached) and hand its cache back as
+    /// bytes, for a named cache file.
+    Snapshot {
+        prompt: Vec<u32>,
+        reply: tokio::sync::oneshot::Sender<Result<Vec<LayerBytes>, EngineError>>,
+    },
+}
+
 /// A validated request, ready for the engine thread.
 pub struct Job {
     pub prompt: Vec<u32>,
@@ -30,6 +52,8 @@ pub struct Job {
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
     pub logprobs: Option<usize>,
+    /// A named cache file the request asked for, already checked.
+    pub prompt_cache: Option<Arc<MappedFile>>,
     pub events: EventSender,
 }
 
@@ -42,9 +66,20 @@ struct Sequence {
     events: EventSender,
     logprobs: Option<usize>,
     prompt_len: usize,
+    /// Prompt tokens whose prefill a cache saved.
+    cached_tokens: usize,
+    /// The tokens `cache` covers (prompt, then fed-back outputs).
+    history: Vec<u32>,
     generated: usize,
     max_new_tokens: usize,
     last_token: u32,
+}
+
+/// The engine thread's prompt-cache state.
+pub struct Caching {
+    pub options: PromptCacheOptions,
+    pub fingerprint: Fingerprint,
+    pub stats: Arc<CacheStats>,
 }
 
 pub struct Scheduler {
@@ -53,6 +88,8 @@ pub struct Scheduler {
     max_batch: usize,
     /// Requests sent but not yet admitted (shared with the handles).
     queued: Arc<AtomicUsize>,
+    caching: Caching,
+    memory: MemoryCache,
 }
 
 impl Scheduler {
@@ -61,17 +98,21 @@ impl Scheduler {
         codec: Arc<TextCodec>,
         max_batch: usize,
         queued: Arc<AtomicUsize>,
+        caching: Caching,
     ) -> Scheduler {
+        let memory = MemoryCache::new(caching.options.memory_bytes, Arc::clone(&caching.stats));
         Scheduler {
             model,
             codec,
             max_batch: max_batch.max(1),
             queued,
+            caching,
+            memory,
         }
     }
 
     /// Runs until every handle (sender of `jobs`) is gone.
-    pub fn run(self, jobs: Receiver<Job>) {
+    pub fn run(mut self, jobs: Receiver<Command>) {
         let mut running: Vec<Sequence> = Vec::new();
         loop {
             // Admit new work between steps; sleep only when idle.
@@ -82,7 +123,10 @@ impl Scheduler {
                     jobs.try_recv()
                 };
                 match next {
-                    Ok(job) => running.extend(self.start(job)),
+                    Ok(Command::Generate(job)) => running.extend(self.start(job)),
+                    Ok(Command::Snapshot { prompt, reply }) => {
+                        let _ = reply.send(self.snapshot(&prompt));
+                    }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         if running.is_empty() {
@@ -106,24 +150,29 @@ impl Scheduler {
     }
 
     /// Prefills a new request and emits its first token; returns it if it goes on.
-    fn start(&self, job: Job) -> Option<Sequence> {
+    fn start(&mut self, job: Job) -> Option<Sequence> {
         self.queued.fetch_sub(1, Ordering::Relaxed);
         if job.events.is_closed() {
             return None;
         }
+        // At least the last prompt token runs: its logits start the reply.
+        let limit = job.prompt.len() - 1;
+        let (cache, cached_tokens) = self.reuse(&job.prompt, limit, job.prompt_cache);
         let mut seq = Sequence {
-            cache: self.model.new_cache(),
+            cache,
             sampler: Sampler::new(job.sampling, &job.prompt),
             detokenizer: Detokenizer::new(),
             stop: StopFilter::new(job.stop),
             events: job.events,
             logprobs: job.logprobs,
             prompt_len: job.prompt.len(),
+            cached_tokens,
+            history: job.prompt.clone(),
             generated: 0,
             max_new_tokens: job.max_new_tokens,
             last_token: 0,
         };
-        let logits = match self.prefill(&job.prompt, &mut seq.cache) {
+        let logits = match self.prefill(&job.prompt[cached_tokens..], &mut seq.cache) {
             Ok(logits) => logits,
             Err(error) => {
                 let _ = seq
@@ -132,8 +181,135 @@ impl Scheduler {
                 return None;
             }
         };
+        self.remember_prompt(&job.prompt, &seq.cache);
         let mut row = logits.as_slice::<f32>().to_vec();
         self.accept(&mut seq, &mut row).then_some(seq)
+    }
+
+    /// The cache to start `prompt` from and how many of its tokens it covers
+    /// (at most `limit`): the longest of the named file, the in-memory tier
+    /// and, in automatic mode, the store's files.
+    fn reuse(
+        &mut self,
+        prompt: &[u32],
+        limit: usize,
+        named: Option<Arc<MappedFile>>,
+    ) -> (KvCache, usize) {
+        let adapters = self.caching.fingerprint.adapters.clone();
+        let mut best: Option<(KvCache, usize, CacheSource)> = self
+            .memory
+            .lookup(&adapters, prompt, limit)
+            .map(|r| (r.cache, r.tokens, CacheSource::Memory));
+        let best_len =
+            |best: &Option<(KvCache, usize, CacheSource)>| best.as_ref().map_or(0, |b| b.1);
+        if let Some(file) = named {
+            let shared = common_prefix(&file.info.header.tokens, prompt).min(limit);
+            if shared > best_len(&best)
+                && let Some(found) = self.import(file, shared)
+            {
+                best = Some((found.0, found.1, CacheSource::Disk));
+            }
+        }
+        let auto = self.caching.options.auto_save_min_tokens.is_some();
+        if let (true, Some(store)) = (auto, &self.caching.options.store)
+            && let Some(found) = store.best_prefix(&self.caching.fingerprint, prompt, limit)
+            && found.tokens > best_len(&best)
+        {
+            match CacheStore::open_file(&found.path, &self.caching.fingerprint) {
+                Ok(file) => {
+                    if let Some(found) = self.import(Arc::new(file), found.tokens) {
+                        best = Some((found.0, found.1, CacheSource::Disk));
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "prompt cache file skipped"),
+            }
+        }
+        let stats = &self.caching.stats;
+        match best {
+            Some((cache, tokens, source)) => {
+                stats.record(Some(source), tokens);
+                (cache, tokens)
+            }
+            None => {
+                stats.record(None, 0);
+                (self.model.new_cache(), 0)
+            }
+        }
+    }
+
+    /// A mapped file's cache cut to the longest reusable prefix of `tokens`.
+    fn import(&self, file: Arc<MappedFile>, tokens: usize) -> Option<(KvCache, usize)> {
+        let path = file.info.header.name.clone();
+        let imported = match tensors::import(file) {
+            Ok(imported) => imported,
+            Err(error) => {
+                tracing::warn!(cache = %path, %error, "prompt cache file not usable");
+                return None;
+            }
+        };
+        tracing::debug!(cache = %path, zero_copy = imported.zero_copy, tokens, "prompt cache mapped");
+        let tokens = imported.cache.reusable(tokens);
+        if tokens == 0 {
+            return None;
+        }
+        imported
+            .cache
+            .truncated(tokens)
+            .ok()
+            .map(|cache| (cache, tokens))
+    }
+
+    /// Offers a freshly prefilled prompt's cache to the memory tier and, in
+    /// automatic mode, to a file written in the background.
+    fn remember_prompt(&mut self, prompt: &[u32], cache: &KvCache) {
+        let adapters = self.caching.fingerprint.adapters.clone();
+        self.memory
+            .insert(&adapters, prompt.to_vec(), cache.clone());
+        let (Some(min), Some(store)) = (
+            self.caching.options.auto_save_min_tokens,
+            &self.caching.options.store,
+        ) else {
+            return;
+        };
+        let fingerprint = &self.caching.fingerprint;
+        if prompt.len() < min || store.covers(fingerprint, prompt) {
+            return;
+        }
+        let layers = match tensors::export(cache) {
+            Ok(layers) => layers,
+            Err(error) => {
+                tracing::warn!(%error, "cannot export a prompt cache");
+                return;
+            }
+        };
+        let (store, fingerprint, tokens) =
+            (Arc::clone(store), fingerprint.clone(), prompt.to_vec());
+        let stats = Arc::clone(&self.caching.stats);
+        let spawned = std::thread::Builder::new().name("prompt-cache-save".into()).spawn(move || {
+            let name = CacheStore::auto_name(&fingerprint, &tokens);
+            match store.save(&name, &fingerprint, &tokens, &layers) {
+                Ok(info) => {
+                    stats.auto_saves.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(cache = %info.name, tokens = info.tokens, bytes = info.bytes, "prompt cache saved");
+                }
+                Err(error) => tracing::warn!(%error, "automatic prompt cache not saved"),
+            }
+        });
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "cannot start the prompt cache writer");
+        }
+    }
+
+    /// Prefills all of `prompt` and returns its cache as bytes.
+    fn snapshot(&mut self, prompt: &[u32]) -> Result<Vec<LayerBytes>, EngineError> {
+        let internal = |e: mlx_rs::error::Exception| EngineError::Internal(e.to_string());
+        let (mut cache, cached) = self.reuse(prompt, prompt.len(), None);
+        if cached < prompt.len() {
+            self.prefill(&prompt[cached..], &mut cache)
+                .map_err(internal)?;
+        }
+        self.remember_prompt(prompt, &cache);
+        tensors::export(&cache).map_err(internal)
     }
 
     fn prefill(
@@ -151,7 +327,7 @@ impl Scheduler {
     }
 
     /// One token for every running sequence, as one batch.
-    fn decode_step(&self, running: &mut Vec<Sequence>) -> Result<(), mlx_rs::error::Exception> {
+    fn decode_step(&mut self, running: &mut Vec<Sequence>) -> Result<(), mlx_rs::error::Exception> {
         let inputs: Vec<[u32; 1]> = running.iter().map(|seq| [seq.last_token]).collect();
         let tokens: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
         let logits = {
@@ -166,13 +342,22 @@ impl Scheduler {
         let vocab = logits.shape()[1] as usize;
         let all = logits.as_slice::<f32>();
         let mut keep = Vec::with_capacity(running.len());
+        let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {
+            seq.history.push(seq.last_token);
             let mut row = all[index * vocab..(index + 1) * vocab].to_vec();
             if self.accept(&mut seq, &mut row) {
                 keep.push(seq);
+            } else {
+                finished.push(seq);
             }
         }
         *running = keep;
+        // A finished conversation's cache serves its next turn.
+        let adapters = self.caching.fingerprint.adapters.clone();
+        for seq in finished {
+            self.memory.insert(&adapters, seq.history, seq.cache);
+        }
         Ok(())
     }
 
@@ -230,6 +415,7 @@ impl Scheduler {
         let usage = Usage {
             prompt_tokens: seq.prompt_len,
             completion_tokens: seq.generated,
+            cached_tokens: seq.cached_tokens,
         };
         let _ = seq
             .events

@@ -249,6 +249,16 @@ impl TextCodec {
 
     /// Renders the chat template with a generation prompt appended.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.render_chat_with(messages, true)
+    }
+
+    /// Renders `messages`; without the generation prompt (the assistant
+    /// turn's opening) when `add_generation_prompt` is false.
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let template = self
             .chat_template
             .as_deref()
@@ -263,7 +273,7 @@ impl TextCodec {
             .render(
                 context! {
                     messages => messages.iter().map(|m| context! { role => m.role.clone(), content => m.content.clone() }).collect::<Vec<_>>(),
-                    add_generation_prompt => true,
+                    add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos_token.clone().unwrap_or_default(),
                     eos_token => self.eos_token.clone().unwrap_or_default(),
                     tools => minijinja::Value::from(()),

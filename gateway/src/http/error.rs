@@ -200,6 +200,16 @@ impl ApiError {
             },
             EngineError::Unavailable => ApiError::EngineUnavailable(e.to_string()),
             EngineError::Internal(_) => ApiError::Internal(e.to_string()),
+            EngineError::PromptCacheNotFound(_) => ApiError::InvalidParam {
+                message: e.to_string(),
+                param: "prompt_cache".to_owned(),
+                code: "prompt_cache_not_found",
+            },
+            EngineError::PromptCache(message) => ApiError::InvalidParam {
+                message,
+                param: "prompt_cache".to_owned(),
+                code: "invalid_value",
+            },
         }
     }
 

@@ -31,7 +31,9 @@ pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 
 pub async fn metrics(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let ready = cx.state.models.all_ready();
-    let text = cx.state.metrics.render(ready) + &super::admin_policies::render_metrics(&cx.state);
+    let text = cx.state.metrics.render(ready)
+        + &super::admin_policies::render_metrics(&cx.state)
+        + &super::prompt_caches::render_metrics(&cx.state);
     let mut resp = Response::new(full(text));
     resp.headers_mut().insert(
         CONTENT_TYPE,

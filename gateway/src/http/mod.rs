@@ -30,6 +30,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod prompt_caches;
 pub mod routing;
 pub mod upstream;
 
@@ -54,6 +55,8 @@ use tokio::net::TcpListener;
 use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::config::Config;
+use crate::engine::EngineOptions;
+use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 pub use auth::{Caller, KeyStore, Scope, Zone};
 pub use body::{Body, BodyLimit, BoxError, ReqBody};
 pub use error::ApiError;
@@ -69,6 +72,9 @@ pub struct AppState {
     pub models: Arc<ModelRegistry>,
     /// Router policy host and configured upstreams.
     pub routing: routing::Routing,
+    /// The prompt-cache files, shared by every model's engine; `None` when
+    /// the directory cannot be opened (logged at start).
+    pub prompt_caches: Option<Arc<CacheStore>>,
     routes: Vec<Route>,
 }
 
@@ -80,19 +86,43 @@ impl AppState {
         table.extend(admin_policies::routes());
         table.extend(routing::routes());
         table.extend(jobs::routes());
+        table.extend(prompt_caches::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }
         let models = Arc::new(ModelRegistry::new(&config.models));
         let routing = routing::Routing::new(&config.upstreams);
+        let dir = config.prompt_cache_dir();
+        let auto_budget = config.prompt_cache.auto_disk_mb * 1024 * 1024;
+        let prompt_caches = match CacheStore::open(&dir, auto_budget) {
+            Ok(store) => Some(Arc::new(store)),
+            Err(e) => {
+                error!(dir = %dir.display(), error = %e, "prompt cache files disabled: cannot open the directory");
+                None
+            }
+        };
         Arc::new(AppState {
             config,
             keys,
             metrics: Metrics::default(),
             models,
             routing,
+            prompt_caches,
             routes: table,
         })
+    }
+
+    /// How every model's engine runs, from the config.
+    pub fn engine_options(&self) -> EngineOptions {
+        let c = &self.config.prompt_cache;
+        EngineOptions {
+            prompt_cache: PromptCacheOptions {
+                memory_bytes: (c.memory_mb * 1024 * 1024) as usize,
+                store: self.prompt_caches.clone(),
+                auto_save_min_tokens: (c.auto_save_min_tokens > 0)
+                    .then_some(c.auto_save_min_tokens),
+            },
+        }
     }
 }
 
@@ -382,7 +412,9 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
         })?;
     let state = AppState::new(config);
     jobs::start(&state);
-    state.models.load_in_background(load);
+    state
+        .models
+        .load_in_background(load, state.engine_options());
     run(listener, Arc::clone(&state), shutdown_signal()).await;
     jobs::stop(&state).await;
     Ok(())

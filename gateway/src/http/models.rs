@@ -14,11 +14,11 @@ use tracing::{error, info};
 
 use super::{ApiError, BoxError};
 use crate::config::ModelSpec;
-use crate::engine::EngineHandle;
+use crate::engine::{EngineHandle, EngineOptions};
 
 /// Loads one model (blocking) and starts its engine. Passed in by the
-/// binary, which wires it to `EngineHandle::load`.
-pub type ModelLoader = Box<dyn Fn(&Path) -> Result<EngineHandle, BoxError> + Send>;
+/// binary, which wires it to `EngineHandle::load_with`.
+pub type ModelLoader = Box<dyn Fn(&Path, &EngineOptions) -> Result<EngineHandle, BoxError> + Send>;
 
 /// Where one model's loading stands.
 #[derive(Clone)]
@@ -160,14 +160,14 @@ impl ModelRegistry {
     }
 
     /// Loads every model with `load`, in order, on its own OS thread.
-    pub fn load_in_background(self: &Arc<Self>, load: ModelLoader) {
+    pub fn load_in_background(self: &Arc<Self>, load: ModelLoader, options: EngineOptions) {
         let registry = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("model-load".into())
             .spawn(move || {
                 let specs: Vec<ModelSpec> = registry.slots().into_iter().map(|s| s.spec).collect();
                 for (index, spec) in specs.into_iter().enumerate() {
-                    let state = load_one(&registry, index, &spec, &load);
+                    let state = load_one(&registry, index, &spec, &|path| load(path, &options));
                     registry.set(index, state);
                 }
             });
@@ -202,7 +202,7 @@ fn load_one(
     registry: &ModelRegistry,
     index: usize,
     spec: &ModelSpec,
-    load: &ModelLoader,
+    load: &dyn Fn(&Path) -> Result<EngineHandle, BoxError>,
 ) -> ModelState {
     let path = &spec.path;
     info!(path = %path.display(), "loading model");

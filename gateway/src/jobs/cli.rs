@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 
 use super::types::{JobEvent, StoredEvent};
 
-/// Where the gateway is.
+/// Where the gateway is (shared by the CLI's other API clients).
 #[derive(Args, Debug, Clone)]
 pub struct Remote {
     /// Base URL of the running gateway (key from MLXGATE_API_KEY).
@@ -211,7 +211,7 @@ fn api_failure(status: StatusCode, bytes: &[u8]) -> anyhow::Error {
 }
 
 /// One JSON call; non-2xx answers become errors with the gateway's message.
-async fn call(
+pub(crate) async fn call(
     r: &Remote,
     method: Method,
     path: &str,

@@ -99,4 +99,38 @@ impl KvCache {
     pub fn nbytes(&self) -> usize {
         self.arrays().map(Array::nbytes).sum()
     }
+
+    /// The longest prefix, of at most `tokens`, that [`KvCache::truncated`]
+    /// can serve. A sliding-window layer that has dropped its oldest entries
+    /// can only be reused whole: what a shorter prefix needs is gone.
+    pub fn reusable(&self, tokens: usize) -> usize {
+        let tokens = tokens.min(self.offset);
+        let rotated = self.layers.iter().any(|l| l.start > 0);
+        if rotated && tokens != self.offset {
+            0
+        } else {
+            tokens
+        }
+    }
+
+    /// This cache cut back to its first `tokens` positions (views, no copy).
+    /// `tokens` must come from [`KvCache::reusable`].
+    pub fn truncated(&self, tokens: usize) -> MlxResult<KvCache> {
+        debug_assert_eq!(self.reusable(tokens), tokens);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut layer = layer.clone();
+            if tokens < self.offset {
+                let end = (tokens - layer.start) as i32;
+                layer.keys = layer.keys.map(|k| k.index((.., .., ..end, ..)));
+                layer.values = layer.values.map(|v| v.index((.., .., ..end, ..)));
+                layer.trim()?;
+            }
+            layers.push(layer);
+        }
+        Ok(KvCache {
+            layers,
+            offset: tokens,
+        })
+    }
 }

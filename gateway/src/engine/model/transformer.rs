@@ -189,6 +189,19 @@ impl Transformer {
         arrays
     }
 
+    /// How the projections are stored, for cache fingerprints:
+    /// `affine-4bit-g32`, or `dense`.
+    pub fn quantization_label(&self) -> String {
+        match self
+            .blocks
+            .first()
+            .and_then(|b| b.attention.q_proj.kernel.quantization())
+        {
+            Some((group, bits)) => format!("affine-{bits}bit-g{group}"),
+            None => "dense".into(),
+        }
+    }
+
     /// A fresh cache shaped for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.blocks.iter().map(|b| b.sliding_window))

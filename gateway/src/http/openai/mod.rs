@@ -70,6 +70,7 @@ pub fn generate_request(
         max_tokens: common.max_tokens,
         stop: common.stop.clone(),
         logprobs: common.logprobs,
+        prompt_cache: common.prompt_cache.clone(),
     })
 }
 
@@ -182,6 +183,7 @@ mod tests {
                 usage: Usage {
                     prompt_tokens: 1,
                     completion_tokens: 2,
+                    cached_tokens: 0,
                 },
             }),
         ]);

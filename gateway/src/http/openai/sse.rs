@@ -301,6 +301,7 @@ mod tests {
             usage: Usage {
                 prompt_tokens: 5,
                 completion_tokens: 2,
+                cached_tokens: 0,
             },
         })
     }

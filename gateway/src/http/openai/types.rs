@@ -13,6 +13,14 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`: how much of the prompt a
+/// prompt cache served.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl From<engine::Usage> for Usage {
@@ -21,6 +29,9 @@ impl From<engine::Usage> for Usage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
         }
     }
 }
@@ -224,7 +235,9 @@ mod tests {
         let u = Usage::from(engine::Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
+            cached_tokens: 2,
         });
         assert_eq!(u.total_tokens, 7);
+        assert_eq!(u.prompt_tokens_details.cached_tokens, 2);
     }
 }

@@ -33,6 +33,8 @@ pub struct Common {
     pub include_usage: bool,
     /// `Some(n)`: the chosen token's logprob plus the top n alternatives.
     pub logprobs: Option<usize>,
+    /// mlxgate extension: start from this named prompt cache.
+    pub prompt_cache: Option<String>,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -110,6 +112,49 @@ pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     Ok(CompletionRequest { common, prompt })
 }
 
+/// A validated `POST /v1/prompt_caches`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveCacheRequest {
+    pub name: String,
+    pub model: String,
+    pub content: CacheContent,
+}
+
+/// What a saved prompt cache holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CacheContent {
+    /// Text or token ids, as in `/v1/completions`.
+    Prompt(Prompt),
+    /// Chat messages, rendered by the model's template without the
+    /// assistant turn's opening, so a later conversation extends them.
+    Messages(Vec<ChatMessage>),
+}
+
+pub fn save_cache_request(body: &Value) -> Result<SaveCacheRequest, ApiError> {
+    let f = Fields::of(body)?;
+    let name = f.string("name")?.ok_or_else(|| missing("name"))?;
+    crate::engine::prompt_cache::store::validate_name(name)
+        .map_err(|message| invalid("name", "invalid_value", &message))?;
+    let model = f.string("model")?.ok_or_else(|| missing("model"))?;
+    let content = match (f.get("prompt"), f.get("messages")) {
+        (Some(_), None) => CacheContent::Prompt(prompt(&f)?),
+        (None, Some(_)) => CacheContent::Messages(messages(&f)?),
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "messages",
+                "invalid_value",
+                "Give either 'prompt' or 'messages', not both.",
+            ));
+        }
+        (None, None) => return Err(missing("prompt")),
+    };
+    Ok(SaveCacheRequest {
+        name: name.to_owned(),
+        model: model.to_owned(),
+        content,
+    })
+}
+
 fn common(f: &Fields) -> Result<Common, ApiError> {
     let model = f
         .string("model")?
@@ -180,7 +225,18 @@ fn common(f: &Fields) -> Result<Common, ApiError> {
         stream,
         include_usage,
         logprobs: None,
+        prompt_cache: prompt_cache(f)?,
     })
+}
+
+/// `prompt_cache`: the name of a saved prompt cache (`null` means none).
+fn prompt_cache(f: &Fields) -> Result<Option<String>, ApiError> {
+    let Some(name) = f.string("prompt_cache")? else {
+        return Ok(None);
+    };
+    crate::engine::prompt_cache::store::validate_name(name)
+        .map_err(|message| invalid("prompt_cache", "invalid_value", &message))?;
+    Ok(Some(name.to_owned()))
 }
 
 /// `top_k`: 0 or -1 (vLLM's spelling) turn it off.
