@@ -26,6 +26,7 @@ fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
         stop: vec![],
         logprobs: None,
         prompt_cache: None,
+        adapters: vec![],
     }
 }
 

@@ -137,6 +137,7 @@ fn smollm2_answers_a_chat_question_greedily_and_deterministically() {
         stop: vec![],
         logprobs: None,
         prompt_cache: None,
+        adapters: vec![],
     };
     let (text, _, tokens) = collect(&engine, request.clone());
     assert!(text.contains("Paris"), "unexpected answer: {text:?}");
@@ -162,6 +163,7 @@ fn max_tokens_and_stop_strings_end_generation() {
         stop,
         logprobs: None,
         prompt_cache: None,
+        adapters: vec![],
     };
     let (text, reason, tokens) = collect(&engine, request(3, vec![]));
     assert_eq!((reason, tokens), (FinishReason::Length, 3), "{text:?}");
@@ -261,6 +263,7 @@ fn load_counts_live_streams_and_a_dropped_stream_frees_its_slot() {
         stop: vec![],
         logprobs: None,
         prompt_cache: None,
+        adapters: vec![],
     };
     let mut first = engine.generate(request.clone()).unwrap();
     let second = engine.generate(request).unwrap();

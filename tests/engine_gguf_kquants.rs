@@ -623,6 +623,7 @@ fn greedy(max_tokens: usize, prompt: String) -> GenerateRequest {
         stop: vec![],
         logprobs: None,
         prompt_cache: None,
+        adapters: vec![],
     }
 }
 

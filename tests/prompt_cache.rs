@@ -58,6 +58,7 @@ fn greedy(prompt: &str, cache: Option<&str>, max_tokens: usize) -> GenerateReque
         stop: vec![],
         logprobs: Some(0),
         prompt_cache: cache.map(str::to_owned),
+        adapters: vec![],
     }
 }
 

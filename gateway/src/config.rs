@@ -54,6 +54,17 @@ pub struct FileConfig {
     pub jobs: crate::jobs::JobsConfig,
     #[serde(default)]
     pub prompt_cache: PromptCacheConfig,
+    #[serde(default)]
+    pub adapters: AdaptersConfig,
+}
+
+/// The `[adapters]` section: where LoRA adapter directories may be mounted from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdaptersConfig {
+    /// Folders holding adapter directories; mounts outside them are
+    /// refused. Default: `<data_dir>/adapters`.
+    pub stores: Vec<PathBuf>,
 }
 
 /// The `[prompt_cache]` section: reuse of prompt prefixes in memory and
@@ -126,6 +137,8 @@ pub struct Config {
     pub jobs: crate::jobs::JobsConfig,
     /// The `[prompt_cache]` section.
     pub prompt_cache: PromptCacheConfig,
+    /// The `[adapters]` section.
+    pub adapters: AdaptersConfig,
 }
 
 impl Config {
@@ -135,6 +148,15 @@ impl Config {
             .dir
             .clone()
             .unwrap_or_else(|| self.data_dir.join("prompt-caches"))
+    }
+
+    /// Folders adapters may be mounted from.
+    pub fn adapter_stores(&self) -> Vec<PathBuf> {
+        if self.adapters.stores.is_empty() {
+            vec![self.data_dir.join("adapters")]
+        } else {
+            self.adapters.stores.clone()
+        }
     }
 }
 
@@ -264,6 +286,7 @@ impl Config {
             keys,
             jobs: file.jobs,
             prompt_cache: file.prompt_cache,
+            adapters: file.adapters,
         }
     }
 

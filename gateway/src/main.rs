@@ -69,6 +69,9 @@ enum Command {
     /// inspect a cache file offline.
     #[command(subcommand)]
     Cache(mlxgate::http::prompt_caches::cli::CacheCommand),
+    /// LoRA adapters on a running gateway: list, available, mount, unmount.
+    #[command(subcommand)]
+    Adapters(mlxgate::http::adapters::cli::AdaptersCommand),
     /// Convert a GGUF model into an mlx-community style directory
     /// (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
     /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
@@ -263,6 +266,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
         Command::Jobs(cmd) => mlxgate::jobs::cli::run(cmd),
         Command::Cache(cmd) => mlxgate::http::prompt_caches::cli::run(cmd),
+        Command::Adapters(cmd) => mlxgate::http::adapters::cli::run(cmd),
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {

@@ -71,6 +71,8 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// A named prompt cache file to start from (its tokens must begin the prompt).
     pub prompt_cache: Option<String>,
+    /// Mounted LoRA adapters to apply, stacked in this order (empty: base model).
+    pub adapters: Vec<String>,
 }
 
 /// A generated token, with logprobs when asked for.
@@ -167,4 +169,14 @@ pub enum EngineError {
     /// shared prefix, or a damaged file).
     #[error("{0}")]
     PromptCache(String),
+    /// A request named an adapter that is not mounted.
+    #[error("unknown adapter `{requested}`; mounted: {}", if mounted.is_empty() { "(none)".to_owned() } else { mounted.join(", ") })]
+    UnknownAdapter {
+        requested: String,
+        mounted: Vec<String>,
+    },
+    /// An adapter could not be mounted (the message names the module and
+    /// what is wrong).
+    #[error("{0}")]
+    Adapter(String),
 }

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod convert;
+pub mod lora;
 pub mod model;
 mod output;
 pub mod prompt_cache;
@@ -69,6 +70,8 @@ struct Inner {
     fingerprint: Fingerprint,
     cache_stats: Arc<CacheStats>,
     store: Option<Arc<CacheStore>>,
+    /// Mounted adapters, as the engine thread last reported them.
+    adapters: std::sync::RwLock<std::collections::BTreeMap<String, lora::AdapterInfo>>,
     /// `None` once the engine is shutting down.
     jobs: Mutex<Option<Sender<Command>>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -215,6 +218,7 @@ impl EngineHandle {
                 fingerprint,
                 cache_stats,
                 store,
+                adapters: Default::default(),
                 jobs: Mutex::new(Some(jobs)),
                 thread: Some(thread),
             }),
@@ -293,8 +297,27 @@ impl EngineHandle {
                 requested: prompt.len() + wanted,
             });
         }
+        {
+            let mounted = self
+                .inner
+                .adapters
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(unknown) = request
+                .adapters
+                .iter()
+                .find(|id| !mounted.contains_key(*id))
+            {
+                return Err(EngineError::UnknownAdapter {
+                    requested: unknown.clone(),
+                    mounted: mounted.keys().cloned().collect(),
+                });
+            }
+        }
         let prompt_cache = match &request.prompt_cache {
-            Some(name) => Some(self.open_named_cache(name, &prompt)?),
+            Some(name) => {
+                Some(self.open_named_cache(name, &prompt, &request.adapters.join("+"))?)
+            }
             None => None,
         };
         let (events, receiver) = unbounded_channel();
@@ -306,6 +329,7 @@ impl EngineHandle {
             stop: request.stop,
             logprobs: request.logprobs,
             prompt_cache,
+            adapters: request.adapters,
             events,
         };
         self.inner.queued.fetch_add(1, Ordering::Relaxed);
@@ -348,7 +372,9 @@ impl EngineHandle {
         &self,
         name: &str,
         prompt: &[u32],
+        adapters: &str,
     ) -> Result<Arc<prompt_cache::file::MappedFile>, EngineError> {
+        let fingerprint = self.inner.fingerprint.with_adapters(adapters);
         let store = self.inner.store.as_ref().ok_or_else(|| {
             EngineError::PromptCache("prompt caches are not enabled on this server".into())
         })?;
@@ -358,7 +384,7 @@ impl EngineHandle {
         let unusable = |why: String| {
             EngineError::PromptCache(format!("prompt cache `{name}` cannot be used: {why}"))
         };
-        if let Some(why) = header.fingerprint.mismatch(&self.inner.fingerprint) {
+        if let Some(why) = header.fingerprint.mismatch(&fingerprint) {
             return Err(unusable(why));
         }
         let shared = prompt_cache::common_prefix(&header.tokens, prompt);
@@ -369,7 +395,7 @@ impl EngineHandle {
                 header.tokens.len()
             )));
         }
-        CacheStore::open_file(&path, &self.inner.fingerprint)
+        CacheStore::open_file(&path, &fingerprint)
             .map(Arc::new)
             .map_err(|e| unusable(e.to_string()))
     }
@@ -406,6 +432,54 @@ impl EngineHandle {
         store
             .save(name, &self.inner.fingerprint, &prompt, &layers)
             .map_err(|e| EngineError::Internal(format!("cannot write the prompt cache: {e}")))
+    }
+}
+
+impl EngineHandle {
+    /// Mounts the adapter in `dir` as `id` (all or nothing). Blocking.
+    pub fn mount_adapter(&self, id: &str, dir: &Path) -> Result<lora::AdapterInfo, EngineError> {
+        lora::validate_id(id).map_err(|e| EngineError::Adapter(e.to_string()))?;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Command::Mount {
+            id: id.to_owned(),
+            path: dir.to_owned(),
+            reply,
+        })?;
+        let info = answer
+            .blocking_recv()
+            .map_err(|_| EngineError::Unavailable)??;
+        self.inner
+            .adapters
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), info.clone());
+        Ok(info)
+    }
+
+    /// Unmounts `id`; false if it was not mounted. Requests already using it
+    /// finish with it. Blocking.
+    pub fn unmount_adapter(&self, id: &str) -> Result<bool, EngineError> {
+        self.inner
+            .adapters
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Command::Unmount {
+            id: id.to_owned(),
+            reply,
+        })?;
+        answer.blocking_recv().map_err(|_| EngineError::Unavailable)
+    }
+
+    /// The mounted adapters, by id.
+    pub fn adapters(&self) -> Vec<lora::AdapterInfo> {
+        let mounted = self
+            .inner
+            .adapters
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        mounted.values().cloned().collect()
     }
 }
 

@@ -17,7 +17,10 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use mlx_rs::Array;
 use tokio::sync::mpsc::UnboundedSender;
 
+use std::collections::HashMap;
+
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
+use super::lora::{self, Adapter, AdapterInfo, AdapterStack};
 use super::model::{KvCache, Transformer};
 use super::output::{Detokenizer, Filtered, StopFilter};
 use super::prompt_cache::file::{LayerBytes, MappedFile};
@@ -43,6 +46,17 @@ pub enum Command {
         prompt: Vec<u32>,
         reply: tokio::sync::oneshot::Sender<Result<Vec<LayerBytes>, EngineError>>,
     },
+    /// Load, check and keep an adapter (arrays live on this thread).
+    Mount {
+        id: String,
+        path: std::path::PathBuf,
+        reply: tokio::sync::oneshot::Sender<Result<AdapterInfo, EngineError>>,
+    },
+    /// Forget an adapter; sequences using it keep it until they end.
+    Unmount {
+        id: String,
+        reply: tokio::sync::oneshot::Sender<bool>,
+    },
 }
 
 /// A validated request, ready for the engine thread.
@@ -54,12 +68,17 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// A named cache file the request asked for, already checked.
     pub prompt_cache: Option<Arc<MappedFile>>,
+    /// Mounted adapter ids to stack, in order.
+    pub adapters: Vec<String>,
     pub events: EventSender,
 }
 
 /// One running generation.
 struct Sequence {
     cache: KvCache,
+    adapters: AdapterStack,
+    /// The adapter stack's key for prompt caches (`a+b`, or empty).
+    adapters_key: String,
     sampler: Sampler,
     detokenizer: Detokenizer,
     stop: StopFilter,
@@ -90,6 +109,10 @@ pub struct Scheduler {
     queued: Arc<AtomicUsize>,
     caching: Caching,
     memory: MemoryCache,
+    /// Mounted adapters by id.
+    adapters: HashMap<String, std::rc::Rc<Adapter>>,
+    /// The model id adapters' recorded base models are checked against.
+    model_id: String,
 }
 
 impl Scheduler {
@@ -101,6 +124,7 @@ impl Scheduler {
         caching: Caching,
     ) -> Scheduler {
         let memory = MemoryCache::new(caching.options.memory_bytes, Arc::clone(&caching.stats));
+        let model_id = caching.fingerprint.model.clone();
         Scheduler {
             model,
             codec,
@@ -108,7 +132,42 @@ impl Scheduler {
             queued,
             caching,
             memory,
+            adapters: HashMap::new(),
+            model_id,
         }
+    }
+
+    fn mount(&mut self, id: &str, path: &std::path::Path) -> Result<AdapterInfo, EngineError> {
+        if let Some(existing) = self.adapters.get(id) {
+            if existing.info.path == path {
+                return Ok(existing.info.clone());
+            }
+            return Err(EngineError::Adapter(format!(
+                "an adapter `{id}` is already mounted from {}; unmount it first",
+                existing.info.path.display()
+            )));
+        }
+        let adapter = lora::load(id, path, &self.model_id, &self.model.lora_targets())
+            .map_err(|e| EngineError::Adapter(e.to_string()))?;
+        let info = adapter.info.clone();
+        self.adapters
+            .insert(id.to_owned(), std::rc::Rc::new(adapter));
+        Ok(info)
+    }
+
+    /// The stack for `ids`, or why not (an id unmounted since validation).
+    fn stack(&self, ids: &[String]) -> Result<AdapterStack, EngineError> {
+        ids.iter()
+            .map(|id| {
+                self.adapters
+                    .get(id)
+                    .cloned()
+                    .ok_or_else(|| EngineError::UnknownAdapter {
+                        requested: id.clone(),
+                        mounted: self.adapters.keys().cloned().collect(),
+                    })
+            })
+            .collect()
     }
 
     /// Runs until every handle (sender of `jobs`) is gone.
@@ -126,6 +185,12 @@ impl Scheduler {
                     Ok(Command::Generate(job)) => running.extend(self.start(job)),
                     Ok(Command::Snapshot { prompt, reply }) => {
                         let _ = reply.send(self.snapshot(&prompt));
+                    }
+                    Ok(Command::Mount { id, path, reply }) => {
+                        let _ = reply.send(self.mount(&id, &path));
+                    }
+                    Ok(Command::Unmount { id, reply }) => {
+                        let _ = reply.send(self.adapters.remove(&id).is_some());
                     }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
@@ -155,11 +220,22 @@ impl Scheduler {
         if job.events.is_closed() {
             return None;
         }
+        let adapters = match self.stack(&job.adapters) {
+            Ok(stack) => stack,
+            Err(error) => {
+                let _ = job.events.send(Err(error));
+                return None;
+            }
+        };
+        let adapters_key = lora::stack_key(&adapters);
         // At least the last prompt token runs: its logits start the reply.
         let limit = job.prompt.len() - 1;
-        let (cache, cached_tokens) = self.reuse(&job.prompt, limit, job.prompt_cache);
+        let (cache, cached_tokens) =
+            self.reuse(&job.prompt, limit, job.prompt_cache, &adapters_key);
         let mut seq = Sequence {
             cache,
+            adapters,
+            adapters_key,
             sampler: Sampler::new(job.sampling, &job.prompt),
             detokenizer: Detokenizer::new(),
             stop: StopFilter::new(job.stop),
@@ -172,7 +248,8 @@ impl Scheduler {
             max_new_tokens: job.max_new_tokens,
             last_token: 0,
         };
-        let logits = match self.prefill(&job.prompt[cached_tokens..], &mut seq.cache) {
+        let logits = match self.prefill(&job.prompt[cached_tokens..], &mut seq.cache, &seq.adapters)
+        {
             Ok(logits) => logits,
             Err(error) => {
                 let _ = seq
@@ -181,7 +258,7 @@ impl Scheduler {
                 return None;
             }
         };
-        self.remember_prompt(&job.prompt, &seq.cache);
+        self.remember_prompt(&job.prompt, &seq.cache, &seq.adapters_key);
         let mut row = logits.as_slice::<f32>().to_vec();
         self.accept(&mut seq, &mut row).then_some(seq)
     }
@@ -194,11 +271,12 @@ impl Scheduler {
         prompt: &[u32],
         limit: usize,
         named: Option<Arc<MappedFile>>,
+        adapters: &str,
     ) -> (KvCache, usize) {
-        let adapters = self.caching.fingerprint.adapters.clone();
+        let fingerprint = self.caching.fingerprint.with_adapters(adapters);
         let mut best: Option<(KvCache, usize, CacheSource)> = self
             .memory
-            .lookup(&adapters, prompt, limit)
+            .lookup(adapters, prompt, limit)
             .map(|r| (r.cache, r.tokens, CacheSource::Memory));
         let best_len =
             |best: &Option<(KvCache, usize, CacheSource)>| best.as_ref().map_or(0, |b| b.1);
@@ -212,10 +290,10 @@ impl Scheduler {
         }
         let auto = self.caching.options.auto_save_min_tokens.is_some();
         if let (true, Some(store)) = (auto, &self.caching.options.store)
-            && let Some(found) = store.best_prefix(&self.caching.fingerprint, prompt, limit)
+            && let Some(found) = store.best_prefix(&fingerprint, prompt, limit)
             && found.tokens > best_len(&best)
         {
-            match CacheStore::open_file(&found.path, &self.caching.fingerprint) {
+            match CacheStore::open_file(&found.path, &fingerprint) {
                 Ok(file) => {
                     if let Some(found) = self.import(Arc::new(file), found.tokens) {
                         best = Some((found.0, found.1, CacheSource::Disk));
@@ -261,17 +339,15 @@ impl Scheduler {
 
     /// Offers a freshly prefilled prompt's cache to the memory tier and, in
     /// automatic mode, to a file written in the background.
-    fn remember_prompt(&mut self, prompt: &[u32], cache: &KvCache) {
-        let adapters = self.caching.fingerprint.adapters.clone();
-        self.memory
-            .insert(&adapters, prompt.to_vec(), cache.clone());
+    fn remember_prompt(&mut self, prompt: &[u32], cache: &KvCache, adapters: &str) {
+        self.memory.insert(adapters, prompt.to_vec(), cache.clone());
         let (Some(min), Some(store)) = (
             self.caching.options.auto_save_min_tokens,
             &self.caching.options.store,
         ) else {
             return;
         };
-        let fingerprint = &self.caching.fingerprint;
+        let fingerprint = &self.caching.fingerprint.with_adapters(adapters);
         if prompt.len() < min || store.covers(fingerprint, prompt) {
             return;
         }
@@ -303,12 +379,12 @@ impl Scheduler {
     /// Prefills all of `prompt` and returns its cache as bytes.
     fn snapshot(&mut self, prompt: &[u32]) -> Result<Vec<LayerBytes>, EngineError> {
         let internal = |e: mlx_rs::error::Exception| EngineError::Internal(e.to_string());
-        let (mut cache, cached) = self.reuse(prompt, prompt.len(), None);
+        let (mut cache, cached) = self.reuse(prompt, prompt.len(), None, "");
         if cached < prompt.len() {
-            self.prefill(&prompt[cached..], &mut cache)
+            self.prefill(&prompt[cached..], &mut cache, &AdapterStack::new())
                 .map_err(internal)?;
         }
-        self.remember_prompt(prompt, &cache);
+        self.remember_prompt(prompt, &cache, "");
         tensors::export(&cache).map_err(internal)
     }
 
@@ -316,10 +392,13 @@ impl Scheduler {
         &self,
         prompt: &[u32],
         cache: &mut KvCache,
+        adapters: &AdapterStack,
     ) -> Result<Array, mlx_rs::error::Exception> {
         let mut logits = None;
         for chunk in prompt.chunks(PREFILL_CHUNK) {
-            let out = self.model.forward(&[chunk], &mut [&mut *cache])?;
+            let out =
+                self.model
+                    .forward_with_adapters(&[chunk], &mut [&mut *cache], &[adapters])?;
             mlx_rs::transforms::eval(std::iter::once(&out).chain(cache.arrays()))?;
             logits = Some(out);
         }
@@ -331,9 +410,13 @@ impl Scheduler {
         let inputs: Vec<[u32; 1]> = running.iter().map(|seq| [seq.last_token]).collect();
         let tokens: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
         let logits = {
-            let mut caches: Vec<&mut KvCache> =
-                running.iter_mut().map(|seq| &mut seq.cache).collect();
-            let logits = self.model.forward(&tokens, &mut caches)?;
+            let (stacks, mut caches): (Vec<&AdapterStack>, Vec<&mut KvCache>) = running
+                .iter_mut()
+                .map(|seq| (&seq.adapters, &mut seq.cache))
+                .unzip();
+            let logits = self
+                .model
+                .forward_with_adapters(&tokens, &mut caches, &stacks)?;
             mlx_rs::transforms::eval(
                 std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
             )?;
@@ -354,9 +437,9 @@ impl Scheduler {
         }
         *running = keep;
         // A finished conversation's cache serves its next turn.
-        let adapters = self.caching.fingerprint.adapters.clone();
         for seq in finished {
-            self.memory.insert(&adapters, seq.history, seq.cache);
+            self.memory
+                .insert(&seq.adapters_key, seq.history, seq.cache);
         }
         Ok(())
     }

@@ -201,6 +201,20 @@ impl KeyStore {
         self.keys.is_empty()
     }
 
+    /// For routes that need more than their URL zone's scope (e.g. admin
+    /// actions under `/v1/`): `caller` must hold `scope`; with no keys
+    /// configured at all, such actions are closed.
+    pub fn require(&self, caller: Option<&Caller>, scope: Scope) -> Result<(), ApiError> {
+        match caller {
+            Some(c) if c.has(scope) => Ok(()),
+            _ if self.is_empty() => Err(ApiError::ZoneClosed { scope }),
+            c => Err(ApiError::InsufficientScope {
+                key_id: c.map_or_else(|| Caller::ANONYMOUS.into(), |c| c.key_id.clone()),
+                scope,
+            }),
+        }
+    }
+
     /// Finds the key whose digest matches `presented`. Every key is compared,
     /// so timing does not depend on which (if any) matched.
     pub fn lookup(&self, presented: &str) -> Option<&ApiKey> {

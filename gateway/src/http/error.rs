@@ -210,6 +210,16 @@ impl ApiError {
                 param: "prompt_cache".to_owned(),
                 code: "invalid_value",
             },
+            EngineError::UnknownAdapter { .. } => ApiError::InvalidParam {
+                message: e.to_string(),
+                param: "adapter".to_owned(),
+                code: "adapter_not_found",
+            },
+            EngineError::Adapter(message) => ApiError::InvalidParam {
+                message,
+                param: "adapter".to_owned(),
+                code: "invalid_adapter",
+            },
         }
     }
 

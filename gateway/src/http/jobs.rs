@@ -169,13 +169,7 @@ async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         None => return Err(bad("kind", "`kind` is required".into())),
     };
     if kind.needs_admin() {
-        let is_admin = caller.as_ref().is_some_and(|c| c.has(Scope::Admin));
-        if !is_admin {
-            return Err(ApiError::InsufficientScope {
-                key_id: caller.map_or_else(|| "anonymous".into(), |c| c.key_id),
-                scope: Scope::Admin,
-            });
-        }
+        cx.state.keys.require(caller.as_ref(), Scope::Admin)?;
     }
     let row = jobs(&cx)?
         .submit(kind, b.config, caller.map(|c| c.key_id))

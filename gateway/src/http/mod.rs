@@ -21,6 +21,7 @@
 //! become 500s, and metrics and logs are recorded, all without the handler
 //! doing anything.
 
+pub mod adapters;
 pub mod admin_policies;
 pub mod auth;
 pub mod body;
@@ -87,6 +88,7 @@ impl AppState {
         table.extend(routing::routes());
         table.extend(jobs::routes());
         table.extend(prompt_caches::routes());
+        table.extend(adapters::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }

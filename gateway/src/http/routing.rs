@@ -6,7 +6,7 @@
 //!
 //! ```ignore
 //! let json = match routing::dispatch(&cx, req).await? {
-//!     Routed::Local(json) => json, // `model` already set to the chosen local model
+//!     Routed::Local(local) => local.json, // `model` already set to the chosen local model
 //!     Routed::Proxied(resp) => return Ok(resp),
 //! };
 //! ```
@@ -173,7 +173,7 @@ pub fn request_facts(
 
 /// The policy host, if this data dir has a policy store. Cached once found,
 /// so the common case costs one atomic load.
-async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteError> {
+pub(crate) async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteError> {
     if let Some(h) = state.routing.host.get() {
         return Ok(Some(Arc::clone(h)));
     }
@@ -275,27 +275,38 @@ pub async fn route_request(
             }
             Ok(default_route(state, model))
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "router policy failed; fail_closed: refusing the request");
-            let what = match &e {
-                PolicyError::Guest { policy, kind, .. } => {
-                    format!("the routing policy `{policy}` failed ({kind})")
-                }
-                other => format!("routing failed ({})", other.code()),
-            };
-            Err(ApiError::Route(RouteError::PolicyFailed(format!(
-                "request refused: {what} and is configured fail_closed"
-            ))))
-        }
+        Err(e) => Err(fail_closed(&e, "routing")),
     }
+}
+
+/// The 503 for a policy that failed and is configured `fail_closed`;
+/// `role` is `routing` or `adapter selection`.
+pub(crate) fn fail_closed(e: &PolicyError, role: &str) -> ApiError {
+    tracing::warn!(error = %e, role, "policy failed; fail_closed: refusing the request");
+    let what = match e {
+        PolicyError::Guest { policy, kind, .. } => {
+            format!("the {role} policy `{policy}` failed ({kind})")
+        }
+        other => format!("{role} failed ({})", other.code()),
+    };
+    ApiError::Route(RouteError::PolicyFailed(format!(
+        "request refused: {what} and is configured fail_closed"
+    )))
 }
 
 /// What [`dispatch`] did with a request.
 pub enum Routed {
     /// Serve locally: the parsed body, `model` set to the chosen local model.
-    Local(Value),
+    Local(Local),
     /// Answered by an upstream (or its failure): return as is.
     Proxied(Response<Body>),
+}
+
+/// A request to serve here: its body, and its head for what else the
+/// handler needs (adapter selection reads headers and the caller).
+pub struct Local {
+    pub json: Value,
+    pub head: http::request::Parts,
 }
 
 /// The request fields routing needs, read without building a JSON tree (a
@@ -330,7 +341,8 @@ pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiErro
     let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
     let bytes = body::read_body(body, limit).await?;
     let Ok(peek) = serde_json::from_slice::<Peek>(&bytes) else {
-        return parse_json(&bytes).map(Routed::Local);
+        let json = parse_json(&bytes)?;
+        return Ok(Routed::Local(Local { json, head }));
     };
     let requested = peek.model.as_deref().unwrap_or_default();
     let caller = head.extensions.get::<Caller>();
@@ -356,7 +368,7 @@ pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiErro
             if model != requested {
                 set_model(&mut json, model);
             }
-            Ok(Routed::Local(json))
+            Ok(Routed::Local(Local { json, head }))
         }
         Destination::Upstream { upstream, model } => {
             let body = match model {

@@ -14,6 +14,7 @@ use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
 use super::weights::{Embedding, Linear, MlxResult, WeightMap};
+use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 
 struct Attention {
     q_proj: Linear,
@@ -207,10 +208,49 @@ impl Transformer {
         KvCache::new(self.blocks.iter().map(|b| b.sliding_window))
     }
 
-    /// Runs `tokens` (B sequences of equal length) through the model, extending
-    /// each sequence's cache; returns logits of each sequence's last position,
-    /// `[B, vocab]`, as float32.
+    /// `(in, out)` features of every projection, for adapter mounts.
+    pub fn lora_targets(&self) -> Targets {
+        let c = &self.config;
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.heads * c.head_dim,
+            c.kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let mut targets = Targets::new();
+        for layer in 0..self.blocks.len() {
+            for (projection, dims) in [
+                (Projection::Q, (h, q)),
+                (Projection::K, (h, kv)),
+                (Projection::V, (h, kv)),
+                (Projection::O, (q, h)),
+                (Projection::Gate, (h, i)),
+                (Projection::Up, (h, i)),
+                (Projection::Down, (i, h)),
+            ] {
+                targets.insert((layer, projection), dims);
+            }
+        }
+        targets
+    }
+
+    /// Runs `tokens` (B sequences of equal length) through the base model,
+    /// extending each sequence's cache; returns logits of each sequence's
+    /// last position, `[B, vocab]`, as float32.
     pub fn forward(&self, tokens: &[&[u32]], caches: &mut [&mut KvCache]) -> MlxResult<Array> {
+        let none = AdapterStack::new();
+        let stacks = vec![&none; tokens.len()];
+        self.forward_with_adapters(tokens, caches, &stacks)
+    }
+
+    /// [`Transformer::forward`] with each sequence's adapter stack (empty
+    /// for the base model).
+    pub fn forward_with_adapters(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Array> {
         let batch = tokens.len() as i32;
         let length = tokens.first().map_or(0, |t| t.len()) as i32;
         let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
@@ -227,13 +267,13 @@ impl Transformer {
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
-            let mut attended = self.attention(block, index, &normed, caches)?;
+            let mut attended = self.attention(block, index, &normed, caches, adapters)?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
             x = add(&x, &attended)?;
             let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
-            let mut mlp = self.mlp(&block.mlp, &normed)?;
+            let mut mlp = self.mlp(&block.mlp, index, &normed, adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
@@ -254,14 +294,27 @@ impl Transformer {
         logits.as_dtype(Dtype::Float32)
     }
 
-    fn mlp(&self, mlp: &Mlp, x: &Array) -> MlxResult<Array> {
-        let gate = mlp.gate_proj.forward(x)?;
+    fn mlp(
+        &self,
+        mlp: &Mlp,
+        layer: usize,
+        x: &Array,
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Array> {
+        let project = |linear: &Linear, projection, x: &Array| {
+            lora::apply(linear.forward(x)?, x, layer, projection, adapters)
+        };
+        let gate = project(&mlp.gate_proj, Projection::Gate, x)?;
         let activated = match self.config.family {
             Family::Gemma3 => gelu_approximate(&gate)?,
             _ => silu(&gate)?,
         };
-        let up = mlp.up_proj.forward(x)?;
-        mlp.down_proj.forward(&multiply(&activated, &up)?)
+        let up = project(&mlp.up_proj, Projection::Up, x)?;
+        project(
+            &mlp.down_proj,
+            Projection::Down,
+            &multiply(&activated, &up)?,
+        )
     }
 
     fn attention(
@@ -270,8 +323,12 @@ impl Transformer {
         layer: usize,
         x: &Array,
         caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let c = &self.config;
+        let project = |linear: &Linear, projection, x: &Array| {
+            lora::apply(linear.forward(x)?, x, layer, projection, adapters)
+        };
         let shape = x.shape();
         let (batch, length) = (shape[0], shape[1]);
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
@@ -284,9 +341,9 @@ impl Transformer {
             }
             y.transpose_axes(&[0, 2, 1, 3])
         };
-        let queries = split(a.q_proj.forward(x)?, heads, &a.q_norm)?;
-        let keys = split(a.k_proj.forward(x)?, kv_heads, &a.k_norm)?;
-        let values = split(a.v_proj.forward(x)?, kv_heads, &None)?;
+        let queries = split(project(&a.q_proj, Projection::Q, x)?, heads, &a.q_norm)?;
+        let keys = split(project(&a.k_proj, Projection::K, x)?, kv_heads, &a.k_norm)?;
+        let values = split(project(&a.v_proj, Projection::V, x)?, kv_heads, &None)?;
         let scale = match c.query_pre_attn_scalar {
             Some(scalar) => scalar.powf(-0.5),
             None => (c.head_dim as f32).powf(-0.5),
@@ -339,7 +396,7 @@ impl Transformer {
             attended
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[batch, length, heads * head_dim])?;
-        a.o_proj.forward(&merged)
+        project(&a.o_proj, Projection::O, &merged)
     }
 }
 

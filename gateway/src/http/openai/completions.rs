@@ -6,19 +6,31 @@ use serde_json::Value;
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
 use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
+use crate::http::adapters;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     // Routing first: a router policy may send this request upstream or refuse it.
-    let json: Value = match routing::dispatch(&cx, req).await? {
-        Routed::Local(json) => json,
+    let local = match routing::dispatch(&cx, req).await? {
+        Routed::Local(local) => local,
         Routed::Proxied(resp) => return Ok(resp),
     };
-    let completion = validate::completion_request(&json)?;
+    let json: &Value = &local.json;
+    let completion = validate::completion_request(json)?;
     let model = cx.state.models.resolve(&completion.common.model)?;
-    let request = generate_request(completion.prompt, &completion.common, &model)?;
+    let c = &completion.common;
+    let adapters = adapters::for_request(
+        &cx,
+        &local,
+        c.adapter.as_deref(),
+        &model,
+        c.max_tokens,
+        c.stream,
+    )
+    .await?;
+    let request = generate_request(completion.prompt, c, &model, adapters)?;
     let engine = model.engine.clone();
     let stream = start_blocking(move || engine.generate(request), "prompt").await?;
     let engine_err = |e| ApiError::from_engine(e, "prompt");

@@ -47,6 +47,7 @@ pub fn generate_request(
     prompt: Prompt,
     common: &validate::Common,
     model: &LoadedModel,
+    adapters: Vec<String>,
 ) -> Result<GenerateRequest, ApiError> {
     let vocab = model.engine.card().vocab_size;
     if let Some(id) = common
@@ -71,6 +72,7 @@ pub fn generate_request(
         stop: common.stop.clone(),
         logprobs: common.logprobs,
         prompt_cache: common.prompt_cache.clone(),
+        adapters,
     })
 }
 

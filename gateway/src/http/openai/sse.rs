@@ -393,7 +393,8 @@ mod tests {
         assert_eq!(usage["choices"], json!([]));
         assert_eq!(
             usage["usage"],
-            json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7})
+            json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                   "prompt_tokens_details": {"cached_tokens": 0}})
         );
         assert_eq!(ev[4].1, "[DONE]");
     }

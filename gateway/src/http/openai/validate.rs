@@ -35,6 +35,8 @@ pub struct Common {
     pub logprobs: Option<usize>,
     /// mlxgate extension: start from this named prompt cache.
     pub prompt_cache: Option<String>,
+    /// mlxgate extension: LoRA adapters to apply (`a`, `a+b`, `a,b`, `none`).
+    pub adapter: Option<String>,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -226,6 +228,7 @@ fn common(f: &Fields) -> Result<Common, ApiError> {
         include_usage,
         logprobs: None,
         prompt_cache: prompt_cache(f)?,
+        adapter: f.string("adapter")?.map(str::to_owned),
     })
 }
 

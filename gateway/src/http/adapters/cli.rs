@@ -1,0 +1,66 @@
+//! `mlxgate adapters list|available|mount|unmount` against a running
+//! gateway's `/v1/adapters` (`--url`, key from `MLXGATE_API_KEY`; mounting
+//! and unmounting need a key with the `admin` scope).
+
+use anyhow::Context;
+use clap::Subcommand;
+use http::Method;
+use serde_json::json;
+
+use crate::jobs::cli::{Remote, call};
+
+#[derive(Subcommand, Debug)]
+pub enum AdaptersCommand {
+    /// List mounted adapters.
+    List(Remote),
+    /// List adapter directories in the gateway's adapter stores.
+    Available(Remote),
+    /// Mount the adapter directory PATH (inside an adapter store) as ID;
+    /// requests then pick it with `"adapter": "ID"` or `X-Adapter: ID`.
+    Mount {
+        id: String,
+        path: String,
+        /// The base model to mount on (default: the first served model).
+        #[arg(long)]
+        model: Option<String>,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Unmount ID (requests using it finish first).
+    Unmount {
+        id: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+}
+
+pub fn run(cmd: AdaptersCommand) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async {
+        let answer = match cmd {
+            AdaptersCommand::List(remote) => {
+                call(&remote, Method::GET, "/v1/adapters", None).await?
+            }
+            AdaptersCommand::Available(remote) => {
+                call(&remote, Method::GET, "/v1/adapters/available", None).await?
+            }
+            AdaptersCommand::Mount {
+                id,
+                path,
+                model,
+                remote,
+            } => {
+                let body = json!({"id": id, "path": path, "model": model});
+                call(&remote, Method::POST, "/v1/adapters", Some(body)).await?
+            }
+            AdaptersCommand::Unmount { id, remote } => {
+                call(&remote, Method::DELETE, &format!("/v1/adapters/{id}"), None).await?
+            }
+        };
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        Ok(())
+    })
+}

@@ -1,0 +1,300 @@
+//! `/v1/adapters`: the mounted LoRA adapters (listing is open to `infer`
+//! keys; mounting and unmounting need `admin`), `/v1/adapters/available`
+//! (adapter directories in the configured stores), and the choice of
+//! adapters for one request.
+
+pub mod cli;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use http::{Method, Request, StatusCode};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::body::{self, ReqBody};
+use super::models::LoadedModel;
+use super::openai::HandlerResult;
+use super::routing::{self, Local};
+use super::{ApiError, Caller, Ctx, Route, Scope};
+use crate::engine::lora::{self, AdapterInfo};
+use crate::policy::AdapterInfo as PolicyAdapterInfo;
+
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::new(Method::GET, "/v1/adapters", |cx, req| {
+            Box::pin(list(cx, req))
+        }),
+        Route::new(Method::POST, "/v1/adapters", |cx, req| {
+            Box::pin(mount(cx, req))
+        }),
+        Route::new(Method::GET, "/v1/adapters/available", |cx, req| {
+            Box::pin(available(cx, req))
+        }),
+        Route::new(Method::DELETE, "/v1/adapters/{id}", |cx, req| {
+            Box::pin(unmount(cx, req))
+        }),
+    ]
+}
+
+fn object(model: &str, info: &AdapterInfo) -> Value {
+    json!({
+        "object": "adapter",
+        "id": info.id,
+        "model": model,
+        "path": info.path,
+        "format": info.format,
+        "rank": info.rank,
+        "scale": info.scale,
+        "base_model": info.base_model,
+        "modules": info.modules,
+        "skipped_tensors": info.skipped_tensors,
+        "size_bytes": info.size_bytes,
+    })
+}
+
+async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let data: Vec<Value> = cx
+        .state
+        .models
+        .ready()
+        .iter()
+        .flat_map(|m| {
+            m.engine
+                .adapters()
+                .into_iter()
+                .map(|a| object(&m.id, &a))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MountBody {
+    id: String,
+    path: String,
+    /// The base model to mount on; default: the first served model.
+    model: Option<String>,
+}
+
+fn bad(param: &str, message: String, code: &'static str) -> ApiError {
+    ApiError::InvalidParam {
+        message,
+        param: param.into(),
+        code,
+    }
+}
+
+/// The model a mount or unmount acts on.
+fn target_model(cx: &Ctx, requested: Option<&str>) -> Result<LoadedModel, ApiError> {
+    match requested {
+        Some(id) => cx.state.models.resolve(id),
+        None => cx.state.models.ready().into_iter().next().ok_or_else(|| {
+            ApiError::NotReady(
+                "no model is ready yet; GET /readyz answers 200 once they are".into(),
+            )
+        }),
+    }
+}
+
+/// `path` as an adapter directory inside one of `stores` (a relative path
+/// may also name a directory inside a store); anything resolving outside
+/// them (`..`, symlinks, absolute paths elsewhere) is refused.
+pub fn resolve_in_stores(stores: &[PathBuf], path: &str) -> Result<PathBuf, String> {
+    let given = Path::new(path);
+    let mut candidates = vec![given.to_owned()];
+    if given.is_relative() {
+        candidates.extend(stores.iter().map(|s| s.join(given)));
+    }
+    let roots: Vec<PathBuf> = stores
+        .iter()
+        .filter_map(|s| s.canonicalize().ok())
+        .collect();
+    let listed = || {
+        stores
+            .iter()
+            .map(|s| s.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some(found) = candidates.iter().find_map(|c| c.canonicalize().ok()) else {
+        return Err(format!(
+            "adapter directory `{path}` not found (stores: {})",
+            listed()
+        ));
+    };
+    if !roots
+        .iter()
+        .any(|root| found.starts_with(root) && &found != root)
+    {
+        return Err(format!(
+            "adapter directory `{path}` is outside the adapter stores ({}); put it in one or add its folder to [adapters] stores",
+            listed()
+        ));
+    }
+    Ok(found)
+}
+
+async fn mount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    cx.state
+        .keys
+        .require(req.extensions().get::<Caller>(), Scope::Admin)?;
+    let b: MountBody = body::read_json(req).await?;
+    lora::validate_id(&b.id).map_err(|e| bad("id", e.to_string(), "invalid_value"))?;
+    let dir = resolve_in_stores(&cx.state.config.adapter_stores(), &b.path)
+        .map_err(|e| bad("path", e, "invalid_value"))?;
+    let model = target_model(&cx, b.model.as_deref())?;
+    let engine = model.engine.clone();
+    let id = b.id.clone();
+    let started = Instant::now();
+    let info = tokio::task::spawn_blocking(move || engine.mount_adapter(&id, &dir))
+        .await
+        .map_err(|e| ApiError::Internal(format!("mounting failed: {e}")))?
+        .map_err(|e| bad("path", e.to_string(), "invalid_adapter"))?;
+    let mut answer = object(&model.id, &info);
+    answer["mount_ms"] = json!(started.elapsed().as_secs_f64() * 1e3);
+    body::json(StatusCode::CREATED, &answer)
+}
+
+async fn unmount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    cx.state
+        .keys
+        .require(req.extensions().get::<Caller>(), Scope::Admin)?;
+    let id = cx.param("id").unwrap_or_default().to_owned();
+    let models = cx.state.models.ready();
+    let removed = tokio::task::spawn_blocking({
+        let id = id.clone();
+        move || {
+            let mut removed = false;
+            for m in &models {
+                removed |= m.engine.unmount_adapter(&id).unwrap_or(false);
+            }
+            removed
+        }
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("unmounting failed: {e}")))?;
+    if !removed {
+        return Err(ApiError::NotFound {
+            message: format!("No adapter `{id}` is mounted; GET /v1/adapters lists them."),
+            code: "adapter_not_found",
+        });
+    }
+    body::json(
+        StatusCode::OK,
+        &json!({"object": "adapter.deleted", "id": id, "deleted": true}),
+    )
+}
+
+/// Adapter directories in the stores (one level deep), with their configs.
+async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    let stores = cx.state.config.adapter_stores();
+    let mounted: Vec<PathBuf> = cx
+        .state
+        .models
+        .ready()
+        .iter()
+        .flat_map(|m| m.engine.adapters().into_iter().map(|a| a.path))
+        .collect();
+    let data = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for store in &stores {
+            let Ok(entries) = std::fs::read_dir(store) else {
+                continue;
+            };
+            let mut dirs: Vec<PathBuf> = entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect();
+            dirs.sort();
+            for dir in dirs {
+                let Ok(config) = lora::read_config(&dir) else {
+                    continue;
+                };
+                let id = dir
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let canonical = dir.canonicalize().unwrap_or_else(|_| dir.clone());
+                out.push(json!({
+                    "object": "adapter.available",
+                    "id": id,
+                    "path": canonical,
+                    "format": config.format,
+                    "rank": config.rank,
+                    "scale": config.scale,
+                    "base_model": config.base_model,
+                    "mounted": mounted.contains(&canonical),
+                }));
+            }
+        }
+        out
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("scanning adapter stores failed: {e}")))?;
+    body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// The adapters `request` runs with: the body's `adapter`, else the
+/// `X-Adapter` header, else the bound adapter-selector policy's choice
+/// (none when no selector is bound or it fails open). Ids are checked
+/// against the mounted ones by the engine.
+pub async fn for_request(
+    cx: &Ctx,
+    local: &Local,
+    body_adapter: Option<&str>,
+    model: &LoadedModel,
+    max_tokens: Option<usize>,
+    streaming: bool,
+) -> Result<Vec<String>, ApiError> {
+    if let Some(spec) = body_adapter {
+        return Ok(lora::parse_spec(spec));
+    }
+    if let Some(header) = local.head.headers.get("x-adapter") {
+        let spec = header.to_str().map_err(|_| {
+            bad(
+                "X-Adapter",
+                "the X-Adapter header is not ASCII".into(),
+                "invalid_value",
+            )
+        })?;
+        return Ok(lora::parse_spec(spec));
+    }
+    let mounted = model.engine.adapters();
+    let host = match routing::policy_host(&cx.state).await {
+        Ok(Some(host)) => host,
+        _ => return Ok(Vec::new()),
+    };
+    let infos: Vec<PolicyAdapterInfo> = mounted
+        .iter()
+        .map(|a| PolicyAdapterInfo {
+            id: a.id.clone(),
+            rank: a.rank as u32,
+            scale: a.scale,
+            base_model: a.base_model.clone().unwrap_or_default(),
+        })
+        .collect();
+    let facts = routing::request_facts(
+        &local.head.method,
+        local.head.uri.path(),
+        &local.head.headers,
+        local.head.extensions.get::<Caller>(),
+        &model.id,
+        0,
+        max_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        streaming,
+    );
+    match host.select_adapters(&facts, &infos) {
+        Ok(choice) => Ok(choice.unwrap_or_default()),
+        Err(e) if e.is_fail_open() => {
+            if !matches!(e, crate::policy::PolicyError::NotBound(_)) {
+                tracing::warn!(error = %e, "adapter selector failed; fail_open: base model");
+            }
+            Ok(Vec::new())
+        }
+        Err(e) => Err(routing::fail_closed(&e, "adapter selection")),
+    }
+}
