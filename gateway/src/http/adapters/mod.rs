@@ -274,7 +274,8 @@ pub async fn for_request(
             id: a.id.clone(),
             rank: a.rank as u32,
             scale: a.scale,
-            base_model: a.base_model.clone().unwrap_or_default(),
+            // Policies see the model the adapter is mounted on.
+            base_model: model.id.clone(),
         })
         .collect();
     let facts = routing::request_facts(
