@@ -2,6 +2,9 @@
 //! Rust function (the in-run peer), plus a fresh instance per call for scale.
 //!
 //! Run: `scripts/build-policies.sh && cargo bench -p mlxgate --bench policy_router`
+//! (`POLICY_ROUTER_PROFILE=SECS` makes only warm calls for SECS seconds, for
+//! `perf record`, or `perf stat -e task-clock` at two durations for CPU time
+//! per call on a noisy machine).
 //! Each figure is per call, from individually timed calls (so each includes
 //! ~20-30 ns of `Instant::now()` overhead); the native peer is also given as a
 //! batched mean, which excludes that overhead.
@@ -145,6 +148,23 @@ fn main() {
         HashMap::from([("gpt-4o".to_string(), "llama-3-8b".to_string())]);
     assert_eq!(native_route(&aliases, &f, &b), expected);
 
+    // `POLICY_ROUTER_PROFILE=SECS`: only warm calls, for SECS seconds, for
+    // a profiler (`perf record`) to look at.
+    if let Some(secs) = std::env::var("POLICY_ROUTER_PROFILE")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+    {
+        let until = Instant::now() + std::time::Duration::from_secs_f64(secs);
+        let mut calls = 0u64;
+        while Instant::now() < until {
+            for _ in 0..1000 {
+                black_box(host.route(black_box(&f), black_box(&b)).ok());
+            }
+            calls += 1000;
+        }
+        println!("{calls} warm calls in {secs} s");
+        return;
+    }
     println!(
         "policy_router: alias-router component {} bytes; upload (validate + compile + probe) {:.1} ms; {CALLS} timed calls each",
         bytes.len(),

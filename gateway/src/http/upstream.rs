@@ -818,6 +818,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_connection_is_pooled_as_soon_as_the_last_frame_is_read() {
+        // hyper's server stops polling a body once `is_end_stream` says so.
+        let (url, accepted) = raw_upstream(keep_alive);
+        let up = upstream(&url);
+        let headers = HeaderMap::new();
+        for _ in 0..3 {
+            let out = Outgoing {
+                method: Method::POST,
+                path_and_query: "/v1/chat/completions",
+                headers: &headers,
+                body: Bytes::from_static(b"{}"),
+                request_id: "r",
+            };
+            let mut body = proxy(&up, out).await.unwrap().into_body();
+            let mut got = Vec::new();
+            while !body.is_end_stream() {
+                got.extend_from_slice(&body.frame().await.unwrap().unwrap().into_data().unwrap());
+            }
+            assert_eq!(got, br#"{"ok":true}"#);
+            assert_eq!(up.idle_connections(), 1);
+            drop(body);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
     async fn a_connection_the_upstream_closes_after_answering_is_not_reused() {
         // `connection: close` on every answer.
         let (url, accepted) = raw_upstream(|_, mut s| {
