@@ -18,7 +18,7 @@ use std::rc::Rc;
 
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{add, concatenate, matmul, multiply, zeros_dtype};
+use mlx_rs::ops::{addmm, concatenate, matmul, multiply};
 use serde_json::Value;
 
 use super::model::weights::MlxResult;
@@ -360,37 +360,27 @@ pub fn apply(
     if !stacks.iter().any(|s| touches(s)) {
         return Ok(y);
     }
-    let delta = |x: &Array, stack: &AdapterStack| -> MlxResult<Option<Array>> {
-        let mut total: Option<Array> = None;
+    // `base + (x A) B_scaled` as one fused op per adapter (addmm): on CPU
+    // the cost of a decode step's small matmuls is mostly per-op overhead.
+    let residual = |base: Array, x: &Array, stack: &AdapterStack| -> MlxResult<Array> {
+        let mut out = base;
         for adapter in stack {
             if let Some(pair) = adapter.pairs.get(&key) {
-                let d = matmul(&matmul(x, &pair.a)?, &pair.b_scaled)?;
-                total = Some(match total {
-                    Some(t) => add(&t, &d)?,
-                    None => d,
-                });
+                out = addmm(&out, matmul(x, &pair.a)?, &pair.b_scaled, 1.0, 1.0)?;
             }
         }
-        Ok(total)
+        Ok(out)
     };
     let first = stacks[0];
-    let uniform = stacks.iter().all(|s| same_stack(s, first));
-    if uniform {
-        return match delta(x, first)? {
-            Some(d) => add(&y, &d),
-            None => Ok(y),
-        };
+    if stacks.iter().all(|s| same_stack(s, first)) {
+        return residual(y, x, first);
     }
-    let shape = y.shape();
     let mut rows = Vec::with_capacity(stacks.len());
     for (b, stack) in stacks.iter().enumerate() {
         let b = b as i32;
-        rows.push(match delta(&x.index(b..b + 1), stack)? {
-            Some(d) => d,
-            None => zeros_dtype(&[1, shape[1], shape[2]], y.dtype())?,
-        });
+        rows.push(residual(y.index(b..b + 1), &x.index(b..b + 1), stack)?);
     }
-    add(&y, &concatenate(&rows, 0)?)
+    concatenate(&rows, 0)
 }
 
 fn same_stack(a: &AdapterStack, b: &AdapterStack) -> bool {
