@@ -8,59 +8,16 @@
 //!
 //! `cargo bench -p mlxgate --bench lora`
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use mlx_rs::Array;
 use mlxgate::engine::{
     EngineHandle, GenerateEvent, GenerateRequest, GenerationStream, Prompt, SamplingParams,
 };
+use mlxgate::fixtures::{LoraSpec, write_random_lora};
 
 const TOKENS: usize = 32;
 const ROUNDS: usize = 3;
-const PROJECTIONS: [(&str, usize, usize); 7] = [
-    ("self_attn.q_proj", 576, 576),
-    ("self_attn.k_proj", 576, 192),
-    ("self_attn.v_proj", 576, 192),
-    ("self_attn.o_proj", 576, 576),
-    ("mlp.gate_proj", 576, 1536),
-    ("mlp.up_proj", 576, 1536),
-    ("mlp.down_proj", 1536, 576),
-];
-
-/// A random rank-8 mlx-lm adapter for SmolLM2-135M (30 layers).
-fn write_adapter(dir: &Path, seed: u64) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut state = seed;
-    let mut noise = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
-            })
-            .collect()
-    };
-    let mut tensors = HashMap::new();
-    for layer in 0..30 {
-        for (module, input, output) in PROJECTIONS {
-            let name = format!("model.layers.{layer}.{module}");
-            let a = Array::from_slice(&noise(input * 8), &[input as i32, 8]);
-            let b = Array::from_slice(&noise(8 * output), &[8, output as i32]);
-            tensors.insert(format!("{name}.lora_a"), a);
-            tensors.insert(format!("{name}.lora_b"), b);
-        }
-    }
-    Array::save_safetensors(&tensors, None, dir.join("adapters.safetensors")).unwrap();
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        r#"{"fine_tune_type": "lora", "num_layers": 30, "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}}"#,
-    )
-    .unwrap();
-}
-
 fn request(adapters: &[&str]) -> GenerateRequest {
     // SmolLM2 ends with <|endoftext|> (0) or <|im_end|> (2): suppressed, so
     // every run decodes TOKENS tokens.
@@ -128,8 +85,13 @@ fn main() {
     let engine = EngineHandle::load(&model).expect("load SmolLM2 (run scripts/setup.sh)");
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    write_adapter(&a, 1);
-    write_adapter(&b, 2);
+    for (dir, seed) in [(&a, 1), (&b, 2)] {
+        let spec = LoraSpec {
+            seed,
+            ..LoraSpec::smollm2_135m()
+        };
+        write_random_lora(dir, &spec).unwrap();
+    }
 
     let mut mounts = Vec::new();
     for _ in 0..ROUNDS {

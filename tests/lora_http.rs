@@ -10,63 +10,17 @@ mod routing;
 #[path = "support/mod.rs"]
 mod support;
 
-use std::collections::HashMap;
-use std::path::Path;
 use std::time::Duration;
 
-use mlx_rs::Array;
-use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
+use mlxgate::fixtures::{
+    Architecture, LoraSpec, TinyModelSpec, write_random_lora, write_tiny_model,
+};
 use mlxgate::http::auth::KeyHash;
 use serde_json::{Value, json};
 use support::{Response, Server, ServerBuilder};
 
 const ADMIN: &str = "lora-http-admin-key";
 const ACME: &str = "lora-http-acme-key";
-
-/// A random mlx-lm adapter on all projections of the tiny llama fixture.
-fn write_adapter(dir: &Path, seed: u64) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut state = seed;
-    let mut noise = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
-            })
-            .collect()
-    };
-    let dims = [
-        ("self_attn.q_proj", 64, 64),
-        ("self_attn.k_proj", 64, 32),
-        ("self_attn.v_proj", 64, 32),
-        ("self_attn.o_proj", 64, 64),
-        ("mlp.gate_proj", 64, 128),
-        ("mlp.up_proj", 64, 128),
-        ("mlp.down_proj", 128, 64),
-    ];
-    let mut tensors = HashMap::new();
-    for layer in 0..2 {
-        for (module, input, output) in dims {
-            let name = format!("model.layers.{layer}.{module}");
-            tensors.insert(
-                format!("{name}.lora_a"),
-                Array::from_slice(&noise(input * 4), &[input as i32, 4]),
-            );
-            tensors.insert(
-                format!("{name}.lora_b"),
-                Array::from_slice(&noise(4 * output), &[4, output as i32]),
-            );
-        }
-    }
-    Array::save_safetensors(&tensors, None, dir.join("adapters.safetensors")).unwrap();
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 4.0}}"#,
-    )
-    .unwrap();
-}
 
 fn call(
     s: &Server,
@@ -107,7 +61,11 @@ fn mount_select_and_unmount_adapters_over_http() {
     write_tiny_model(&model, &TinyModelSpec::new(Architecture::Llama)).unwrap();
     let store = root.path().join("store");
     for (name, seed) in [("x", 1), ("y", 2), ("z", 3)] {
-        write_adapter(&store.join(name), seed);
+        let spec = LoraSpec {
+            seed,
+            ..LoraSpec::for_model(&TinyModelSpec::new(Architecture::Llama))
+        };
+        write_random_lora(&store.join(name), &spec).unwrap();
     }
     let config = format!(
         "[adapters]\nstores = [\"{}\"]\n\n[[keys]]\nid = \"acme\"\ntenant = \"acme\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n",

@@ -133,6 +133,14 @@ pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<(), FixtureE
     }
 
     let tensors = weights(spec, vocab_size);
+    write_f32_safetensors(&dir.join("model.safetensors"), tensors)
+}
+
+/// Writes named f32 tensors as a safetensors file.
+fn write_f32_safetensors(
+    path: &Path,
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+) -> Result<(), FixtureError> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(name, shape, values)| {
@@ -154,8 +162,107 @@ pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<(), FixtureE
         "format".to_owned(),
         "pt".to_owned(),
     )]));
-    safetensors::serialize_to_file(views, metadata, &dir.join("model.safetensors"))?;
+    safetensors::serialize_to_file(views, metadata, path)?;
     Ok(())
+}
+
+/// A random LoRA adapter on all seven projections of every layer, in the
+/// mlx-lm format, for a model of the given sizes.
+#[derive(Debug, Clone)]
+pub struct LoraSpec {
+    pub layers: usize,
+    pub hidden_size: usize,
+    /// Heads x head_dim of queries, and of keys/values.
+    pub q_dim: usize,
+    pub kv_dim: usize,
+    pub intermediate_size: usize,
+    pub rank: usize,
+    pub scale: f32,
+    /// Factor values are uniform in [-amplitude, amplitude).
+    pub amplitude: f32,
+    pub seed: u64,
+}
+
+impl LoraSpec {
+    /// Fits a tiny fixture model.
+    pub fn for_model(model: &TinyModelSpec) -> LoraSpec {
+        LoraSpec {
+            layers: model.layers,
+            hidden_size: model.hidden_size,
+            q_dim: model.heads * model.head_dim,
+            kv_dim: model.kv_heads * model.head_dim,
+            intermediate_size: model.intermediate_size,
+            rank: 4,
+            scale: 4.0,
+            amplitude: 0.25,
+            seed: 1,
+        }
+    }
+
+    /// Fits SmolLM2-135M.
+    pub fn smollm2_135m() -> LoraSpec {
+        LoraSpec {
+            layers: 30,
+            hidden_size: 576,
+            q_dim: 576,
+            kv_dim: 192,
+            intermediate_size: 1536,
+            rank: 8,
+            scale: 20.0,
+            amplitude: 0.01,
+            seed: 1,
+        }
+    }
+}
+
+/// Writes `adapters.safetensors` and `adapter_config.json` into `dir`.
+pub fn write_random_lora(dir: &Path, spec: &LoraSpec) -> Result<(), FixtureError> {
+    fs::create_dir_all(dir).map_err(|source| FixtureError::Io {
+        path: dir.to_owned(),
+        source,
+    })?;
+    let (h, q, kv, i) = (
+        spec.hidden_size,
+        spec.q_dim,
+        spec.kv_dim,
+        spec.intermediate_size,
+    );
+    let projections = [
+        ("self_attn.q_proj", h, q),
+        ("self_attn.k_proj", h, kv),
+        ("self_attn.v_proj", h, kv),
+        ("self_attn.o_proj", q, h),
+        ("mlp.gate_proj", h, i),
+        ("mlp.up_proj", h, i),
+        ("mlp.down_proj", i, h),
+    ];
+    let mut rng = SplitMix64(spec.seed);
+    let mut values =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_unit() * spec.amplitude).collect() };
+    let mut tensors = Vec::new();
+    for layer in 0..spec.layers {
+        for (module, input, output) in projections {
+            let name = format!("model.layers.{layer}.{module}");
+            tensors.push((
+                format!("{name}.lora_a"),
+                vec![input, spec.rank],
+                values(input * spec.rank),
+            ));
+            tensors.push((
+                format!("{name}.lora_b"),
+                vec![spec.rank, output],
+                values(spec.rank * output),
+            ));
+        }
+    }
+    write_f32_safetensors(&dir.join("adapters.safetensors"), tensors)?;
+    let config = json!({
+        "fine_tune_type": "lora",
+        "num_layers": spec.layers,
+        "lora_parameters": {"rank": spec.rank, "scale": spec.scale, "dropout": 0.0},
+    });
+    let path = dir.join("adapter_config.json");
+    fs::write(&path, config.to_string()).map_err(|source| FixtureError::Io { path, source })
 }
 
 fn config_json(spec: &TinyModelSpec, vocab_size: usize) -> Value {

@@ -221,6 +221,24 @@ pub fn same_base_model(recorded: &str, served: &str) -> bool {
         && (recorded.contains(&served) || served.contains(&recorded))
 }
 
+/// Whether the base model an adapter records fits the served one. A record
+/// naming a local model folder (mlx-lm writes the path it trained on, often
+/// a converted or dequantized copy) is compared by its `config.json`: same
+/// hidden size and layer count. Anything else is compared by name.
+fn recorded_base_fits(recorded: &str, served: &str, targets: &Targets) -> bool {
+    let config = Path::new(recorded).join("config.json");
+    let Some(json) = std::fs::read_to_string(&config)
+        .ok()
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+    else {
+        return same_base_model(recorded, served);
+    };
+    let hidden = targets.get(&(0, Projection::Q)).map(|&(input, _)| input);
+    let layers = targets.keys().map(|&(layer, _)| layer + 1).max();
+    let number = |key: &str| json.get(key).and_then(Value::as_u64).map(|n| n as usize);
+    number("hidden_size") == hidden && number("num_hidden_layers") == layers
+}
+
 /// Maps a tensor name to `(layer, projection, is_a)`; `None` for tensors
 /// that are not LoRA factors of the seven projections.
 fn parse_tensor_name(name: &str) -> Option<(usize, Projection, bool)> {
@@ -254,7 +272,7 @@ pub fn load(
     validate_id(id)?;
     let config = read_config(dir)?;
     if let Some(recorded) = &config.base_model
-        && !same_base_model(recorded, served)
+        && !recorded_base_fits(recorded, served, targets)
     {
         return Err(AdapterError::Invalid(format!(
             "adapter `{id}` was trained on `{recorded}`, not on the served model `{served}`"

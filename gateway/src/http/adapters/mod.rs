@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use super::body::{self, ReqBody};
 use super::models::LoadedModel;
 use super::openai::HandlerResult;
+use super::openai::validate::Common;
 use super::routing::{self, Local};
 use super::{ApiError, Caller, Ctx, Route, Scope};
 use crate::engine::lora::{self, AdapterInfo};
@@ -245,12 +246,10 @@ async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 pub async fn for_request(
     cx: &Ctx,
     local: &Local,
-    body_adapter: Option<&str>,
+    common: &Common,
     model: &LoadedModel,
-    max_tokens: Option<usize>,
-    streaming: bool,
 ) -> Result<Vec<String>, ApiError> {
-    if let Some(spec) = body_adapter {
+    if let Some(spec) = &common.adapter {
         return Ok(lora::parse_spec(spec));
     }
     if let Some(header) = local.head.headers.get("x-adapter") {
@@ -285,8 +284,10 @@ pub async fn for_request(
         local.head.extensions.get::<Caller>(),
         &model.id,
         0,
-        max_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-        streaming,
+        common
+            .max_tokens
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        common.stream,
     );
     match host.select_adapters(&facts, &infos) {
         Ok(choice) => Ok(choice.unwrap_or_default()),

@@ -7,7 +7,6 @@ use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
 use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
-use crate::http::adapters;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -21,17 +20,8 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let json: &Value = &local.json;
     let chat = validate::chat_request(json)?;
     let model = cx.state.models.resolve(&chat.common.model)?;
-    let c = &chat.common;
-    let adapters = adapters::for_request(
-        &cx,
-        &local,
-        c.adapter.as_deref(),
-        &model,
-        c.max_tokens,
-        c.stream,
-    )
-    .await?;
-    let mut request = generate_request(Prompt::Text(String::new()), c, &model, adapters)?;
+    let prompt = Prompt::Text(String::new());
+    let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages) = (model.engine.clone(), chat.messages);
     let stream = start_blocking(
         move || {

@@ -6,7 +6,6 @@ use serde_json::Value;
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
 use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
-use crate::http::adapters;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -20,17 +19,8 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let json: &Value = &local.json;
     let completion = validate::completion_request(json)?;
     let model = cx.state.models.resolve(&completion.common.model)?;
-    let c = &completion.common;
-    let adapters = adapters::for_request(
-        &cx,
-        &local,
-        c.adapter.as_deref(),
-        &model,
-        c.max_tokens,
-        c.stream,
-    )
-    .await?;
-    let request = generate_request(completion.prompt, c, &model, adapters)?;
+    let prompt = completion.prompt.clone();
+    let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let engine = model.engine.clone();
     let stream = start_blocking(move || engine.generate(request), "prompt").await?;
     let engine_err = |e| ApiError::from_engine(e, "prompt");

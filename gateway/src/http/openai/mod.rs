@@ -24,8 +24,10 @@ use crate::engine::{
     EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
     TokenOutput, Usage,
 };
+use crate::http::adapters;
 use crate::http::models::LoadedModel;
-use crate::http::{ApiError, Body, Route};
+use crate::http::routing::Local;
+use crate::http::{ApiError, Body, Ctx, Route};
 
 pub type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -41,13 +43,15 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-/// The engine request for a validated body; checks what needs the model
-/// (token ids in `logit_bias` within the vocabulary).
-pub fn generate_request(
+/// The engine request for a validated body: checks what needs the model
+/// (token ids in `logit_bias` within the vocabulary) and picks the request's
+/// adapters (body, header or adapter-selector policy).
+pub async fn generate_request(
+    cx: &Ctx,
+    local: &Local,
     prompt: Prompt,
     common: &validate::Common,
     model: &LoadedModel,
-    adapters: Vec<String>,
 ) -> Result<GenerateRequest, ApiError> {
     let vocab = model.engine.card().vocab_size;
     if let Some(id) = common
@@ -65,6 +69,7 @@ pub fn generate_request(
             code: "invalid_value",
         });
     }
+    let adapters = adapters::for_request(cx, local, common, model).await?;
     Ok(GenerateRequest {
         prompt,
         sampling: common.sampling.clone(),

@@ -1,0 +1,101 @@
+//! An adapter trained by Python mlx-lm (`mlx_lm lora`) on SmolLM2, applied by
+//! mlxgate: greedy tokens identical to mlx-lm's with the same adapter, for
+//! every reference prompt, and first-step logits within 1e-3.
+//!
+//! Needs the figures of `scripts/check-lora-against-mlx-lm.sh`, which runs
+//! this ignored-by-default test with `MLXGATE_LORA_REFERENCE_JSON` set.
+
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use mlxgate::engine::LoadedModel;
+use mlxgate::engine::lora::{self, AdapterStack};
+use serde_json::Value;
+
+fn argmax(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
+}
+
+fn numbers<T>(v: &Value, f: impl Fn(&Value) -> T) -> Vec<T> {
+    v.as_array().expect("an array").iter().map(f).collect()
+}
+
+#[test]
+#[ignore = "needs Python mlx-lm figures: run scripts/check-lora-against-mlx-lm.sh"]
+fn mlx_lm_trained_adapter_gives_mlx_lm_greedy_tokens() {
+    let path = std::env::var_os("MLXGATE_LORA_REFERENCE_JSON").expect(
+        "MLXGATE_LORA_REFERENCE_JSON must name the figures of scripts/reference_lora_mlx_lm.py",
+    );
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let model_dir = PathBuf::from(reference["model_dir"].as_str().unwrap());
+    let adapter_dir = PathBuf::from(reference["adapter_dir"].as_str().unwrap());
+    let loaded = LoadedModel::load(&model_dir).unwrap();
+    let model = loaded.transformer;
+    let adapter = lora::load("reference", &adapter_dir, &loaded.id, &model.lora_targets()).unwrap();
+    println!(
+        "adapter: {} rank {} scale {} on {} modules",
+        adapter.info.format, adapter.info.rank, adapter.info.scale, adapter.info.modules
+    );
+    let stack: AdapterStack = vec![Rc::new(adapter)];
+    let none = AdapterStack::new();
+
+    let mut changed = 0;
+    for (index, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = numbers(&case["prompt_tokens"], |v| v.as_u64().unwrap() as u32);
+        for (key, adapters) in [("with_adapter", &stack), ("base", &none)] {
+            let expected = numbers(&case[key]["tokens"], |v| v.as_u64().unwrap() as u32);
+            let mut cache = model.new_cache();
+            let first = model
+                .forward_with_adapters(&[&prompt], &mut [&mut cache], &[adapters])
+                .unwrap();
+            first.eval().unwrap();
+            let mut step = first.as_slice::<f32>().to_vec();
+            if let Some(logits) = case[key].get("logits_first").filter(|v| v.is_array()) {
+                let logits = numbers(logits, |v| v.as_f64().unwrap() as f32);
+                let diff = step
+                    .iter()
+                    .zip(&logits)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                println!("case {index} {key}: first-step logits max |diff| = {diff:.3e}");
+                assert!(diff <= 1e-3, "case {index} {key}: logits differ by {diff}");
+            }
+            let mut tokens = Vec::new();
+            for _ in 0..expected.len() {
+                let token = argmax(&step);
+                tokens.push(token);
+                let next = model
+                    .forward_with_adapters(&[&[token]], &mut [&mut cache], &[adapters])
+                    .unwrap();
+                next.eval().unwrap();
+                step = next.as_slice::<f32>().to_vec();
+            }
+            let same = tokens
+                .iter()
+                .zip(&expected)
+                .take_while(|(a, b)| a == b)
+                .count();
+            println!(
+                "case {index} {key}: greedy tokens identical: {same} of {}",
+                expected.len()
+            );
+            assert_eq!(
+                tokens, expected,
+                "case {index} {key}: diverges after {same} tokens"
+            );
+        }
+        let base = &case["base"]["tokens"];
+        changed += usize::from(case["with_adapter"]["tokens"] != *base);
+    }
+    assert!(
+        changed > 0,
+        "the adapter changed no answer: the reference proves nothing"
+    );
+}
