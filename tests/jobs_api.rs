@@ -262,7 +262,7 @@ fn bad_kinds_and_configs_are_400_naming_the_field() {
     assert_eq!(param(json!("crash"), json!({})), "kind");
     assert_eq!(param(json!("nope"), json!({})), "kind");
     assert_eq!(param(json!(7), json!({})), "kind");
-    assert_eq!(param(json!("finetune"), json!({})), "kind");
+    assert_eq!(param(json!("finetune"), json!({})), "config.model");
     assert_eq!(
         param(json!("noop"), json!({"steps": "many"})),
         "config.steps"

@@ -11,6 +11,7 @@ pub mod prompt_cache;
 mod sampler;
 mod scheduler;
 pub mod text;
+pub mod train;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -13,7 +13,7 @@ use mlx_rs::{Array, Dtype};
 use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
-use super::weights::{Embedding, Linear, MlxResult, WeightMap};
+use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 
 struct Attention {
@@ -290,6 +290,178 @@ impl Transformer {
         let logits = match &self.lm_head {
             Some(head) => head.forward(&last)?,
             None => self.embed.as_logits(&last)?,
+        };
+        logits.as_dtype(Dtype::Float32)
+    }
+
+    /// A copy whose linear layers and embedding hold dense (dequantized)
+    /// matrices, sharing every other array. Training uses it on MLX's CPU
+    /// backend, where dense float32 matmuls (BLAS) are far faster than
+    /// quantized ones; the function computed is the same.
+    pub fn dequantized(&self) -> MlxResult<Transformer> {
+        fn dense(l: &Linear) -> MlxResult<Linear> {
+            Ok(Linear {
+                kernel: Kernel::Dense(l.kernel.dense()?.as_dtype(super::compute_dtype())?),
+                bias: l.bias.clone(),
+            })
+        }
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let a = &b.attention;
+            blocks.push(Block {
+                input_norm: b.input_norm.clone(),
+                attention: Attention {
+                    q_proj: dense(&a.q_proj)?,
+                    k_proj: dense(&a.k_proj)?,
+                    v_proj: dense(&a.v_proj)?,
+                    o_proj: dense(&a.o_proj)?,
+                    q_norm: a.q_norm.clone(),
+                    k_norm: a.k_norm.clone(),
+                },
+                post_attention_norm: b.post_attention_norm.clone(),
+                pre_mlp_norm: b.pre_mlp_norm.clone(),
+                mlp: Mlp {
+                    gate_proj: dense(&b.mlp.gate_proj)?,
+                    up_proj: dense(&b.mlp.up_proj)?,
+                    down_proj: dense(&b.mlp.down_proj)?,
+                },
+                post_mlp_norm: b.post_mlp_norm.clone(),
+                sliding_window: b.sliding_window,
+                rope_theta: b.rope_theta,
+                rope_scale: b.rope_scale,
+            });
+        }
+        let dtype = super::compute_dtype();
+        let table = self.embed.kernel.dense()?.as_dtype(dtype)?;
+        Ok(Transformer {
+            config: self.config.clone(),
+            embed: Embedding {
+                kernel: Kernel::Dense(table),
+            },
+            blocks,
+            final_norm: self.final_norm.clone(),
+            lm_head: self.lm_head.as_ref().map(dense).transpose()?,
+        })
+    }
+
+    /// Logits of every position, `[B, L, vocab]` float32, for training and
+    /// scoring: no KV cache (each sequence starts at position 0), causal
+    /// attention over the whole batch at once. `tokens` are B sequences of
+    /// equal length (pad at the end: causal attention never looks ahead).
+    pub fn forward_all_positions(
+        &self,
+        tokens: &[&[u32]],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Array> {
+        let batch = tokens.len() as i32;
+        let length = tokens.first().map_or(0, |t| t.len()) as i32;
+        let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+        let ids = Array::from_slice(&flat, &[batch, length]);
+        let hidden = self.forward_hidden_with(&ids, &|y, x, layer, projection| {
+            lora::apply(y, x, layer, projection, adapters)
+        })?;
+        self.logits_of_hidden(&hidden)
+    }
+
+    /// The final-normed hidden states of every position, `[B, L, hidden]`,
+    /// of the token ids `ids` (`[B, L]`, uint32), without a KV cache. Every
+    /// projection's output goes through `residual(y, x, layer, projection)`
+    /// (`y` its base output, `x` its input), which training uses to add
+    /// LoRA deltas that autograd can differentiate.
+    pub fn forward_hidden_with(
+        &self,
+        ids: &Array,
+        residual: &dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>,
+    ) -> MlxResult<Array> {
+        let c = &self.config;
+        let mut x = self.embed.lookup(ids)?;
+        if c.family == Family::Gemma3 {
+            let scale = Array::from_f32((c.hidden_size as f32).sqrt())
+                .as_dtype(Dtype::Bfloat16)?
+                .as_dtype(x.dtype())?;
+            x = multiply(&x, &scale)?;
+        }
+        let shape = x.shape().to_vec();
+        let (batch, length) = (shape[0], shape[1]);
+        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let eps = c.rms_norm_eps;
+        let scale = match c.query_pre_attn_scalar {
+            Some(scalar) => scalar.powf(-0.5),
+            None => (c.head_dim as f32).powf(-0.5),
+        };
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let project = |linear: &Linear, projection, x: &Array| {
+                residual(linear.forward(x)?, x, layer, projection)
+            };
+            let a = &block.attention;
+            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
+            let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
+                let mut y = y.reshape(&[batch, length, n, head_dim])?;
+                if let Some(norm) = norm {
+                    y = rms_norm(&y, Some(norm), eps)?;
+                }
+                y.transpose_axes(&[0, 2, 1, 3])
+            };
+            let rotate = |y: Array| {
+                rope(
+                    y,
+                    head_dim,
+                    c.rope_traditional,
+                    block.rope_theta,
+                    block.rope_scale,
+                    0,
+                    None,
+                )
+            };
+            let q = rotate(split(
+                project(&a.q_proj, Projection::Q, &normed)?,
+                heads,
+                &a.q_norm,
+            )?)?;
+            let k = rotate(split(
+                project(&a.k_proj, Projection::K, &normed)?,
+                kv_heads,
+                &a.k_norm,
+            )?)?;
+            let v = split(project(&a.v_proj, Projection::V, &normed)?, kv_heads, &None)?;
+            let window_mask;
+            let mask = match block.sliding_window.filter(|&w| length as usize > w) {
+                Some(window) => {
+                    window_mask = sliding_mask(0, length as usize, 0, length as usize, window);
+                    ScaledDotProductAttentionMask::Array(&window_mask)
+                }
+                None => ScaledDotProductAttentionMask::Causal,
+            };
+            let attended = scaled_dot_product_attention(&q, &k, &v, scale, Some(mask), None)?
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[batch, length, heads * head_dim])?;
+            let mut attended = project(&a.o_proj, Projection::O, &attended)?;
+            if let Some(norm) = &block.post_attention_norm {
+                attended = rms_norm(&attended, Some(norm), eps)?;
+            }
+            x = add(&x, &attended)?;
+            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
+            let m = &block.mlp;
+            let gate = project(&m.gate_proj, Projection::Gate, &normed)?;
+            let activated = match c.family {
+                Family::Gemma3 => gelu_approximate(&gate)?,
+                _ => silu(&gate)?,
+            };
+            let up = project(&m.up_proj, Projection::Up, &normed)?;
+            let mut mlp = project(&m.down_proj, Projection::Down, &multiply(&activated, &up)?)?;
+            if let Some(norm) = &block.post_mlp_norm {
+                mlp = rms_norm(&mlp, Some(norm), eps)?;
+            }
+            x = add(&x, &mlp)?;
+        }
+        rms_norm(&x, Some(&self.final_norm), eps)
+    }
+
+    /// Float32 logits of final-normed hidden states (any leading shape).
+    pub fn logits_of_hidden(&self, hidden: &Array) -> MlxResult<Array> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden)?,
+            None => self.embed.as_logits(hidden)?,
         };
         logits.as_dtype(Dtype::Float32)
     }

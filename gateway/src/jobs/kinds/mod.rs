@@ -4,6 +4,7 @@
 
 pub mod crash;
 pub mod dataset;
+pub mod finetune;
 pub mod noop;
 pub mod quantize;
 
@@ -59,6 +60,7 @@ pub enum Spec {
     Crash(crash::CrashSpec),
     Dataset(dataset::DatasetSpec),
     Quantize(quantize::QuantizeSpec),
+    Finetune(Box<finetune::FinetuneSpec>),
 }
 
 impl Spec {
@@ -78,10 +80,7 @@ impl Spec {
             JobKind::Dataset => Spec::Dataset(dataset::DatasetSpec::parse(fields, env)?),
             JobKind::Quantize => Spec::Quantize(quantize::QuantizeSpec::parse(fields, env)?),
             JobKind::Finetune => {
-                return Err(ConfigError::new(
-                    "kind",
-                    "finetune jobs are not available in this version",
-                ));
+                Spec::Finetune(Box::new(finetune::FinetuneSpec::parse(fields, env)?))
             }
         })
     }
@@ -92,6 +91,7 @@ impl Spec {
             Spec::Crash(s) => s.run(ctx),
             Spec::Dataset(s) => s.run(ctx),
             Spec::Quantize(s) => s.run(ctx),
+            Spec::Finetune(s) => s.run(ctx),
         }
     }
 }

@@ -1,0 +1,462 @@
+//! `finetune`: LoRA SFT of a base model (GGUF or HF/mlx folder, quantized
+//! bases stay quantized and frozen) on a dataset folder, with the training
+//! core in `engine::train`.
+//!
+//! Config: `model` (path), `data` (folder with `train.jsonl` and optionally
+//! `valid.jsonl`; records are chat `messages`, `prompt`/`completion` or
+//! `text`), `output_dir` (the adapter folder to write; put it in an adapter
+//! store so `/v1/adapters/available` lists it), and optional settings:
+//! `rank` (8), `scale` (20) or `alpha` (scale = alpha / rank), `dropout`
+//! (0), `keys` (projections, default all seven: `q_proj`, `k_proj`,
+//! `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`), `num_layers`
+//! (16, the last blocks), `learning_rate` (1e-5), `warmup_steps` (0),
+//! `min_lr_ratio` (0), `weight_decay` (0.01), `batch_size` (4),
+//! `max_seq_len` (2048), `iterations` (1000), `grad_accumulation` (1),
+//! `max_grad_norm` (0: no clipping), `seed` (0), `mask_prompt` (true),
+//! `val_interval` (200), `val_batches` (25), `checkpoint_interval` (100),
+//! `report_interval` (10), `resume` (true), `dequantize_base` (true: train
+//! on a dense float copy of a quantized base, which MLX's CPU backend runs
+//! ~10x faster; false keeps the quantized matmuls and their memory saving).
+//!
+//! Events: `stage` `load` / `train` / `save`, `metric` `{kind: "train",
+//! step, loss, grad_norm, learning_rate, tokens_per_sec, progress}` every
+//! `report_interval` steps and `{kind: "val", step, loss}` at step 0, every
+//! `val_interval` steps and at the end, `log` lines, then `done` with
+//! `output_dir` and a summary (losses, time, tokens).
+//!
+//! Checkpoints (`<output_dir>/checkpoint/`: adapter, optimiser moments,
+//! `trainer_state.json`) are written every `checkpoint_interval` steps and
+//! when the job is cancelled (it stops after the step it is in). A job
+//! submitted again with the same config — after a cancel, a failure or a
+//! gateway crash (zombie) — resumes from the checkpoint. On success the
+//! adapter is written as `adapters.safetensors` + `adapter_config.json`
+//! (mlx-lm's format, recording the base model) and the checkpoint removed.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use super::{ConfigError, Env, Fields, Outcome};
+use crate::engine::LoadedModel;
+use crate::engine::lora::Projection;
+use crate::engine::train::{self, LoraSettings, TrainSettings, Trainer};
+use crate::jobs::runner::{JobCtx, RunError};
+use crate::jobs::types::JobEvent;
+
+#[derive(Debug)]
+pub struct FinetuneSpec {
+    model: PathBuf,
+    data: PathBuf,
+    output_dir: PathBuf,
+    settings: TrainSettings,
+    val_interval: usize,
+    checkpoint_interval: usize,
+    report_interval: usize,
+    resume: bool,
+    dequantize_base: bool,
+}
+
+fn bad(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::new(format!("config.{field}"), message)
+}
+
+fn parse_keys(v: Option<Value>) -> Result<Vec<Projection>, ConfigError> {
+    let Some(v) = v else {
+        return Ok(Projection::ALL.to_vec());
+    };
+    let list = v.as_array().filter(|l| !l.is_empty()).ok_or_else(|| {
+        bad(
+            "keys",
+            "`keys` must be a non-empty list of projection names",
+        )
+    })?;
+    let mut keys = Vec::new();
+    for item in list {
+        let name = item.as_str().unwrap_or_default();
+        let p = train::projection_from_name(name).ok_or_else(|| {
+            bad(
+                "keys",
+                format!(
+                    "unknown projection `{name}`; use q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj"
+                ),
+            )
+        })?;
+        if !keys.contains(&p) {
+            keys.push(p);
+        }
+    }
+    keys.sort();
+    Ok(keys)
+}
+
+impl FinetuneSpec {
+    pub fn parse(mut f: Fields, env: &Env<'_>) -> Result<FinetuneSpec, ConfigError> {
+        let model = f.input_path("model", env.paths)?;
+        let is_gguf = model.is_file() && model.extension().is_some_and(|e| e == "gguf");
+        if !is_gguf && !model.join("config.json").is_file() {
+            return Err(bad(
+                "model",
+                "`model` must be a .gguf file or a model folder with config.json",
+            ));
+        }
+        let data = f.input_path("data", env.paths)?;
+        if !data.join("train.jsonl").is_file() {
+            return Err(bad("data", "`data` must be a folder with train.jsonl"));
+        }
+        let output_dir = f.output_path("output_dir", env.paths)?;
+        let resume = f.bool("resume", true)?;
+        if output_dir.exists() {
+            if !output_dir.is_dir() {
+                return Err(bad("output_dir", "`output_dir` exists and is not a folder"));
+            }
+            if output_dir.join("adapters.safetensors").exists() {
+                return Err(bad(
+                    "output_dir",
+                    "`output_dir` already holds an adapter; choose a new folder",
+                ));
+            }
+            let has_checkpoint = output_dir.join("checkpoint/trainer_state.json").is_file();
+            let empty = std::fs::read_dir(&output_dir).is_ok_and(|mut d| d.next().is_none());
+            if has_checkpoint && !resume {
+                return Err(bad(
+                    "resume",
+                    "`output_dir` holds a checkpoint; resume from it or choose a new folder",
+                ));
+            }
+            if !has_checkpoint && !empty {
+                return Err(bad(
+                    "output_dir",
+                    "`output_dir` already exists and is neither empty nor a checkpointed run",
+                ));
+            }
+        }
+        let rank = f.u64("rank", Some(8), 1..=512)? as usize;
+        let scale = match (f.take("scale"), f.take("alpha")) {
+            (Some(_), Some(_)) => {
+                return Err(bad("alpha", "give `scale` or `alpha`, not both"));
+            }
+            (Some(v), None) => v
+                .as_f64()
+                .filter(|s| *s > 0.0 && *s <= 1e4)
+                .ok_or_else(|| bad("scale", "`scale` must be a number in (0, 10000]"))?,
+            (None, Some(v)) => {
+                v.as_f64()
+                    .filter(|a| *a > 0.0 && *a <= 1e6)
+                    .ok_or_else(|| bad("alpha", "`alpha` must be a positive number"))?
+                    / rank as f64
+            }
+            (None, None) => 20.0,
+        };
+        let dropout = f.f64("dropout", 0.0, 0.0..=0.9)?;
+        let keys = parse_keys(f.take("keys"))?;
+        let num_layers = f.u64("num_layers", Some(16), 1..=1024)? as usize;
+        let learning_rate = f.f64("learning_rate", 1e-5, 1e-9..=1.0)?;
+        let warmup_steps = f.u64("warmup_steps", Some(0), 0..=1_000_000)? as usize;
+        let min_lr_ratio = f.f64("min_lr_ratio", 0.0, 0.0..=1.0)?;
+        let weight_decay = f.f64("weight_decay", 0.01, 0.0..=1.0)?;
+        let batch_size = f.u64("batch_size", Some(4), 1..=1024)? as usize;
+        let max_seq_len = f.u64("max_seq_len", Some(2048), 2..=131_072)? as usize;
+        let iterations = f.u64("iterations", Some(1000), 1..=10_000_000)? as usize;
+        let grad_accumulation = f.u64("grad_accumulation", Some(1), 1..=1024)? as usize;
+        let max_grad_norm = f.f64("max_grad_norm", 0.0, 0.0..=1e6)?;
+        let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
+        let mask_prompt = f.bool("mask_prompt", true)?;
+        let val_interval = f.u64("val_interval", Some(200), 0..=10_000_000)? as usize;
+        let val_batches = f.u64("val_batches", Some(25), 0..=1_000_000)? as usize;
+        let checkpoint_interval = f.u64("checkpoint_interval", Some(100), 0..=10_000_000)? as usize;
+        let report_interval = f.u64("report_interval", Some(10), 1..=10_000_000)? as usize;
+        let dequantize_base = f.bool("dequantize_base", true)?;
+        if f.bool("mount", false)? {
+            return Err(bad(
+                "mount",
+                "auto-mount is not available yet; mount the finished adapter with POST /v1/adapters",
+            ));
+        }
+        if warmup_steps > iterations {
+            return Err(bad("warmup_steps", "`warmup_steps` exceeds `iterations`"));
+        }
+        f.finish()?;
+        Ok(FinetuneSpec {
+            model,
+            data,
+            output_dir,
+            settings: TrainSettings {
+                lora: LoraSettings {
+                    rank,
+                    scale: scale as f32,
+                    dropout: dropout as f32,
+                    keys,
+                    num_layers,
+                },
+                learning_rate,
+                warmup_steps,
+                min_lr_ratio,
+                weight_decay,
+                batch_size,
+                max_seq_len,
+                iterations,
+                grad_accumulation,
+                max_grad_norm,
+                seed,
+                mask_prompt,
+                val_batches,
+            },
+            val_interval,
+            checkpoint_interval,
+            report_interval,
+            resume,
+            dequantize_base,
+        })
+    }
+
+    /// Fingerprint of the inputs: the model's name and size, the data files.
+    fn run_fingerprint(&self, model_id: &str) -> String {
+        let mut h = Sha256::new();
+        h.update(model_id.as_bytes());
+        h.update(
+            std::fs::metadata(&self.model)
+                .map_or(0, |m| m.len())
+                .to_le_bytes(),
+        );
+        for name in ["train.jsonl", "valid.jsonl"] {
+            h.update(name.as_bytes());
+            h.update(std::fs::read(self.data.join(name)).unwrap_or_default());
+        }
+        h.finalize()
+            .iter()
+            .take(16)
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
+        let fail = |e: train::TrainError| RunError::Failed(e.to_string());
+        let started = Instant::now();
+        let s = &self.settings;
+        ctx.emit(JobEvent::stage(
+            "load",
+            Some(0.0),
+            Some(format!("loading {}", self.model.display())),
+        ));
+        let model = LoadedModel::load(&self.model)
+            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        // The base stays frozen either way; dense copies of quantized
+        // matrices make MLX's CPU backend much faster (BLAS).
+        let dense = if self.dequantize_base {
+            Some(
+                model
+                    .transformer
+                    .dequantized()
+                    .map_err(|e| RunError::Failed(format!("cannot dequantize the base: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let base_model = dense.as_ref().unwrap_or(&model.transformer);
+        mlx_rs::transforms::eval(base_model.parameters())
+            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        ctx.check()?;
+        if s.lora.num_layers > model.transformer.config.layers {
+            return Err(RunError::Failed(format!(
+                "num_layers {} exceeds the model's {} layers",
+                s.lora.num_layers, model.transformer.config.layers
+            )));
+        }
+        let train_split =
+            train::load_split(&self.data.join("train.jsonl"), &model.codec, s).map_err(fail)?;
+        let valid_path = self.data.join("valid.jsonl");
+        let valid_split = if valid_path.is_file() {
+            Some(train::load_split(&valid_path, &model.codec, s).map_err(fail)?)
+        } else {
+            None
+        };
+        let truncated = train_split.truncated + valid_split.as_ref().map_or(0, |v| v.truncated);
+        if truncated > 0 {
+            ctx.log(format!(
+                "{truncated} example(s) longer than max_seq_len {} were cut",
+                s.max_seq_len
+            ));
+        }
+        let run_id = self.run_fingerprint(&model.id);
+        let mut trainer = Trainer::new(
+            base_model,
+            s.clone(),
+            train_split.examples,
+            valid_split.map(|v| v.examples).unwrap_or_default(),
+            run_id,
+        )
+        .map_err(fail)?;
+        let checkpoint = self.output_dir.join("checkpoint");
+        let mut resumed_from = None;
+        if self.resume && checkpoint.join("trainer_state.json").is_file() {
+            trainer.resume(&checkpoint).map_err(fail)?;
+            resumed_from = Some(trainer.state.step);
+            ctx.log(format!(
+                "resumed from the checkpoint at step {}",
+                trainer.state.step
+            ));
+        }
+        let (n_train, n_valid) = trainer.sizes();
+        ctx.emit(JobEvent::stage(
+            "load",
+            Some(0.0),
+            Some(format!(
+                "{}: {} layers; {n_train} training and {n_valid} validation examples; {} trainable parameters (rank {}, {} projections x {} layers)",
+                model.id,
+                model.transformer.config.layers,
+                trainer.lora.parameter_count(),
+                s.lora.rank,
+                s.lora.keys.len(),
+                s.lora.num_layers
+            )),
+        ));
+
+        let iterations = s.iterations;
+        let progress = |step: usize| step as f64 / iterations as f64;
+        let val_metric = |step: usize, loss: f64| JobEvent::Metric {
+            kind: "val".into(),
+            step: step as u64,
+            loss: Some(loss),
+            progress: Some(progress(step)),
+            message: Some(format!(
+                "step {step}/{iterations}: validation loss {loss:.4}"
+            )),
+            extra: Map::new(),
+        };
+        let mut first_val = trainer.state.val_losses.first().map(|v| v.1);
+        let mut last_val = trainer.state.val_losses.last().map(|v| v.1);
+        if trainer.state.step == 0
+            && let Some(loss) = trainer.validate().map_err(fail)?
+        {
+            trainer.state.val_losses.push((0, loss));
+            first_val = Some(loss);
+            last_val = Some(loss);
+            ctx.emit(val_metric(0, loss));
+        }
+        ctx.emit(JobEvent::stage(
+            "train",
+            Some(progress(trainer.state.step)),
+            Some(format!(
+                "training from step {} to {iterations}",
+                trainer.state.step
+            )),
+        ));
+        let base = model.id.clone();
+        let save_checkpoint = |trainer: &Trainer<'_>| -> Result<(), RunError> {
+            trainer.save_checkpoint(&checkpoint, &base).map_err(fail)?;
+            ctx.log(format!("checkpoint saved at step {}", trainer.state.step));
+            Ok(())
+        };
+        let mut last_checkpoint = trainer.state.step;
+        let (mut window_loss, mut window_steps, mut window_tokens, mut window_secs) =
+            (0.0, 0usize, 0usize, 0.0);
+        let mut last_train_loss = None;
+        while trainer.state.step < iterations {
+            if ctx.is_cancelled() {
+                if trainer.state.step > last_checkpoint {
+                    save_checkpoint(&trainer)?;
+                }
+                return Err(RunError::Cancelled);
+            }
+            let r = trainer.step().map_err(fail)?;
+            if !r.loss.is_finite() {
+                return Err(RunError::Failed(format!(
+                    "the loss is {} at step {}; lower the learning rate",
+                    r.loss, r.step
+                )));
+            }
+            window_loss += r.loss;
+            window_steps += 1;
+            window_tokens += r.trained_tokens;
+            window_secs += r.seconds;
+            last_train_loss = Some(r.loss);
+            if r.step % self.report_interval == 0 || r.step == iterations {
+                let tokens_per_sec = window_tokens as f64 / window_secs.max(1e-9);
+                let loss = window_loss / window_steps as f64;
+                let mut extra = Map::new();
+                extra.insert("grad_norm".into(), json!(r.grad_norm));
+                extra.insert("learning_rate".into(), json!(r.learning_rate));
+                extra.insert("tokens_per_sec".into(), json!(tokens_per_sec));
+                extra.insert("trained_tokens".into(), json!(trainer.state.trained_tokens));
+                ctx.emit(JobEvent::Metric {
+                    kind: "train".into(),
+                    step: r.step as u64,
+                    loss: Some(loss),
+                    progress: Some(progress(r.step)),
+                    message: Some(format!(
+                        "step {}/{iterations}: loss {loss:.4}, {tokens_per_sec:.0} tokens/s",
+                        r.step
+                    )),
+                    extra,
+                });
+                (window_loss, window_steps, window_tokens, window_secs) = (0.0, 0, 0, 0.0);
+            }
+            let validate_now =
+                (self.val_interval > 0 && r.step % self.val_interval == 0) || r.step == iterations;
+            if validate_now && let Some(loss) = trainer.validate().map_err(fail)? {
+                trainer.state.val_losses.push((r.step, loss));
+                last_val = Some(loss);
+                first_val.get_or_insert(loss);
+                ctx.emit(val_metric(r.step, loss));
+            }
+            if self.checkpoint_interval > 0
+                && r.step % self.checkpoint_interval == 0
+                && r.step < iterations
+            {
+                save_checkpoint(&trainer)?;
+                last_checkpoint = r.step;
+            }
+        }
+
+        ctx.emit(JobEvent::stage(
+            "save",
+            Some(1.0),
+            Some(format!(
+                "writing the adapter to {}",
+                self.output_dir.display()
+            )),
+        ));
+        self.write_adapter(&trainer, &base)?;
+        let _ = std::fs::remove_dir_all(&checkpoint);
+        let st = &trainer.state;
+        let summary = json!({
+            "base_model": base,
+            "steps": st.step,
+            "resumed_from": resumed_from,
+            "final_train_loss": last_train_loss,
+            "initial_val_loss": first_val,
+            "final_val_loss": last_val,
+            "val_losses": st.val_losses,
+            "train_seconds": st.train_seconds,
+            "wall_seconds": started.elapsed().as_secs_f64(),
+            "trained_tokens": st.trained_tokens,
+            "input_tokens": st.input_tokens,
+            "tokens_per_sec": st.trained_tokens as f64 / st.train_seconds.max(1e-9),
+            "trainable_parameters": trainer.lora.parameter_count(),
+            "train_examples": n_train,
+            "valid_examples": n_valid,
+        });
+        Ok(Outcome {
+            output_path: Some(self.output_dir.clone()),
+            summary: Some(summary),
+        })
+    }
+
+    /// Writes the adapter next to (then over) temporary names, config last,
+    /// so a listing never sees a half-written adapter.
+    fn write_adapter(&self, trainer: &Trainer<'_>, base: &str) -> Result<(), RunError> {
+        let tmp = self.output_dir.join(".partial");
+        let _ = std::fs::remove_dir_all(&tmp);
+        trainer
+            .save_adapter(&tmp, base)
+            .map_err(|e| RunError::Failed(e.to_string()))?;
+        for name in ["adapters.safetensors", "adapter_config.json"] {
+            std::fs::rename(tmp.join(name), self.output_dir.join(name))
+                .map_err(|e| RunError::Failed(format!("cannot move {name} into place: {e}")))?;
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        Ok(())
+    }
+}
