@@ -213,3 +213,39 @@ fn mount_select_and_unmount_adapters_over_http() {
     );
     chat(&s, ACME, Some("x"), &[]).api_error(400, "invalid_request_error", "adapter_not_found");
 }
+
+#[test]
+fn configured_adapters_are_mounted_at_start() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("fixture");
+    write_tiny_model(&model, &TinyModelSpec::new(Architecture::Llama)).unwrap();
+    let store = root.path().join("store");
+    write_random_lora(
+        &store.join("x"),
+        &LoraSpec::for_model(&TinyModelSpec::new(Architecture::Llama)),
+    )
+    .unwrap();
+    let config = format!(
+        "[adapters]\nstores = [\"{}\"]\n\n[[adapters.mount]]\nid = \"x\"\npath = \"x\"\n\n[[adapters.mount]]\nid = \"outside\"\npath = \"/tmp\"\n",
+        store.display()
+    );
+    let s = ServerBuilder::new().model(&model).config(&config).start();
+    assert_eq!(
+        s.wait_for_status("/readyz", 200, Duration::from_secs(60))
+            .status,
+        200
+    );
+    let listed = s.get("/v1/adapters").json();
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec!["x"], "{listed}");
+    assert!(
+        s.log_text().contains("configured adapter not mounted"),
+        "the refused entry is logged"
+    );
+    assert_eq!(chat(&s, "unused", Some("x"), &[]).status, 200);
+}

@@ -65,6 +65,21 @@ pub struct AdaptersConfig {
     /// Folders holding adapter directories; mounts outside them are
     /// refused. Default: `<data_dir>/adapters`.
     pub stores: Vec<PathBuf>,
+    /// Adapters to mount whenever the server starts.
+    pub mount: Vec<AdapterMount>,
+}
+
+/// `[[adapters.mount]] id = "sql", path = "sql-adapter"`: mounted as its
+/// model finishes loading (before `/readyz` turns 200).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterMount {
+    pub id: String,
+    /// A directory inside one of the stores (relative paths may name one
+    /// inside a store).
+    pub path: String,
+    /// The model to mount on; default: the first served model.
+    pub model: Option<String>,
 }
 
 /// The `[prompt_cache]` section: reuse of prompt prefixes in memory and

@@ -110,6 +110,16 @@ Example config file:
   path = \"models/other.gguf\"    # GGUF file or HF/mlx model directory
   id = \"other\"                  # optional; default: the engine's id (file name)
 
+  [prompt_cache]
+  memory_mb = 512               # per-model LRU of prompt prefixes (0: off)
+  auto_save_min_tokens = 1024   # save prompts this long to data/prompt-caches (0: off)
+
+  [adapters]
+  stores = [\"data/adapters\"]    # LoRA adapter directories may only come from here
+  [[adapters.mount]]            # mounted at every start (more: POST /v1/adapters)
+  id = \"sql\"
+  path = \"sql-adapter\"
+
   [[keys]]
   id = \"web\"                    # shown in logs; not secret
   tenant = \"acme\"

@@ -414,9 +414,10 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
         })?;
     let state = AppState::new(config);
     jobs::start(&state);
+    let mounts = adapters::startup_mounts(&state.config);
     state
         .models
-        .load_in_background(load, state.engine_options());
+        .load_in_background(load, state.engine_options(), mounts);
     run(listener, Arc::clone(&state), shutdown_signal()).await;
     jobs::stop(&state).await;
     Ok(())

@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{error, info};
 
+use super::adapters::StartupMount;
 use super::{ApiError, BoxError};
 use crate::config::ModelSpec;
 use crate::engine::{EngineHandle, EngineOptions};
@@ -160,7 +161,13 @@ impl ModelRegistry {
     }
 
     /// Loads every model with `load`, in order, on its own OS thread.
-    pub fn load_in_background(self: &Arc<Self>, load: ModelLoader, options: EngineOptions) {
+    /// `mounts` are the adapters to mount on each model as it loads.
+    pub fn load_in_background(
+        self: &Arc<Self>,
+        load: ModelLoader,
+        options: EngineOptions,
+        mounts: Vec<StartupMount>,
+    ) {
         let registry = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("model-load".into())
@@ -168,6 +175,9 @@ impl ModelRegistry {
                 let specs: Vec<ModelSpec> = registry.slots().into_iter().map(|s| s.spec).collect();
                 for (index, spec) in specs.into_iter().enumerate() {
                     let state = load_one(&registry, index, &spec, &|path| load(path, &options));
+                    if let ModelState::Ready(model) = &state {
+                        super::adapters::mount_at_start(model, index, &mounts);
+                    }
                     registry.set(index, state);
                 }
             });

@@ -239,6 +239,56 @@ async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
+/// A configured mount, its path checked against the stores.
+#[derive(Debug, Clone)]
+pub struct StartupMount {
+    pub id: String,
+    pub dir: PathBuf,
+    pub model: Option<String>,
+}
+
+/// `[[adapters.mount]]` entries whose paths lie inside the stores; the
+/// others are logged and left out.
+pub fn startup_mounts(config: &crate::config::Config) -> Vec<StartupMount> {
+    let stores = config.adapter_stores();
+    config
+        .adapters
+        .mount
+        .iter()
+        .filter_map(|m| match resolve_in_stores(&stores, &m.path) {
+            Ok(dir) => Some(StartupMount {
+                id: m.id.clone(),
+                dir,
+                model: m.model.clone(),
+            }),
+            Err(reason) => {
+                tracing::error!(adapter = %m.id, %reason, "configured adapter not mounted");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Mounts the configured adapters meant for `model` (the `index`-th served
+/// one; entries without `model` go on the first). Failures are logged: the
+/// model still serves, and the adapter can be mounted later over the API.
+pub fn mount_at_start(model: &LoadedModel, index: usize, mounts: &[StartupMount]) {
+    let ours = mounts.iter().filter(|m| match &m.model {
+        Some(id) => *id == model.id,
+        None => index == 0,
+    });
+    for mount in ours {
+        match model.engine.mount_adapter(&mount.id, &mount.dir) {
+            Ok(info) => {
+                tracing::info!(adapter = %info.id, model = %model.id, modules = info.modules, "adapter mounted")
+            }
+            Err(error) => {
+                tracing::error!(adapter = %mount.id, model = %model.id, %error, "configured adapter not mounted")
+            }
+        }
+    }
+}
+
 /// The adapters `request` runs with: the body's `adapter`, else the
 /// `X-Adapter` header, else the bound adapter-selector policy's choice
 /// (none when no selector is bound or it fails open). Ids are checked
