@@ -8,8 +8,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// What a job does. `finetune` is reserved in the vocabulary (and scoped like
-/// the other heavy kinds) but has no runner yet.
+/// What a job does. `dataset`, `quantize` and `finetune` are the heavy kinds
+/// (they also need the admin scope).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobKind {
