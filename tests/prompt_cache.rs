@@ -297,3 +297,44 @@ fn automatic_mode_saves_long_prompts_and_reuses_them_after_a_restart() {
     assert_eq!(usage.cached_tokens, usage.prompt_tokens - 1);
     assert_eq!(engine.prompt_cache_stats().disk_hits, 1);
 }
+
+#[test]
+fn a_mapped_file_becomes_mlx_arrays_with_its_exact_values() {
+    use mlxgate::engine::prompt_cache::file::MappedFile;
+    use mlxgate::engine::prompt_cache::{Fingerprint, tensors};
+    let dir = tempfile::tempdir().unwrap();
+    let fingerprint = Fingerprint {
+        model: "m".into(),
+        architecture: "llama".into(),
+        weights: "0".into(),
+        quantization: "dense".into(),
+        dtype: "float32".into(),
+        layers: 1,
+        kv_heads: 2,
+        head_dim: 4,
+        adapters: String::new(),
+    };
+    let keys: Vec<f32> = (0..24).map(|i| i as f32 * 0.5).collect();
+    let values: Vec<f32> = (0..24).map(|i| -(i as f32)).collect();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let layer = LayerBytes {
+        window: None,
+        start: 0,
+        shape: vec![1, 2, 3, 4],
+        keys: bytes(&keys),
+        values: bytes(&values),
+    };
+    let path = dir.path().join("c.kv");
+    file::write(&path, "c", 0, &fingerprint, &[1, 2, 3], &[layer]).unwrap();
+    let imported = tensors::import(Arc::new(MappedFile::open(&path).unwrap())).unwrap();
+    let cached = &imported.cache.layers[0];
+    assert_eq!(cached.keys.as_ref().unwrap().as_slice::<f32>(), &keys[..]);
+    assert_eq!(
+        cached.values.as_ref().unwrap().as_slice::<f32>(),
+        &values[..]
+    );
+    assert_eq!(imported.cache.offset, 3);
+    // Whether MLX used the mapped pages in place (Metal) or copied them
+    // (its CPU and CUDA allocators cannot adopt foreign memory).
+    println!("zero copy: {}", imported.zero_copy);
+}

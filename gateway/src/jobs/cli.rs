@@ -210,6 +210,23 @@ fn api_failure(status: StatusCode, bytes: &[u8]) -> anyhow::Error {
     anyhow!("gateway answered {status}: {msg} [{code}]")
 }
 
+/// [`call`] from synchronous code, printing the answer as pretty JSON: what
+/// the CLI's one-request commands (`cache`, `adapters`) do.
+pub(crate) fn call_and_print(
+    r: &Remote,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let answer = rt.block_on(call(r, method, path, body))?;
+    print(&answer);
+    Ok(())
+}
+
 /// One JSON call; non-2xx answers become errors with the gateway's message.
 pub(crate) async fn call(
     r: &Remote,

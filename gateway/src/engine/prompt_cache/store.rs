@@ -121,10 +121,6 @@ impl CacheStore {
         })
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     fn path_of(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}.{EXTENSION}"))
     }

@@ -2,12 +2,11 @@
 //! gateway's `/v1/adapters` (`--url`, key from `MLXGATE_API_KEY`; mounting
 //! and unmounting need a key with the `admin` scope).
 
-use anyhow::Context;
 use clap::Subcommand;
 use http::Method;
 use serde_json::json;
 
-use crate::jobs::cli::{Remote, call};
+use crate::jobs::cli::{Remote, call_and_print};
 
 #[derive(Subcommand, Debug)]
 pub enum AdaptersCommand {
@@ -35,32 +34,26 @@ pub enum AdaptersCommand {
 }
 
 pub fn run(cmd: AdaptersCommand) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(async {
-        let answer = match cmd {
-            AdaptersCommand::List(remote) => {
-                call(&remote, Method::GET, "/v1/adapters", None).await?
-            }
-            AdaptersCommand::Available(remote) => {
-                call(&remote, Method::GET, "/v1/adapters/available", None).await?
-            }
-            AdaptersCommand::Mount {
-                id,
-                path,
-                model,
-                remote,
-            } => {
-                let body = json!({"id": id, "path": path, "model": model});
-                call(&remote, Method::POST, "/v1/adapters", Some(body)).await?
-            }
-            AdaptersCommand::Unmount { id, remote } => {
-                call(&remote, Method::DELETE, &format!("/v1/adapters/{id}"), None).await?
-            }
-        };
-        println!("{}", serde_json::to_string_pretty(&answer)?);
-        Ok(())
-    })
+    let (remote, method, path, body) = match cmd {
+        AdaptersCommand::List(remote) => (remote, Method::GET, "/v1/adapters".to_owned(), None),
+        AdaptersCommand::Available(remote) => (
+            remote,
+            Method::GET,
+            "/v1/adapters/available".to_owned(),
+            None,
+        ),
+        AdaptersCommand::Mount {
+            id,
+            path,
+            model,
+            remote,
+        } => {
+            let body = json!({"id": id, "path": path, "model": model});
+            (remote, Method::POST, "/v1/adapters".to_owned(), Some(body))
+        }
+        AdaptersCommand::Unmount { id, remote } => {
+            (remote, Method::DELETE, format!("/v1/adapters/{id}"), None)
+        }
+    };
+    call_and_print(&remote, method, &path, body)
 }

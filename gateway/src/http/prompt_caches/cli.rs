@@ -10,7 +10,7 @@ use http::Method;
 use serde_json::{Value, json};
 
 use crate::engine::prompt_cache::file::{MappedFile, read_header};
-use crate::jobs::cli::{Remote, call};
+use crate::jobs::cli::{Remote, call_and_print};
 
 #[derive(Subcommand, Debug)]
 pub enum CacheCommand {
@@ -62,63 +62,55 @@ pub struct SaveArgs {
 }
 
 pub fn run(cmd: CacheCommand) -> anyhow::Result<()> {
-    if let CacheCommand::Inspect { file, verify } = cmd {
-        return inspect(&file, verify);
+    let (remote, method, path, body) = match cmd {
+        CacheCommand::Inspect { file, verify } => return inspect(&file, verify),
+        CacheCommand::Save(args) => {
+            let body = save_body(&args)?;
+            eprintln!(
+                "prefilling and saving `{}` (long prompts take a while on CPU)...",
+                args.name
+            );
+            (
+                args.remote,
+                Method::POST,
+                "/v1/prompt_caches".to_owned(),
+                Some(body),
+            )
+        }
+        CacheCommand::List(remote) => (remote, Method::GET, "/v1/prompt_caches".to_owned(), None),
+        CacheCommand::Show { name, remote } => (
+            remote,
+            Method::GET,
+            format!("/v1/prompt_caches/{name}"),
+            None,
+        ),
+        CacheCommand::Rm { name, remote } => (
+            remote,
+            Method::DELETE,
+            format!("/v1/prompt_caches/{name}"),
+            None,
+        ),
+    };
+    call_and_print(&remote, method, &path, body)
+}
+
+/// The `POST /v1/prompt_caches` body for `save`.
+fn save_body(args: &SaveArgs) -> anyhow::Result<Value> {
+    let mut body = json!({"name": args.name, "model": args.model});
+    let read = |path: &PathBuf| {
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+    };
+    match (&args.prompt, &args.prompt_file, &args.messages_file) {
+        (Some(text), _, _) => body["prompt"] = json!(text),
+        (_, Some(path), _) => body["prompt"] = json!(read(path)?),
+        (_, _, Some(path)) => {
+            let messages: Value = serde_json::from_str(&read(path)?)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
+            body["messages"] = messages;
+        }
+        _ => bail!("give the prompt: --prompt, --prompt-file or --messages-file"),
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(async {
-        let answer = match cmd {
-            CacheCommand::Save(args) => {
-                let mut body = json!({"name": args.name, "model": args.model});
-                let read = |path: &PathBuf| {
-                    std::fs::read_to_string(path)
-                        .with_context(|| format!("cannot read {}", path.display()))
-                };
-                match (&args.prompt, &args.prompt_file, &args.messages_file) {
-                    (Some(text), _, _) => body["prompt"] = json!(text),
-                    (_, Some(path), _) => body["prompt"] = json!(read(path)?),
-                    (_, _, Some(path)) => {
-                        let messages: Value = serde_json::from_str(&read(path)?)
-                            .with_context(|| format!("{} is not JSON", path.display()))?;
-                        body["messages"] = messages;
-                    }
-                    _ => bail!("give the prompt: --prompt, --prompt-file or --messages-file"),
-                }
-                eprintln!(
-                    "prefilling and saving `{}` (long prompts take a while on CPU)...",
-                    args.name
-                );
-                call(&args.remote, Method::POST, "/v1/prompt_caches", Some(body)).await?
-            }
-            CacheCommand::List(remote) => {
-                call(&remote, Method::GET, "/v1/prompt_caches", None).await?
-            }
-            CacheCommand::Show { name, remote } => {
-                call(
-                    &remote,
-                    Method::GET,
-                    &format!("/v1/prompt_caches/{name}"),
-                    None,
-                )
-                .await?
-            }
-            CacheCommand::Rm { name, remote } => {
-                call(
-                    &remote,
-                    Method::DELETE,
-                    &format!("/v1/prompt_caches/{name}"),
-                    None,
-                )
-                .await?
-            }
-            CacheCommand::Inspect { .. } => unreachable!("handled above"),
-        };
-        println!("{}", serde_json::to_string_pretty(&answer)?);
-        Ok(())
-    })
+    Ok(body)
 }
 
 fn inspect(path: &std::path::Path, verify: bool) -> anyhow::Result<()> {
