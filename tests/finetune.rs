@@ -1,23 +1,27 @@
 //! `finetune` jobs: LoRA SFT through the jobs API.
 //!
-//! On SmolLM2-135M (4-bit GGUF) with a fixture dataset whose answers all
-//! start with "Ahoy!", a short run makes the validation loss fall, writes an
-//! mlx-lm adapter into an adapter store (listed by `/v1/adapters/available`)
-//! and, mounted through `EngineHandle::mount_adapter`, the adapter turns the
-//! model's greedy answers to that style. On a tiny fixture model: the event
-//! stream follows the seed contract, bad configs are 400s naming the field,
-//! and a cancelled job keeps a checkpoint that a resubmitted job resumes.
+//! On SmolLM2-135M (4-bit GGUF), served by the same gateway, with a fixture
+//! dataset whose answers all start with "Ahoy!": a short run makes the
+//! validation loss fall, writes an mlx-lm adapter into the adapter store
+//! under its name (listed by `/v1/adapters/available`), mounts it on the
+//! served model (`mount: true`), and chat requests selecting it answer in
+//! that style. On a tiny fixture model: the event stream follows the seed
+//! contract, bad configs are 400s naming the field, a cancelled job keeps a
+//! checkpoint that a resubmitted job resumes, an unnamed adapter lands in
+//! the store under the job's id, and a mount that cannot happen fails the
+//! job saying where the adapter is.
 
 #[path = "jobs_common/mod.rs"]
 mod common;
 #[path = "support/mod.rs"]
 mod support;
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt, SamplingParams};
+use mlxgate::engine::EngineHandle;
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 use serde_json::{Value, json};
 use support::ServerBuilder;
@@ -95,15 +99,32 @@ fn write_dataset(dir: &Path) {
 /// A gateway whose jobs may read `roots` and whose adapter store is
 /// `store`.
 fn gateway(roots: &[&Path], store: &Path) -> support::Server {
+    gateway_with(roots, store, None)
+}
+
+/// [`gateway`], serving `model` when given (and ready when returned).
+fn gateway_with(roots: &[&Path], store: &Path, model: Option<&Path>) -> support::Server {
     let roots: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
     let section = format!(
         "allowed_paths = {roots:?}\n[adapters]\nstores = [{:?}]\n",
         store.display().to_string()
     );
-    ServerBuilder::new()
+    let mut b = ServerBuilder::new()
         .config(&config_toml(&section))
-        .env("MLXGATE_ADMIN_KEY", ADMIN)
-        .start()
+        .env("MLXGATE_ADMIN_KEY", ADMIN);
+    if let Some(m) = model {
+        b = b.model(m);
+    }
+    // The quantized-matmul kernels the served model runs may be chosen by
+    // the test's environment (`MLXGATE_KERNELS=mlx|native`).
+    if let Ok(kernels) = std::env::var("MLXGATE_KERNELS") {
+        b = b.env("MLXGATE_KERNELS", kernels);
+    }
+    let s = b.start();
+    if model.is_some() {
+        s.wait_for_status("/readyz", 200, Duration::from_secs(300));
+    }
+    s
 }
 
 /// The job's stored events (its NDJSON log).
@@ -122,51 +143,45 @@ fn metrics<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
         .collect()
 }
 
-/// Greedy answer tokens (ids, texts, logprobs) of a chat question.
-fn answer(engine: &EngineHandle, question: &str, adapter: Option<&str>) -> (Vec<String>, Vec<f32>) {
-    let prompt = engine
-        .render_chat(&[
-            mlxgate::engine::ChatMessage {
-                role: "system".into(),
-                content: "Answer briefly.".into(),
-            },
-            mlxgate::engine::ChatMessage {
-                role: "user".into(),
-                content: question.into(),
-            },
-        ])
-        .unwrap();
-    let mut stream = engine
-        .generate(GenerateRequest {
-            prompt: Prompt::Text(prompt),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..SamplingParams::default()
-            },
-            max_tokens: Some(3),
-            stop: vec![],
-            logprobs: Some(0),
-            prompt_cache: None,
-            adapters: adapter.into_iter().map(str::to_owned).collect(),
-        })
-        .unwrap();
-    let (mut texts, mut logprobs) = (Vec::new(), Vec::new());
-    while let Some(event) = stream.blocking_next() {
-        match event.unwrap() {
-            GenerateEvent::Delta { tokens, .. } => {
-                for t in tokens {
-                    texts.push(t.text);
-                    logprobs.push(t.logprob.unwrap());
-                }
-            }
-            GenerateEvent::Finished { .. } => break,
-        }
+/// The greedy answer (3 tokens) to a chat question over HTTP, with its
+/// tokens' logprobs; `adapter` goes in the body.
+fn answer(
+    addr: SocketAddr,
+    model: &str,
+    question: &str,
+    adapter: Option<&str>,
+) -> (String, Vec<f64>) {
+    let mut body = json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": question},
+        ],
+        "temperature": 0,
+        "max_tokens": 3,
+        "logprobs": true,
+    });
+    if let Some(a) = adapter {
+        body["adapter"] = json!(a);
     }
-    (texts, logprobs)
+    let r = call(addr, "POST", "/v1/chat/completions", ADMIN, Some(&body));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let choice = &v["choices"][0];
+    let logprobs = choice["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["logprob"].as_f64().unwrap())
+        .collect();
+    (
+        choice["message"]["content"].as_str().unwrap().to_owned(),
+        logprobs,
+    )
 }
 
 #[test]
-fn smollm2_learns_a_reply_style_and_the_adapter_mounts() {
+fn smollm2_learns_a_reply_style_into_the_store_and_mounts_itself() {
     let started = Instant::now();
     let model = support::real_model();
     assert!(
@@ -178,17 +193,17 @@ fn smollm2_learns_a_reply_style_and_the_adapter_mounts() {
     let data = root.path().join("pirate");
     write_dataset(&data);
     let store = root.path().join("adapters");
-    std::fs::create_dir_all(&store).unwrap();
     let models = model.parent().unwrap().to_owned();
-    let s = gateway(&[root.path(), &models], &store);
-    let out = store.join("pirate-lora");
+    // The gateway serves the model it trains on.
+    let s = gateway_with(&[root.path(), &models], &store, Some(&model));
     let row = submit_ok(
         s.addr,
         "finetune",
         json!({
             "model": model.display().to_string(),
             "data": data.display().to_string(),
-            "output_dir": out.display().to_string(),
+            "name": "pirate",
+            "mount": true,
             "rank": 8,
             "scale": 20.0,
             "num_layers": 4,
@@ -223,7 +238,13 @@ fn smollm2_learns_a_reply_style_and_the_adapter_mounts() {
     let (first, last) = (val[0].1, val[2].1);
     assert!(last < 0.5 * first, "validation loss should fall: {val:?}");
     assert!(val[1].1 < first, "{val:?}");
-    // The adapter is in the store, in mlx-lm's format, recording its base.
+    // Written into the (first) adapter store under its name, in mlx-lm's
+    // format, recording its base.
+    let out = store.join("pirate");
+    assert_eq!(
+        row["output_path"],
+        out.canonicalize().unwrap().display().to_string()
+    );
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
             .unwrap();
@@ -235,35 +256,75 @@ fn smollm2_learns_a_reply_style_and_the_adapter_mounts() {
         !out.join("checkpoint").exists(),
         "the checkpoint is removed on success"
     );
+    // The job said it mounted the adapter, on the served model.
+    let mounts: Vec<&Value> = evs
+        .iter()
+        .filter(|e| e["type"] == "stage" && e["stage"] == "mount")
+        .collect();
+    assert_eq!(mounts.len(), 2, "{mounts:?}");
+    let served = mounts[1]["model"].as_str().unwrap().to_owned();
+    assert_eq!(mounts[1]["adapter"], "pirate");
+    assert!(
+        mounts[1]["message"]
+            .as_str()
+            .unwrap()
+            .contains("mounted as `pirate`"),
+        "{}",
+        mounts[1]
+    );
+    assert_eq!(row["summary"]["adapter"], "pirate");
+    assert_eq!(row["summary"]["mounted_on"], served.as_str());
+
     let listed = call(s.addr, "GET", "/v1/adapters/available", ADMIN, None).json();
     let entry = listed["data"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|a| a["id"] == "pirate-lora")
+        .find(|a| a["id"] == "pirate")
         .unwrap_or_else(|| panic!("not listed: {listed}"));
     assert_eq!(entry["format"], "mlx-lm");
     assert_eq!(entry["rank"], 8);
-    drop(s);
+    assert_eq!(entry["mounted"], true, "{entry}");
+    let mounted = call(s.addr, "GET", "/v1/adapters", INFER, None).json();
+    let entry = mounted["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["id"] == "pirate")
+        .unwrap_or_else(|| panic!("not mounted: {mounted}"));
+    assert_eq!(entry["model"], served.as_str());
+    assert_eq!(entry["modules"], 4 * 7);
 
-    // Mounted on the served (quantized) model, it moves answers to the style.
-    let engine = EngineHandle::load(&model).unwrap();
-    let info = engine.mount_adapter("pirate", &out).unwrap();
-    assert_eq!(info.modules, 4 * 7);
+    // Chat requests selecting it answer in the trained style; the base does not.
     let (mut styled, mut base_styled) = (0, 0);
-    let mut rises = Vec::new();
+    let mut firsts = Vec::new();
     for q in &QUESTIONS[18..21] {
-        let (base, base_lp) = answer(&engine, q, None);
-        let (tuned, tuned_lp) = answer(&engine, q, Some("pirate"));
+        let (base, base_lp) = answer(s.addr, &served, q, None);
+        let (tuned, tuned_lp) = answer(s.addr, &served, q, Some("pirate"));
         eprintln!("{q} base {base:?} {base_lp:?} | tuned {tuned:?} {tuned_lp:?}");
-        base_styled += usize::from(base.concat().trim_start().starts_with("Ah"));
-        styled += usize::from(tuned.concat().trim_start().starts_with("Ah"));
-        rises.push(tuned_lp[0]);
+        base_styled += usize::from(base.trim_start().starts_with("Ah"));
+        styled += usize::from(tuned.trim_start().starts_with("Ah"));
+        firsts.push(tuned_lp[0]);
     }
     assert_eq!(base_styled, 0, "the base model does not answer with Ahoy");
     assert_eq!(styled, 3, "every tuned answer starts with Ahoy");
     // Greedy and confident: the first answer token is likely under the adapter.
-    assert!(rises.iter().all(|lp| *lp > -0.7), "{rises:?}");
+    assert!(firsts.iter().all(|lp| *lp > -0.7), "{firsts:?}");
+
+    // The same name again is refused at submit: the store holds it, and
+    // it is mounted.
+    let r = submit(
+        s.addr,
+        ADMIN,
+        "finetune",
+        json!({
+            "model": model.display().to_string(),
+            "data": data.display().to_string(),
+            "name": "pirate",
+        }),
+    );
+    let e = r.api_error(400, "invalid_request_error", "invalid_request");
+    assert_eq!(e["param"], "config.name", "{e}");
     eprintln!("train {:?}, whole test {:?}", train_time, started.elapsed());
 }
 
@@ -321,7 +382,8 @@ fn events_follow_the_contract_and_cancel_keeps_a_checkpoint_to_resume() {
         ("rank", json!(0), "config.rank"),
         ("keys", json!(["lm_head"]), "config.keys"),
         ("output_dir", json!("/tmp/elsewhere"), "config.output_dir"),
-        ("mount", json!(true), "config.mount"),
+        ("mount_model", json!("x"), "config.mount_model"),
+        ("name", json!("no/such"), "config.name"),
         ("bogus", json!(1), "config.bogus"),
         ("scale", json!(2.0), "config.alpha"),
     ] {
@@ -331,6 +393,17 @@ fn events_follow_the_contract_and_cancel_keeps_a_checkpoint_to_resume() {
         let e = r.api_error(400, "invalid_request_error", "invalid_request");
         assert_eq!(e["param"], param, "{e}");
     }
+
+    // Only adapters inside a store are mounted.
+    let mut c = config.clone();
+    c["mount"] = json!(true);
+    c["output_dir"] = json!(root.path().join("elsewhere").display().to_string());
+    let e = submit(s.addr, ADMIN, "finetune", c).api_error(
+        400,
+        "invalid_request_error",
+        "invalid_request",
+    );
+    assert_eq!(e["param"], "config.mount", "{e}");
 
     // Cancel while training: the job stops and keeps a checkpoint.
     let row = submit_ok(s.addr, "finetune", config.clone());
@@ -459,4 +532,69 @@ fn config_for_rerun(out: &Path, model: &Path, data: &Path) -> Value {
         "data": data.display().to_string(),
         "output_dir": out.display().to_string(),
     })
+}
+
+#[test]
+fn unnamed_adapters_go_to_the_store_under_the_job_id_and_a_failed_mount_fails_the_job() {
+    let root = tempfile::tempdir().unwrap();
+    let (model, data) = tiny_setup(root.path());
+    // Not created here: the gateway creates its stores.
+    let store = root.path().join("adapters");
+    let s = gateway(&[root.path()], &store);
+    let config = json!({
+        "model": model.display().to_string(),
+        "data": data.display().to_string(),
+        "rank": 4,
+        "num_layers": 2,
+        "batch_size": 2,
+        "learning_rate": 1e-3,
+        "iterations": 6,
+        "report_interval": 2,
+    });
+    let row = submit_ok(s.addr, "finetune", config.clone());
+    let id = row["id"].as_str().unwrap().to_owned();
+    let row = wait_final(s.addr, &id, Duration::from_secs(120));
+    assert_eq!(row["status"], "done", "{row}");
+    let out = store.canonicalize().unwrap().join(&id);
+    assert!(out.join("adapters.safetensors").is_file());
+    assert_eq!(row["output_path"], out.display().to_string());
+    assert_eq!(row["summary"]["adapter"], id.as_str());
+    assert_eq!(row["summary"]["mounted_on"], Value::Null);
+    let listed = call(s.addr, "GET", "/v1/adapters/available", ADMIN, None).json();
+    let entry = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["id"] == id.as_str())
+        .unwrap_or_else(|| panic!("not listed: {listed}"));
+    assert_eq!(entry["mounted"], false);
+    assert_eq!(entry["format"], "mlx-lm");
+
+    // `mount: true` on a gateway without a ready model: the job fails and
+    // says why and where the adapter it wrote is.
+    let mut c = config.clone();
+    c["mount"] = json!(true);
+    c["name"] = json!("tiny-mounted");
+    let row = submit_ok(s.addr, "finetune", c);
+    let id = row["id"].as_str().unwrap().to_owned();
+    let row = wait_final(s.addr, &id, Duration::from_secs(120));
+    assert_eq!(row["status"], "failed", "{row}");
+    let error = row["error"].as_str().unwrap();
+    let written = store.canonicalize().unwrap().join("tiny-mounted");
+    for part in [
+        written.display().to_string().as_str(),
+        "no served model is ready",
+        "POST /v1/adapters",
+    ] {
+        assert!(error.contains(part), "{part:?} not in {error:?}");
+    }
+    assert!(written.join("adapters.safetensors").is_file());
+    let evs = events(&row);
+    assert!(
+        evs.iter().any(|e| e["type"] == "stage"
+            && e["stage"] == "mount"
+            && e["adapter"] == "tiny-mounted"),
+        "a stage event says it mounts"
+    );
+    assert_eq!(evs.last().unwrap()["type"], "failed");
 }

@@ -31,7 +31,9 @@ use serde_json::Value;
 use super::auth::{Caller, Scope};
 use super::body::{self, Body, BoxError, ReqBody};
 use super::{ApiError, AppState, Ctx, Route};
-use crate::jobs::{Filter, Followed, JobError, JobKind, JobStatus, Jobs, Page, PolicyProvider};
+use crate::jobs::{
+    Filter, Followed, JobError, JobKind, JobStatus, Jobs, Page, PolicyProvider, Services,
+};
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -73,7 +75,12 @@ pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
     let policies: PolicyProvider = Arc::new(move || {
         super::admin_policies::open_host(Path::new(&data_dir)).map_err(|e| e.to_string())
     });
-    let jobs = Jobs::open(dir, state.config.jobs.clone(), Some(policies))?;
+    let services = Services {
+        policies: Some(policies),
+        adapter_stores: state.config.adapter_stores(),
+        adapters: Some(super::adapters::job_mounts(&state.models)),
+    };
+    let jobs = Jobs::open(dir, state.config.jobs.clone(), services)?;
     jobs.start()?;
     map.insert(key, Arc::clone(&jobs));
     Ok(jobs)

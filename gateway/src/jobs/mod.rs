@@ -22,7 +22,7 @@ pub mod runner;
 pub mod types;
 
 pub use config::{JobsConfig, PathGuard};
-pub use kinds::{ConfigError, PolicyProvider};
+pub use kinds::{AdapterMounts, ConfigError, PolicyProvider};
 pub use ledger::{Filter, Ledger, LedgerError, Listing, Page};
-pub use runner::{Followed, JobCtx, JobError, Jobs, RunError};
+pub use runner::{Followed, JobCtx, JobError, Jobs, RunError, Services};
 pub use types::{JobEvent, JobKind, JobRow, JobStatus, StoredEvent};

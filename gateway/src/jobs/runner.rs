@@ -22,7 +22,7 @@ use tracing::{info, warn};
 
 use super::config::{JobsConfig, PathGuard};
 use super::events::{EventLog, LogReader};
-use super::kinds::{ConfigError, Env, PolicyProvider, Spec};
+use super::kinds::{AdapterMounts, ConfigError, Env, PolicyProvider, Spec};
 use super::ledger::{Filter, Ledger, LedgerError, Listing, Page, Patch};
 use super::types::{JobEvent, JobKind, JobRow, JobStatus, StoredEvent};
 
@@ -142,12 +142,25 @@ pub enum Followed {
     Idle,
 }
 
+/// What the server lends the jobs service beyond its config.
+#[derive(Default, Clone)]
+pub struct Services {
+    /// Opens the policy host (dataset jobs).
+    pub policies: Option<PolicyProvider>,
+    /// `[adapters] stores` (finetune output); created if missing.
+    pub adapter_stores: Vec<PathBuf>,
+    /// The served models' adapter mounts (finetune `mount`).
+    pub adapters: Option<Arc<dyn AdapterMounts>>,
+}
+
 /// The jobs service of one data dir.
 pub struct Jobs {
     ledger: Arc<Ledger>,
     config: JobsConfig,
     paths: PathGuard,
     policies: Option<PolicyProvider>,
+    adapter_stores: Vec<PathBuf>,
+    adapters: Option<Arc<dyn AdapterMounts>>,
     slots: HashMap<JobKind, Arc<Semaphore>>,
     live: Mutex<HashMap<String, Arc<Live>>>,
     /// Set by [`Jobs::shutdown`]: running jobs stop, queued ones stay queued
@@ -176,7 +189,7 @@ impl Jobs {
     pub fn open(
         data_dir: &Path,
         config: JobsConfig,
-        policies: Option<PolicyProvider>,
+        services: Services,
     ) -> Result<Arc<Jobs>, JobError> {
         let ledger = Arc::new(Ledger::open(data_dir)?);
         let roots = if config.allowed_paths.is_empty() {
@@ -188,11 +201,23 @@ impl Jobs {
             .into_iter()
             .map(|k| (k, Arc::new(Semaphore::new(config.concurrency_of(k)))))
             .collect();
+        // Canonical, so that checks against them see through symlinks; a
+        // store that cannot be created is kept as given (writes fail there).
+        let adapter_stores = services
+            .adapter_stores
+            .iter()
+            .map(|s| {
+                let _ = std::fs::create_dir_all(s);
+                std::fs::canonicalize(s).unwrap_or_else(|_| s.clone())
+            })
+            .collect();
         Ok(Arc::new(Jobs {
             ledger,
             paths: PathGuard::new(&roots),
             config,
-            policies,
+            policies: services.policies,
+            adapter_stores,
+            adapters: services.adapters,
             slots,
             live: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
@@ -204,6 +229,8 @@ impl Jobs {
             enable_crash: self.config.enable_crash,
             paths: &self.paths,
             policies: self.policies.as_ref(),
+            adapter_stores: &self.adapter_stores,
+            adapters: self.adapters.as_ref(),
         }
     }
 

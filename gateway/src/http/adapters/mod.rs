@@ -6,6 +6,7 @@
 pub mod cli;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use http::{Method, Request, StatusCode};
@@ -13,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::body::{self, ReqBody};
-use super::models::LoadedModel;
+use super::models::{LoadedModel, ModelRegistry};
 use super::openai::HandlerResult;
 use super::openai::validate::Common;
 use super::routing::{self, Local};
@@ -237,6 +238,54 @@ async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     .await
     .map_err(|e| ApiError::Internal(format!("scanning adapter stores failed: {e}")))?;
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// The served models' mounts as `finetune` jobs see them (`mount: true`).
+struct JobMounts {
+    models: Arc<ModelRegistry>,
+}
+
+pub fn job_mounts(models: &Arc<ModelRegistry>) -> Arc<dyn crate::jobs::AdapterMounts> {
+    Arc::new(JobMounts {
+        models: Arc::clone(models),
+    })
+}
+
+impl crate::jobs::AdapterMounts for JobMounts {
+    fn is_mounted(&self, id: &str) -> bool {
+        self.models
+            .ready()
+            .iter()
+            .any(|m| m.engine.adapters().iter().any(|a| a.id == id))
+    }
+
+    fn mount(
+        &self,
+        id: &str,
+        dir: &Path,
+        model: Option<&str>,
+        base: &Path,
+    ) -> Result<String, String> {
+        let target = match model {
+            Some(name) => self.models.resolve(name).map_err(|e| e.to_string())?,
+            None => {
+                let ready = self.models.ready();
+                let base = base.canonicalize().ok();
+                let same_file = ready
+                    .iter()
+                    .find(|m| base.is_some() && m.path.canonicalize().ok() == base);
+                same_file
+                    .or(ready.first())
+                    .cloned()
+                    .ok_or("no served model is ready to mount it on")?
+            }
+        };
+        target
+            .engine
+            .mount_adapter(id, dir)
+            .map(|_| target.id.clone())
+            .map_err(|e| format!("{}: {e}", target.id))
+    }
 }
 
 /// A configured mount, its path checked against the stores.

@@ -4,8 +4,13 @@
 //!
 //! Config: `model` (path), `data` (folder with `train.jsonl` and optionally
 //! `valid.jsonl`; records are chat `messages`, `prompt`/`completion` or
-//! `text`), `output_dir` (the adapter folder to write; put it in an adapter
-//! store so `/v1/adapters/available` lists it), and optional settings:
+//! `text`), and optional settings: `output_dir` (the adapter folder to
+//! write; default: `<first adapter store>/<name>`, see below), `name` (the
+//! adapter's name, checked like adapter ids: its folder in the store and
+//! the id `mount` uses; default: the job's id, e.g. `job-000000000042`, or
+//! `output_dir`'s folder name), `mount` (false; true mounts the finished
+//! adapter on the served model loaded from `model`, else the first served
+//! one, or on `mount_model`), and the training settings:
 //! `rank` (8), `scale` (20) or `alpha` (scale = alpha / rank), `dropout`
 //! (0), `keys` (projections, default all seven: `q_proj`, `k_proj`,
 //! `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`), `num_layers`
@@ -18,38 +23,82 @@
 //! on a dense float copy of a quantized base, which MLX's CPU backend runs
 //! ~10x faster; false keeps the quantized matmuls and their memory saving).
 //!
-//! Events: `stage` `load` / `train` / `save`, `metric` `{kind: "train",
-//! step, loss, grad_norm, learning_rate, tokens_per_sec, progress}` every
-//! `report_interval` steps and `{kind: "val", step, loss}` at step 0, every
-//! `val_interval` steps and at the end, `log` lines, then `done` with
-//! `output_dir` and a summary (losses, time, tokens).
+//! Events: `stage` `load` / `train` / `save` (and `mount`), `metric`
+//! `{kind: "train", step, loss, grad_norm, learning_rate, tokens_per_sec,
+//! progress}` every `report_interval` steps and `{kind: "val", step, loss}`
+//! at step 0, every `val_interval` steps and at the end, `log` lines, then
+//! `done` with `output_dir` and a summary (adapter name, `mounted_on`,
+//! losses, time, tokens).
 //!
-//! Checkpoints (`<output_dir>/checkpoint/`: adapter, optimiser moments,
+//! Output: without `output_dir` the adapter goes to the first `[adapters]
+//! stores` entry (default `<data_dir>/adapters`), so `GET
+//! /v1/adapters/available` lists it under its name and `POST /v1/adapters`
+//! mounts it as is. A name already holding an adapter is refused at submit
+//! (400, `config.name`), as is `mount` with an `output_dir` outside the
+//! stores or a name already mounted.
+//!
+//! Auto-mount: with `mount: true`, after the adapter is written the job
+//! mounts it (what `POST /v1/adapters` does) with a `stage` `mount` event
+//! before and one after (`adapter`, `model`, `path`). If mounting fails
+//! the job ends `failed`: the error says why and where the written adapter
+//! is, to mount by hand (the adapter stays in the store).
+//!
+//! Checkpoints (`<adapter folder>/checkpoint/`: adapter, optimiser moments,
 //! `trainer_state.json`) are written every `checkpoint_interval` steps and
 //! when the job is cancelled (it stops after the step it is in). A job
-//! submitted again with the same config — after a cancel, a failure or a
-//! gateway crash (zombie) — resumes from the checkpoint. On success the
+//! submitted again with the same config and destination — after a cancel,
+//! a failure or a gateway crash (zombie) — resumes from the checkpoint (for
+//! an unnamed store adapter, give the first job's id as `name`). A folder
+//! holding only a checkpoint is not listed as available. On success the
 //! adapter is written as `adapters.safetensors` + `adapter_config.json`
 //! (mlx-lm's format, recording the base model) and the checkpoint removed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
-use super::{ConfigError, Env, Fields, Outcome};
+use super::{AdapterMounts, ConfigError, Env, Fields, Outcome};
 use crate::engine::LoadedModel;
-use crate::engine::lora::Projection;
+use crate::engine::lora::{self, Projection};
 use crate::engine::train::{self, LoraSettings, TrainSettings, Trainer};
 use crate::jobs::runner::{JobCtx, RunError};
 use crate::jobs::types::JobEvent;
+
+/// Where the adapter goes.
+#[derive(Debug)]
+enum Output {
+    /// `output_dir`, as given.
+    Dir(PathBuf),
+    /// `<store>/<name>`, or `<store>/<job id>` without a `name`.
+    Store { store: PathBuf },
+}
+
+/// `mount: true`: what to mount the finished adapter as, and where.
+struct Mount {
+    host: Arc<dyn AdapterMounts>,
+    /// The served model (`mount_model`); default: the one loaded from the
+    /// trained `model`, else the first served.
+    model: Option<String>,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount").field("model", &self.model).finish()
+    }
+}
 
 #[derive(Debug)]
 pub struct FinetuneSpec {
     model: PathBuf,
     data: PathBuf,
-    output_dir: PathBuf,
+    output: Output,
+    /// The adapter's name: its folder in the store and the id it is mounted
+    /// as. Default: the job's id (store output) or the folder name.
+    name: Option<String>,
+    mount: Option<Mount>,
     settings: TrainSettings,
     val_interval: usize,
     checkpoint_interval: usize,
@@ -91,6 +140,43 @@ fn parse_keys(v: Option<Value>) -> Result<Vec<Projection>, ConfigError> {
     Ok(keys)
 }
 
+/// An adapter folder to write (or resume in): new, empty, or holding a
+/// checkpoint to resume; `field` names the config field it came from.
+fn check_output_dir(dir: &Path, field: &str, resume: bool) -> Result<(), ConfigError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    let what = if field == "name" {
+        format!("the adapter store's `{}`", dir.display())
+    } else {
+        "`output_dir`".to_owned()
+    };
+    if !dir.is_dir() {
+        return Err(bad(field, format!("{what} exists and is not a folder")));
+    }
+    if dir.join("adapters.safetensors").exists() {
+        return Err(bad(
+            field,
+            format!("{what} already holds an adapter; choose a new {field}"),
+        ));
+    }
+    let has_checkpoint = dir.join("checkpoint/trainer_state.json").is_file();
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
+    if has_checkpoint && !resume {
+        return Err(bad(
+            "resume",
+            format!("{what} holds a checkpoint; resume from it or choose a new {field}"),
+        ));
+    }
+    if !has_checkpoint && !empty {
+        return Err(bad(
+            field,
+            format!("{what} already exists and is neither empty nor a checkpointed run"),
+        ));
+    }
+    Ok(())
+}
+
 impl FinetuneSpec {
     pub fn parse(mut f: Fields, env: &Env<'_>) -> Result<FinetuneSpec, ConfigError> {
         let model = f.input_path("model", env.paths)?;
@@ -105,33 +191,89 @@ impl FinetuneSpec {
         if !data.join("train.jsonl").is_file() {
             return Err(bad("data", "`data` must be a folder with train.jsonl"));
         }
-        let output_dir = f.output_path("output_dir", env.paths)?;
-        let resume = f.bool("resume", true)?;
-        if output_dir.exists() {
-            if !output_dir.is_dir() {
-                return Err(bad("output_dir", "`output_dir` exists and is not a folder"));
-            }
-            if output_dir.join("adapters.safetensors").exists() {
-                return Err(bad(
-                    "output_dir",
-                    "`output_dir` already holds an adapter; choose a new folder",
-                ));
-            }
-            let has_checkpoint = output_dir.join("checkpoint/trainer_state.json").is_file();
-            let empty = std::fs::read_dir(&output_dir).is_ok_and(|mut d| d.next().is_none());
-            if has_checkpoint && !resume {
-                return Err(bad(
-                    "resume",
-                    "`output_dir` holds a checkpoint; resume from it or choose a new folder",
-                ));
-            }
-            if !has_checkpoint && !empty {
-                return Err(bad(
-                    "output_dir",
-                    "`output_dir` already exists and is neither empty nor a checkpointed run",
-                ));
-            }
+        let name = f.opt_string("name")?;
+        if let Some(n) = &name {
+            lora::validate_id(n).map_err(|e| bad("name", e.to_string()))?;
         }
+        let output_dir = f.opt_output_path("output_dir", env.paths)?;
+        let resume = f.bool("resume", true)?;
+        let output = match output_dir {
+            Some(dir) => {
+                check_output_dir(&dir, "output_dir", resume)?;
+                Output::Dir(dir)
+            }
+            None => {
+                let store = env.adapter_stores.first().ok_or_else(|| {
+                    bad(
+                        "output_dir",
+                        "no adapter store is configured ([adapters] stores); give `output_dir`",
+                    )
+                })?;
+                if let Some(n) = &name {
+                    check_output_dir(&store.join(n), "name", resume)?;
+                }
+                Output::Store {
+                    store: store.clone(),
+                }
+            }
+        };
+        let mount = f.bool("mount", false)?;
+        let mount_model = f.opt_string("mount_model")?;
+        let mount = match (mount, mount_model) {
+            (false, Some(_)) => {
+                return Err(bad("mount_model", "`mount_model` needs `\"mount\": true`"));
+            }
+            (false, None) => None,
+            (true, model) => {
+                let host = env
+                    .adapters
+                    .ok_or_else(|| bad("mount", "this gateway has no served models to mount on"))?;
+                // The id it will be mounted as, where known now (a job's
+                // own id is known once it is recorded, and is new).
+                let id = match (&output, &name) {
+                    (_, Some(n)) => Some(n.clone()),
+                    (Output::Dir(dir), None) => {
+                        let n = dir
+                            .file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_default();
+                        lora::validate_id(&n).map_err(|e| {
+                            bad(
+                                "name",
+                                format!("{e}; give `name` to mount `output_dir` under"),
+                            )
+                        })?;
+                        Some(n)
+                    }
+                    (Output::Store { .. }, None) => None,
+                };
+                if let Output::Dir(dir) = &output
+                    && !env
+                        .adapter_stores
+                        .iter()
+                        .any(|s| dir.starts_with(s) && dir != s)
+                {
+                    return Err(bad(
+                        "mount",
+                        "only adapters inside an adapter store ([adapters] stores) are mounted; leave out `output_dir` or put it in a store",
+                    ));
+                }
+                if let Some(id) = &id
+                    && host.is_mounted(id)
+                {
+                    return Err(bad(
+                        "name",
+                        format!(
+                            "an adapter `{id}` is already mounted; unmount it (DELETE /v1/adapters/{id}) or choose another `name`"
+                        ),
+                    ));
+                }
+                Some(Mount {
+                    host: Arc::clone(host),
+                    model,
+                })
+            }
+        };
         let rank = f.u64("rank", Some(8), 1..=512)? as usize;
         let scale = match (f.take("scale"), f.take("alpha")) {
             (Some(_), Some(_)) => {
@@ -168,12 +310,6 @@ impl FinetuneSpec {
         let checkpoint_interval = f.u64("checkpoint_interval", Some(100), 0..=10_000_000)? as usize;
         let report_interval = f.u64("report_interval", Some(10), 1..=10_000_000)? as usize;
         let dequantize_base = f.bool("dequantize_base", true)?;
-        if f.bool("mount", false)? {
-            return Err(bad(
-                "mount",
-                "auto-mount is not available yet; mount the finished adapter with POST /v1/adapters",
-            ));
-        }
         if warmup_steps > iterations {
             return Err(bad("warmup_steps", "`warmup_steps` exceeds `iterations`"));
         }
@@ -181,7 +317,9 @@ impl FinetuneSpec {
         Ok(FinetuneSpec {
             model,
             data,
-            output_dir,
+            output,
+            name,
+            mount,
             settings: TrainSettings {
                 lora: LoraSettings {
                     rank,
@@ -231,10 +369,38 @@ impl FinetuneSpec {
             .collect()
     }
 
+    /// The adapter folder and its name (the job's id for unnamed store
+    /// output).
+    fn destination(&self, job_id: &str) -> (PathBuf, String) {
+        match &self.output {
+            Output::Dir(dir) => {
+                let name = self.name.clone().unwrap_or_else(|| {
+                    dir.file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default()
+                });
+                (dir.clone(), name)
+            }
+            Output::Store { store } => {
+                let name = self.name.clone().unwrap_or_else(|| job_id.to_owned());
+                (store.join(&name), name)
+            }
+        }
+    }
+
     pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
         let fail = |e: train::TrainError| RunError::Failed(e.to_string());
         let started = Instant::now();
         let s = &self.settings;
+        let (out, adapter_name) = self.destination(ctx.id());
+        // Checked at submit; a job queued behind another of the same name
+        // finds its adapter here.
+        if out.join("adapters.safetensors").exists() {
+            return Err(RunError::Failed(format!(
+                "{} already holds an adapter; choose a new name or output_dir",
+                out.display()
+            )));
+        }
         ctx.emit(JobEvent::stage(
             "load",
             Some(0.0),
@@ -288,7 +454,7 @@ impl FinetuneSpec {
             run_id,
         )
         .map_err(fail)?;
-        let checkpoint = self.output_dir.join("checkpoint");
+        let checkpoint = out.join("checkpoint");
         let mut resumed_from = None;
         if self.resume && checkpoint.join("trainer_state.json").is_file() {
             trainer.resume(&checkpoint).map_err(fail)?;
@@ -413,15 +579,18 @@ impl FinetuneSpec {
         ctx.emit(JobEvent::stage(
             "save",
             Some(1.0),
-            Some(format!(
-                "writing the adapter to {}",
-                self.output_dir.display()
-            )),
+            Some(format!("writing the adapter to {}", out.display())),
         ));
-        self.write_adapter(&trainer, &base)?;
+        write_adapter(&out, &trainer, &base)?;
         let _ = std::fs::remove_dir_all(&checkpoint);
+        let mounted_on = match &self.mount {
+            Some(m) => Some(mount_adapter(ctx, m, &adapter_name, &out, &self.model)?),
+            None => None,
+        };
         let st = &trainer.state;
         let summary = json!({
+            "adapter": adapter_name,
+            "mounted_on": mounted_on,
             "base_model": base,
             "steps": st.step,
             "resumed_from": resumed_from,
@@ -439,24 +608,62 @@ impl FinetuneSpec {
             "valid_examples": n_valid,
         });
         Ok(Outcome {
-            output_path: Some(self.output_dir.clone()),
+            output_path: Some(out),
             summary: Some(summary),
         })
     }
+}
 
-    /// Writes the adapter next to (then over) temporary names, config last,
-    /// so a listing never sees a half-written adapter.
-    fn write_adapter(&self, trainer: &Trainer<'_>, base: &str) -> Result<(), RunError> {
-        let tmp = self.output_dir.join(".partial");
-        let _ = std::fs::remove_dir_all(&tmp);
-        trainer
-            .save_adapter(&tmp, base)
-            .map_err(|e| RunError::Failed(e.to_string()))?;
-        for name in ["adapters.safetensors", "adapter_config.json"] {
-            std::fs::rename(tmp.join(name), self.output_dir.join(name))
-                .map_err(|e| RunError::Failed(format!("cannot move {name} into place: {e}")))?;
+/// Mounts the finished adapter on a served model (`mount: true`), with a
+/// `stage` event before and after; returns the model's id. A failure fails
+/// the job: the caller asked for a mounted adapter, and the error says where
+/// the adapter is, to mount it by hand.
+fn mount_adapter(
+    ctx: &JobCtx,
+    m: &Mount,
+    id: &str,
+    dir: &Path,
+    base: &Path,
+) -> Result<String, RunError> {
+    let stage = |message: String, model: Option<&str>| {
+        let mut event = JobEvent::stage("mount", Some(1.0), Some(message));
+        if let JobEvent::Stage { extra, .. } = &mut event {
+            extra.insert("adapter".into(), json!(id));
+            extra.insert("path".into(), json!(dir));
+            if let Some(model) = model {
+                extra.insert("model".into(), json!(model));
+            }
         }
-        let _ = std::fs::remove_dir_all(&tmp);
-        Ok(())
+        event
+    };
+    ctx.emit(stage(format!("mounting the adapter as `{id}`"), None));
+    match m.host.mount(id, dir, m.model.as_deref(), base) {
+        Ok(model) => {
+            ctx.emit(stage(
+                format!("mounted as `{id}` on {model}; select it with \"adapter\": \"{id}\""),
+                Some(&model),
+            ));
+            Ok(model)
+        }
+        Err(e) => Err(RunError::Failed(format!(
+            "the adapter was written to {} but mounting it as `{id}` failed: {e}; mount it with POST /v1/adapters",
+            dir.display()
+        ))),
     }
+}
+
+/// Writes the adapter next to (then over) temporary names, config last, so
+/// a listing never sees a half-written adapter.
+fn write_adapter(out: &Path, trainer: &Trainer<'_>, base: &str) -> Result<(), RunError> {
+    let tmp = out.join(".partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    trainer
+        .save_adapter(&tmp, base)
+        .map_err(|e| RunError::Failed(e.to_string()))?;
+    for name in ["adapters.safetensors", "adapter_config.json"] {
+        std::fs::rename(tmp.join(name), out.join(name))
+            .map_err(|e| RunError::Failed(format!("cannot move {name} into place: {e}")))?;
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(())
 }

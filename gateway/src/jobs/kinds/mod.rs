@@ -9,7 +9,7 @@ pub mod noop;
 pub mod quantize;
 
 use std::ops::RangeInclusive;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -40,11 +40,33 @@ impl ConfigError {
 /// Opens the process's policy host on demand (wired by the server).
 pub type PolicyProvider = Arc<dyn Fn() -> Result<Arc<PolicyHost>, String> + Send + Sync>;
 
+/// The served models' LoRA mounts, as `finetune`'s `mount` needs them
+/// (wired by the server, which owns the engines; the jobs module knows no
+/// HTTP and no model registry).
+pub trait AdapterMounts: Send + Sync {
+    /// Whether an adapter `id` is mounted on any served model.
+    fn is_mounted(&self, id: &str) -> bool;
+    /// Mounts the adapter in `dir` as `id` on the served model `model`, or
+    /// by default on the one loaded from `base` (the model trained on), else
+    /// the first served one; returns that model's id. Blocking.
+    fn mount(
+        &self,
+        id: &str,
+        dir: &Path,
+        model: Option<&str>,
+        base: &Path,
+    ) -> Result<String, String>;
+}
+
 /// What config checking may consult.
 pub struct Env<'a> {
     pub enable_crash: bool,
     pub paths: &'a PathGuard,
     pub policies: Option<&'a PolicyProvider>,
+    /// `[adapters] stores`, canonical, in config order: `finetune` writes to
+    /// the first when no `output_dir` is given.
+    pub adapter_stores: &'a [PathBuf],
+    pub adapters: Option<&'a Arc<dyn AdapterMounts>>,
 }
 
 /// How a job that ran to the end reports back.
@@ -202,6 +224,21 @@ impl Fields {
     pub fn output_path(&mut self, key: &str, guard: &PathGuard) -> Result<PathBuf, ConfigError> {
         let raw = self.string(key)?;
         guard.writable(&raw).map_err(|e| path_error(key, e))
+    }
+
+    /// [`Fields::output_path`] for an optional field.
+    pub fn opt_output_path(
+        &mut self,
+        key: &str,
+        guard: &PathGuard,
+    ) -> Result<Option<PathBuf>, ConfigError> {
+        match self.opt_string(key)? {
+            None => Ok(None),
+            Some(raw) => guard
+                .writable(&raw)
+                .map(Some)
+                .map_err(|e| path_error(key, e)),
+        }
     }
 
     /// Refuses fields nobody read.
