@@ -2,8 +2,10 @@
 //! trained (loss) tokens per second over `iters` optimiser steps, the same
 //! figure `mlx_lm lora` reports as Tokens/sec.
 //!
-//! `cargo bench -p mlxgate --bench finetune -- MODEL DATA_DIR [ITERS]`
-//! (defaults: the packaged SmolLM2 GGUF, a generated chat dataset, 20).
+//! `cargo bench -p mlxgate --bench finetune -- MODEL DATA_DIR [ITERS [ADAPTER_OUT]]`
+//! (defaults: the packaged SmolLM2 GGUF, a generated chat dataset, 20; with
+//! ADAPTER_OUT the trained adapter is written there in mlx-lm's format, as
+//! `scripts/check-lora-against-mlx-lm.sh` uses it).
 //! `scripts/bench-finetune-vs-mlx-lm.sh` runs it next to mlx-lm on the same
 //! converted model, data and settings. Settings: rank 8, scale 20, all seven
 //! projections of the last 8 layers, batch 4, max_seq_len 512, learning
@@ -88,6 +90,11 @@ fn main() {
         losses.push(trainer.step().unwrap().loss);
     }
     let wall = started.elapsed().as_secs_f64();
+    if let Some(out) = args.get(3) {
+        trainer
+            .save_adapter(std::path::Path::new(out), &model.id)
+            .expect("write the adapter");
+    }
     let st = &trainer.state;
     let out = json!({
         "model": model_path.display().to_string(),

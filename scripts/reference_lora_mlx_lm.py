@@ -1,6 +1,13 @@
 """Reference figures from Python mlx-lm for a LoRA adapter on a converted model.
 
     python scripts/reference_lora_mlx_lm.py <model_dir> <out_dir>
+    python scripts/reference_lora_mlx_lm.py <model_dir> <out_dir> --adapter DIR
+    python scripts/reference_lora_mlx_lm.py --write-data DIR
+
+With `--adapter DIR` (an adapter trained elsewhere, e.g. by mlxgate), steps 1
+and 2 are skipped: mlx-lm loads DIR as is (`mlx_lm.load(model_dir,
+adapter_path=DIR)`) and step 3 records its figures. `--write-data DIR` only
+writes the dataset of step 1 (so another trainer can use the same data).
 
 1. writes a small fixed chat dataset (every reply in pirate speak, opening
    "Ahoy, matey!") into <out_dir>/data/{train,valid}.jsonl;
@@ -22,8 +29,9 @@
 Writes <out_dir>/lora_reference.json for `tests/reference_lora_mlx_lm.rs`:
 
     {"mlx_lm_version", "mlx_version", "model_dir", "adapter_dir",
-     "adapter_config": <adapter_config.json as mlx-lm wrote it>,
-     "train_seconds", "steps",
+     "adapter_config": <the adapter's adapter_config.json>,
+     "trained_by": "mlx-lm <version>" | its config's "trained_with",
+     "train_seconds" (null with --adapter), "steps",
      "cases": [{"prompt", "prompt_tokens": [...],
                 "with_adapter": {"tokens": [...], "text", "logits_first": [...]},
                 "base":         {"tokens": [...], "text", "logits_first": [...]}}]}
@@ -219,14 +227,11 @@ def run_model(model_dir: str, adapter_dir) -> tuple:
     return results
 
 
-def main(model_dir: str, out_dir: str) -> None:
-    out_dir = os.path.abspath(out_dir)
-    model_dir = os.path.abspath(model_dir)
+def train(model_dir: str, out_dir: str) -> tuple:
+    """Trains the reference adapter with mlx-lm; returns (adapter_dir, seconds)."""
     data_dir = os.path.join(out_dir, "data")
     adapter_dir = os.path.join(out_dir, "adapter")
     config_path = os.path.join(out_dir, "lora_config.yaml")
-    os.makedirs(out_dir, exist_ok=True)
-
     write_dataset(data_dir)
     train_model_dir = os.path.join(out_dir, "base-dequantized")
     shutil.rmtree(train_model_dir, ignore_errors=True)
@@ -245,8 +250,24 @@ def main(model_dir: str, out_dir: str) -> None:
     )
     train_seconds = time.perf_counter() - tic
     print(f"training took {train_seconds:.1f} s", flush=True)
+    return adapter_dir, train_seconds
+
+
+def main(model_dir: str, out_dir: str, adapter=None) -> None:
+    out_dir = os.path.abspath(out_dir)
+    model_dir = os.path.abspath(model_dir)
+    os.makedirs(out_dir, exist_ok=True)
+
+    if adapter is None:
+        adapter_dir, train_seconds = train(model_dir, out_dir)
+        trained_by = f"mlx-lm {mlx_lm.__version__}"
+    else:
+        adapter_dir, train_seconds = os.path.abspath(adapter), None
+        print(f"mlx-lm {mlx_lm.__version__}: loading the adapter in {adapter_dir}", flush=True)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
+    if adapter is not None:
+        trained_by = adapter_config.get("trained_with", "unknown")
 
     with_adapter = run_model(model_dir, adapter_dir)
     base = run_model(model_dir, None)
@@ -276,7 +297,8 @@ def main(model_dir: str, out_dir: str) -> None:
                 "model_dir": model_dir,
                 "adapter_dir": adapter_dir,
                 "adapter_config": adapter_config,
-                "train_seconds": round(train_seconds, 1),
+                "trained_by": trained_by,
+                "train_seconds": None if train_seconds is None else round(train_seconds, 1),
                 "steps": STEPS,
                 "cases": cases,
             },
@@ -287,4 +309,12 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    argv = sys.argv[1:]
+    if argv[:1] == ["--write-data"] and len(argv) == 2:
+        write_dataset(os.path.abspath(argv[1]))
+    elif len(argv) == 2:
+        main(argv[0], argv[1])
+    elif len(argv) == 4 and argv[2] == "--adapter":
+        main(argv[0], argv[1], adapter=argv[3])
+    else:
+        sys.exit(__doc__)

@@ -1,9 +1,14 @@
-//! An adapter trained by Python mlx-lm (`mlx_lm lora`) on SmolLM2, applied by
-//! mlxgate: greedy tokens identical to mlx-lm's with the same adapter, for
-//! every reference prompt, and first-step logits within 1e-3.
+//! LoRA adapters against Python mlx-lm on SmolLM2, both ways: an adapter
+//! trained by mlx-lm (`mlx_lm lora`) applied by mlxgate, and an adapter
+//! trained by mlxgate (`engine::train`) loaded by mlx-lm
+//! (`mlx_lm.load(..., adapter_path=...)`). Either way mlxgate's greedy
+//! tokens with the adapter equal mlx-lm's for every reference prompt, and
+//! the first-step logits are within 1e-3.
 //!
 //! Needs the figures of `scripts/check-lora-against-mlx-lm.sh`, which runs
-//! this ignored-by-default test with `MLXGATE_LORA_REFERENCE_JSON` set.
+//! these ignored-by-default tests with `MLXGATE_LORA_REFERENCE_JSON` (the
+//! mlx-lm-trained adapter) and `MLXGATE_LORA_MLXGATE_REFERENCE_JSON` (the
+//! mlxgate-trained one) set.
 
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -30,10 +35,32 @@ fn numbers<T>(v: &Value, f: impl Fn(&Value) -> T) -> Vec<T> {
 #[test]
 #[ignore = "needs Python mlx-lm figures: run scripts/check-lora-against-mlx-lm.sh"]
 fn mlx_lm_trained_adapter_gives_mlx_lm_greedy_tokens() {
-    let path = std::env::var_os("MLXGATE_LORA_REFERENCE_JSON").expect(
-        "MLXGATE_LORA_REFERENCE_JSON must name the figures of scripts/reference_lora_mlx_lm.py",
+    same_greedy_tokens_as_mlx_lm("MLXGATE_LORA_REFERENCE_JSON");
+}
+
+#[test]
+#[ignore = "needs Python mlx-lm figures: run scripts/check-lora-against-mlx-lm.sh"]
+fn mlxgate_trained_adapter_gives_the_same_greedy_tokens_in_mlx_lm() {
+    let reference = same_greedy_tokens_as_mlx_lm("MLXGATE_LORA_MLXGATE_REFERENCE_JSON");
+    assert_eq!(
+        reference["adapter_config"]["trained_with"], "mlxgate",
+        "this reference must be of an adapter mlxgate trained"
     );
+}
+
+/// Compares mlxgate with the adapter (and without) to the mlx-lm figures
+/// named by `env`; returns them.
+fn same_greedy_tokens_as_mlx_lm(env: &str) -> Value {
+    let path = std::env::var_os(env).unwrap_or_else(|| {
+        panic!("{env} must name the figures of scripts/reference_lora_mlx_lm.py")
+    });
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    println!(
+        "reference {}: adapter {} trained by {}",
+        path.to_string_lossy(),
+        reference["adapter_dir"],
+        reference["trained_by"]
+    );
     let model_dir = PathBuf::from(reference["model_dir"].as_str().unwrap());
     let adapter_dir = PathBuf::from(reference["adapter_dir"].as_str().unwrap());
     let loaded = LoadedModel::load(&model_dir).unwrap();
@@ -98,4 +125,5 @@ fn mlx_lm_trained_adapter_gives_mlx_lm_greedy_tokens() {
         changed > 0,
         "the adapter changed no answer: the reference proves nothing"
     );
+    reference
 }
