@@ -121,6 +121,7 @@ def decode(llm, prompt, n, suppress):
         "seconds": seconds,
         "tok_s": (n - 1) / seconds,
         "ids": ids,
+        "text": llm.detokenize(ids).decode("utf-8", errors="replace"),
         "perf": perf(llm),
     }
 
