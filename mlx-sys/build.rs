@@ -19,6 +19,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLX_PREFIX");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=include/mlxgate_prelude.h");
+    println!("cargo:rerun-if-changed=kernels");
 
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -27,8 +28,9 @@ fn main() {
     let mlx = find_mlx(&manifest_dir);
     let mlx_c = find_mlx_c_sources(&manifest_dir, &out_dir);
     compile_mlx_c(&mlx_c, &mlx, &prelude);
+    compile_kernels(&manifest_dir.join("kernels"), &mlx_c, &mlx, &prelude);
     link_mlx(&mlx);
-    generate_bindings(&mlx_c, &prelude, &out_dir);
+    generate_bindings(&mlx_c, &manifest_dir.join("kernels"), &prelude, &out_dir);
 }
 
 /// Where an MLX installation keeps its headers and `libmlx.so`.
@@ -170,6 +172,28 @@ fn compile_mlx_c(mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
     build.compile("mlxc");
 }
 
+/// mlxgate's own CPU kernels (MLX primitives, `kernels/`). Built for baseline
+/// x86-64: the AVX2 code paths carry `target` attributes and are chosen at run
+/// time, so the library still loads on older CPUs.
+fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
+    cc::Build::new()
+        .cpp(true)
+        .std("c++20")
+        .opt_level(3)
+        .debug(false)
+        .warnings(true)
+        .pic(true)
+        .include(kernels)
+        .flag("-isystem")
+        .flag(mlx_c.to_str().expect("utf-8 mlx-c path"))
+        .flag("-isystem")
+        .flag(mlx.include.to_str().expect("utf-8 MLX path"))
+        .flag("-include")
+        .flag(prelude.to_str().expect("utf-8 prelude path"))
+        .file(kernels.join("quantized_matmul.cpp"))
+        .compile("mlxgate_kernels");
+}
+
 fn link_mlx(mlx: &Mlx) {
     println!("cargo:rustc-link-search=native={}", mlx.lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
@@ -180,7 +204,7 @@ fn link_mlx(mlx: &Mlx) {
     println!("cargo:include={}", mlx.include.display());
 }
 
-fn generate_bindings(mlx_c: &Path, prelude: &Path, out_dir: &Path) {
+fn generate_bindings(mlx_c: &Path, kernels: &Path, prelude: &Path, out_dir: &Path) {
     let mut headers: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
         .expect("list mlx-c headers")
         .flatten()
@@ -188,6 +212,7 @@ fn generate_bindings(mlx_c: &Path, prelude: &Path, out_dir: &Path) {
         .filter(|path| path.extension().is_some_and(|ext| ext == "h"))
         .collect();
     headers.sort();
+    headers.push(kernels.join("mlxgate_kernels.h"));
     let bindings = headers
         .iter()
         .fold(bindgen::Builder::default(), |builder, header| {

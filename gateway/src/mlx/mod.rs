@@ -4,6 +4,7 @@
 //! `tokio::task::spawn_blocking`.
 
 mod doctor;
+pub mod kernels;
 mod model_file;
 mod runtime;
 

@@ -10,6 +10,7 @@ use mlx_rs::ops::{dequantize, matmul, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use super::LoadError;
+use crate::mlx::kernels;
 
 pub type MlxResult<T> = Result<T, mlx_rs::error::Exception>;
 
@@ -258,7 +259,13 @@ impl Kernel {
                 biases,
                 group_size,
                 bits,
-            } => quantized_matmul(x, weight, scales, biases, true, *group_size, *bits),
+            } => {
+                if kernels::quantized_matmul_is_native(x, scales, *group_size, *bits) {
+                    kernels::quantized_matmul(x, weight, scales, biases, *group_size, *bits)
+                } else {
+                    quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)
+                }
+            }
         }
     }
 
