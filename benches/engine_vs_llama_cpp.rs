@@ -467,6 +467,7 @@ fn main() {
                 store: None,
                 auto_save_min_tokens: None,
             },
+            ..EngineOptions::default()
         };
         let started = Instant::now();
         let engine = EngineHandle::load_with(path, options).expect("load model");

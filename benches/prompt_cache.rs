@@ -62,6 +62,7 @@ fn engine(model: &Path, memory_bytes: usize, store: &Arc<CacheStore>) -> EngineH
             store: Some(Arc::clone(store)),
             auto_save_min_tokens: Some(1000),
         },
+        ..EngineOptions::default()
     };
     EngineHandle::load_with(model, options).expect("load SmolLM2 (run scripts/setup.sh)")
 }

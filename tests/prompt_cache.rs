@@ -39,6 +39,7 @@ fn engine(
             store,
             auto_save_min_tokens: auto,
         },
+        ..EngineOptions::default()
     };
     EngineHandle::load_with(model, options).unwrap()
 }

@@ -29,6 +29,8 @@ use prompt_cache::{
 use scheduler::{Caching, Command, Job, Scheduler};
 use text::TextCodec;
 
+use crate::mlx::kernels::{self, KernelChoice};
+
 /// Most sequences decoded together in one step.
 const MAX_BATCH: usize = 16;
 
@@ -39,6 +41,9 @@ const DEFAULT_MEMORY_CACHE_BYTES: usize = 256 * 1024 * 1024;
 #[derive(Clone)]
 pub struct EngineOptions {
     pub prompt_cache: PromptCacheOptions,
+    /// Which quantized matmul the engine thread runs (native CPU kernels or
+    /// MLX's own); see [`crate::mlx::kernels`].
+    pub kernels: KernelChoice,
 }
 
 impl Default for EngineOptions {
@@ -49,6 +54,7 @@ impl Default for EngineOptions {
                 store: None,
                 auto_save_min_tokens: None,
             },
+            kernels: KernelChoice::default_for_process(),
         }
     }
 }
@@ -157,6 +163,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
+                kernels::set_thread_choice(options.kernels);
                 let model = match LoadedModel::load(&path) {
                     Ok(model) => model,
                     Err(error) => {

@@ -124,6 +124,7 @@ impl AppState {
                 auto_save_min_tokens: (c.auto_save_min_tokens > 0)
                     .then_some(c.auto_save_min_tokens),
             },
+            ..EngineOptions::default()
         }
     }
 }
