@@ -21,6 +21,12 @@ int mlxgate_kernels_supported(void);
  * this process may run on. Returns the count now in effect. */
 int mlxgate_kernels_set_threads(int threads);
 
+/* Sets OpenBLAS's thread count (MLX's f32 matmuls go through it where the
+ * system has it). Returns the previous count, or -1 when OpenBLAS is absent.
+ * Its idle threads spin for a long while after each call: for the many small
+ * matmuls of decoding, one thread avoids stealing the cores the kernels use. */
+int mlxgate_blas_set_threads(int threads);
+
 /* `x @ W^T` for an affine-quantized W (MLX layout: `w` u32 [N, K * bits / 32],
  * `scales` and `biases` f32 [N, K / group_size]) and an f32 `x` [..., K]:
  * what `mlx_quantized_matmul(..., transpose = true, ...)` computes, with each

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include <dlfcn.h>
 #include <sched.h>
 
 #include "mlx/allocator.h"
@@ -49,11 +50,14 @@ namespace mx = mlx::core;
 namespace {
 
 // ---------------------------------------------------------------------------
-// Thread pool: the stream thread takes part 0 of every job, workers the rest.
+// Thread pool. A job is a range of chunks that threads claim one at a time:
+// the stream thread starts claiming at once and workers join as they wake,
+// so a worker descheduled by the OS (2 cores shared with the engine thread)
+// delays the job by at most the chunk it holds, never by a whole share.
 // Workers spin briefly between jobs (a token's matmuls come tens of
-// microseconds apart) and then sleep on a condition variable.
+// microseconds apart), then yield, then sleep on a condition variable.
 
-using PartFn = void (*)(const void* ctx, int part, int parts);
+using ChunkFn = void (*)(const void* ctx, int64_t chunk);
 
 class Pool {
  public:
@@ -62,9 +66,8 @@ class Pool {
     return *pool;
   }
 
-  int threads() {
-    std::lock_guard<std::mutex> lock(busy_);
-    return static_cast<int>(workers_.size()) + 1;
+  int threads() const {
+    return threads_.load(std::memory_order_relaxed);
   }
 
   int set_threads(int threads) {
@@ -78,29 +81,42 @@ class Pool {
     // itself could start after a later post and miss it.
     const uint32_t start = epoch_.load(std::memory_order_seq_cst);
     for (int i = 1; i < threads; ++i) {
-      workers_.emplace_back([this, i, start] { work(i, start); });
+      workers_.emplace_back([this, start] { work(start); });
     }
+    threads_.store(threads, std::memory_order_relaxed);
     return threads;
   }
 
-  /// Runs `fn(ctx, part, parts)` for every part; returns when all are done.
-  /// A second caller while a job runs (several MLX streams at once) does its
-  /// job alone rather than wait.
-  void run(PartFn fn, const void* ctx, bool parallel) {
+  /// Runs `fn(ctx, chunk)` for every chunk in [0, chunks); returns when all
+  /// are done. A second caller while a job runs (several MLX streams at
+  /// once) does its job alone rather than wait.
+  void run(ChunkFn fn, const void* ctx, int64_t chunks) {
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (!lock.owns_lock() || workers_.empty() || !parallel) {
-      fn(ctx, 0, 1);
+    if (!lock.owns_lock() || workers_.empty() || chunks <= 1) {
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        fn(ctx, chunk);
+      }
       return;
     }
-    const int parts = static_cast<int>(workers_.size()) + 1;
     fn_ = fn;
     ctx_ = ctx;
-    parts_ = parts;
-    remaining_.store(parts - 1, std::memory_order_relaxed);
+    chunks_ = chunks;
+    done_.store(0, std::memory_order_relaxed);
+    next_.store(0, std::memory_order_relaxed);
+    open_.store(true, std::memory_order_seq_cst);
     post();
-    fn(ctx, 0, parts);
-    while (remaining_.load(std::memory_order_acquire) != 0) {
-      pause();
+    claim_all();
+    // Chunks claimed by workers may still be running.
+    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+      relax(spins);
+    }
+    // Close the job, then wait out workers that entered it: a worker
+    // announces itself (active_) before it checks open_, so either it sees
+    // the job closed or this sees it active. None may touch the job's
+    // fields once this returns.
+    open_.store(false, std::memory_order_seq_cst);
+    for (int spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
+      relax(spins);
     }
   }
 
@@ -118,26 +134,40 @@ class Pool {
     return std::max(1u, std::thread::hardware_concurrency());
   }
 
-  static void pause() {
+  /// Busy-waits politely: pause first, then give the core away.
+  static void relax(int spins) {
 #if defined(MLXGATE_X86)
-    _mm_pause();
-#else
-    std::this_thread::yield();
+    if (spins < 256) {
+      _mm_pause();
+      return;
+    }
 #endif
+    std::this_thread::yield();
   }
 
-  void work(int part, uint32_t seen) {
+  void claim_all() {
     for (;;) {
-      // Spin ~200 us for the next job before sleeping.
+      const int64_t chunk = next_.fetch_add(1, std::memory_order_acq_rel);
+      if (chunk >= chunks_) {
+        return;
+      }
+      fn_(ctx_, chunk);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void work(uint32_t seen) {
+    for (;;) {
       auto deadline =
           std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       uint32_t now = epoch_.load(std::memory_order_acquire);
       for (int spins = 0; now == seen; ++spins) {
-        pause();
-        if ((spins & 63) == 63 && std::chrono::steady_clock::now() > deadline) {
+        relax(spins);
+        if ((spins & 31) == 31 && std::chrono::steady_clock::now() > deadline) {
           sleep_until_posted(seen);
           deadline = std::chrono::steady_clock::now() +
               std::chrono::microseconds(200);
+          spins = 0;
         }
         now = epoch_.load(std::memory_order_acquire);
       }
@@ -145,10 +175,12 @@ class Pool {
       if (stopping_.load(std::memory_order_acquire)) {
         return;
       }
-      if (part < parts_) {
-        fn_(ctx_, part, parts_);
+      // Announce before looking at the job (see `run`).
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      if (open_.load(std::memory_order_seq_cst)) {
+        claim_all();
       }
-      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+      active_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
@@ -192,12 +224,16 @@ class Pool {
   std::condition_variable wake_;
   std::vector<std::thread> workers_;
   std::atomic<uint32_t> epoch_{0};
-  std::atomic<int> remaining_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> active_{0};
+  std::atomic<bool> open_{false};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stopping_{false};
-  PartFn fn_ = nullptr;
+  std::atomic<int> threads_{1};
+  ChunkFn fn_ = nullptr;
   const void* ctx_ = nullptr;
-  int parts_ = 1;
+  int64_t chunks_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -411,16 +447,27 @@ void rows_for(const Product& p, int64_t n0, int64_t n1) {
 
 #endif  // MLXGATE_X86
 
-/// This part's share of the output rows, in multiples of 8.
-void run_part(const void* ctx, int part, int parts) {
+/// Output rows per chunk: a multiple of 8, about 8 chunks per thread for
+/// balance, and at least ~64K weight-input products so claiming one stays
+/// cheap against computing it.
+int64_t rows_per_chunk(const Product& p, int threads) {
+  const int64_t work_per_row = p.k * std::min<int64_t>(p.m, 4);
+  const int64_t at_least = (65536 + work_per_row - 1) / work_per_row;
+  const int64_t balanced = p.n / (8 * std::max(threads, 1));
+  return (std::max<int64_t>({at_least, balanced, 8}) + 7) / 8 * 8;
+}
+
+struct Chunked {
+  const Product* product;
+  int64_t rows;
+};
+
+void run_chunk(const void* ctx, int64_t chunk) {
 #if defined(MLXGATE_X86)
-  const Product& p = *static_cast<const Product*>(ctx);
-  const int64_t blocks = (p.n + 7) / 8;
-  const int64_t n0 = std::min(p.n, blocks * part / parts * 8);
-  const int64_t n1 = std::min(p.n, blocks * (part + 1) / parts * 8);
-  if (n0 >= n1) {
-    return;
-  }
+  const Chunked& c = *static_cast<const Chunked*>(ctx);
+  const Product& p = *c.product;
+  const int64_t n0 = chunk * c.rows;
+  const int64_t n1 = std::min(p.n, n0 + c.rows);
   if (p.bits == 4) {
     rows_for<4>(p, n0, n1);
   } else {
@@ -428,15 +475,13 @@ void run_part(const void* ctx, int part, int parts) {
   }
 #else
   (void)ctx;
-  (void)part;
-  (void)parts;
+  (void)chunk;
 #endif
 }
 
 void run_product(const Product& p) {
-  // Below ~64K weight-input products, waking a worker costs more than it saves.
-  const bool parallel = p.n * p.k * std::min<int64_t>(p.m, 4) >= (1 << 16);
-  Pool::instance().run(run_part, &p, parallel);
+  const Chunked chunked{&p, rows_per_chunk(p, Pool::instance().threads())};
+  Pool::instance().run(run_chunk, &chunked, (p.n + chunked.rows - 1) / chunked.rows);
 }
 
 // ---------------------------------------------------------------------------
@@ -639,6 +684,20 @@ void check_operands(
 
 extern "C" int mlxgate_kernels_supported(void) {
   return cpu_supported() ? 1 : 0;
+}
+
+extern "C" int mlxgate_blas_set_threads(int threads) {
+  // Looked up at run time: OpenBLAS is linked only where the system has it.
+  using Get = int (*)();
+  using Set = void (*)(int);
+  auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto set = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (!get || !set) {
+    return -1;
+  }
+  const int previous = get();
+  set(threads);
+  return previous;
 }
 
 extern "C" int mlxgate_kernels_set_threads(int threads) {

@@ -163,7 +163,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                kernels::set_thread_choice(options.kernels);
+                kernels::prepare_engine_thread(options.kernels);
                 let model = match LoadedModel::load(&path) {
                     Ok(model) => model,
                     Err(error) => {

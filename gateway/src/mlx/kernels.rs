@@ -63,6 +63,15 @@ pub fn set_thread_choice(choice: KernelChoice) {
     THREAD_CHOICE.with(|cell| cell.set(Some(effective)));
 }
 
+/// Prepares an engine thread: pins its kernel choice and, on native kernels,
+/// keeps OpenBLAS to one thread (see [`set_blas_threads`]).
+pub fn prepare_engine_thread(choice: KernelChoice) {
+    set_thread_choice(choice);
+    if thread_choice() == KernelChoice::Native {
+        set_blas_threads(1);
+    }
+}
+
 /// This thread's kernel choice.
 pub fn thread_choice() -> KernelChoice {
     THREAD_CHOICE
@@ -88,6 +97,42 @@ pub fn set_threads(threads: usize) -> usize {
     // SAFETY: reconfigures the kernels' pool; callers in flight finish first.
     let got = unsafe { mlx_sys::mlxgate_kernels_set_threads(asked) };
     usize::try_from(got).unwrap_or(1)
+}
+
+/// Sets OpenBLAS's thread count for the whole process; returns the previous
+/// count, or `None` when MLX's matmuls do not go through OpenBLAS here.
+///
+/// Decoding with the native kernels issues many tiny f32 matmuls (attention);
+/// OpenBLAS's idle threads spin for a long time after each, taking the cores
+/// the kernels need, so engines on native kernels run OpenBLAS on one thread.
+/// Large dense matmuls (training) ask for all cores with [`BlasThreads`].
+pub fn set_blas_threads(threads: usize) -> Option<usize> {
+    let asked = i32::try_from(threads.max(1)).unwrap_or(i32::MAX);
+    // SAFETY: calls OpenBLAS's own setter when it is loaded.
+    let previous = unsafe { mlx_sys::mlxgate_blas_set_threads(asked) };
+    usize::try_from(previous).ok()
+}
+
+/// Runs OpenBLAS on every core while alive, then restores the previous count.
+pub struct BlasThreads {
+    previous: Option<usize>,
+}
+
+impl BlasThreads {
+    pub fn all_cores() -> BlasThreads {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        BlasThreads {
+            previous: set_blas_threads(cores),
+        }
+    }
+}
+
+impl Drop for BlasThreads {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            set_blas_threads(previous);
+        }
+    }
 }
 
 /// Whether this thread should run `x @ W^T` for a quantized W natively.

@@ -535,9 +535,18 @@ impl Transformer {
                     None,
                 )
             };
-            let q = rotate(queries.index(b..b + 1))?;
-            let k = rotate(keys.index(b..b + 1))?;
-            let v = values.index(b..b + 1);
+            // One sequence (the common case) needs no per-sequence slices:
+            // every graph node costs MLX's CPU backend microseconds per token.
+            let one = |all: &Array| {
+                if batch == 1 {
+                    all.clone()
+                } else {
+                    all.index(b..b + 1)
+                }
+            };
+            let q = rotate(one(&queries))?;
+            let k = rotate(one(&keys))?;
+            let v = one(&values);
             let layer_cache = &mut cache.layers[layer];
             let cached_start = layer_cache.start;
             let (k, v) = layer_cache.append(k, v)?;

@@ -408,6 +408,9 @@ impl FinetuneSpec {
         ));
         let model = LoadedModel::load(&self.model)
             .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        // Training's matmuls are large and dense: BLAS on every core while it
+        // runs (engines on native kernels keep it to one).
+        let _blas = crate::mlx::kernels::BlasThreads::all_cores();
         // The base stays frozen either way; dense copies of quantized
         // matrices make MLX's CPU backend much faster (BLAS).
         let dense = if self.dequantize_base {
