@@ -43,7 +43,11 @@ fn engine_matches_mlx_lm_logits_and_greedy_tokens() {
         .map(|v| v.as_f64().unwrap() as f32)
         .collect();
 
-    let model_dir = PathBuf::from(reference["model_dir"].as_str().unwrap());
+    // The script records the directory relative to the repository root;
+    // cargo runs tests from gateway/.
+    let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(reference["model_dir"].as_str().unwrap());
     let model = LoadedModel::load(&model_dir).unwrap().transformer;
     let mut cache = model.new_cache();
     let first = model.forward(&[&prompt], &mut [&mut cache]).unwrap();
