@@ -7,27 +7,14 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt, SamplingParams};
+use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt};
 
 const DECODE_TOKENS: usize = 48;
 
 /// Greedy, with end-of-sequence suppressed so every run decodes `max_tokens`.
 fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
     // SmolLM2 ends with <|endoftext|> (0) or <|im_end|> (2).
-    let logit_bias = [(0, -100.0), (2, -100.0)].into_iter().collect();
-    GenerateRequest {
-        prompt: Prompt::Text(prompt.into()),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            logit_bias,
-            ..SamplingParams::default()
-        },
-        max_tokens: Some(max_tokens),
-        stop: vec![],
-        logprobs: None,
-        prompt_cache: None,
-        adapters: vec![],
-    }
+    GenerateRequest::greedy(Prompt::Text(prompt.into()), max_tokens).suppressing(&[0, 2])
 }
 
 /// Runs one request; returns (seconds to first token, seconds total, tokens).

@@ -46,7 +46,6 @@ use mlxgate::engine::model::gguf::MetaValue;
 use mlxgate::engine::prompt_cache::PromptCacheOptions;
 use mlxgate::engine::{
     EngineHandle, EngineOptions, GenerateEvent, GenerateRequest, LoadedModel, Prompt,
-    SamplingParams,
 };
 use serde_json::{Value, json};
 
@@ -197,19 +196,7 @@ struct Sample {
 }
 
 fn mlxgate_request(prompt: &[u32], max_tokens: usize, suppress: &[u32]) -> GenerateRequest {
-    GenerateRequest {
-        prompt: Prompt::Tokens(prompt.to_vec()),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            logit_bias: suppress.iter().map(|&id| (id, -100.0)).collect(),
-            ..SamplingParams::default()
-        },
-        max_tokens: Some(max_tokens),
-        stop: vec![],
-        logprobs: None,
-        prompt_cache: None,
-        adapters: vec![],
-    }
+    GenerateRequest::greedy(Prompt::Tokens(prompt.to_vec()), max_tokens).suppressing(suppress)
 }
 
 /// Runs one request; returns (seconds to first token, seconds total, tokens

@@ -20,7 +20,7 @@ use mlxgate::engine::model::gguf::{
 use mlxgate::engine::model::{GgufMetadata, Transformer, gguf, gguf_config};
 use mlxgate::engine::text::TextCodec;
 use mlxgate::engine::{
-    ChatMessage, EngineHandle, GenerateEvent, GenerateRequest, LoadedModel, Prompt, SamplingParams,
+    ChatMessage, EngineHandle, GenerateEvent, GenerateRequest, LoadedModel, Prompt,
 };
 
 fn models() -> PathBuf {
@@ -613,18 +613,7 @@ fn tensor_table_reports_shapes_row_major() {
 }
 
 fn greedy(max_tokens: usize, prompt: String) -> GenerateRequest {
-    GenerateRequest {
-        prompt: Prompt::Text(prompt),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: Some(max_tokens),
-        stop: vec![],
-        logprobs: None,
-        prompt_cache: None,
-        adapters: vec![],
-    }
+    GenerateRequest::greedy(Prompt::Text(prompt), max_tokens)
 }
 
 fn generate(engine: &EngineHandle, request: GenerateRequest) -> String {

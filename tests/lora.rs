@@ -9,9 +9,7 @@ use std::path::Path;
 
 use mlx_rs::Array;
 use mlx_rs::ops::{add, dequantize, matmul, multiply, quantize};
-use mlxgate::engine::{
-    EngineError, EngineHandle, GenerateEvent, GenerateRequest, Prompt, SamplingParams,
-};
+use mlxgate::engine::{EngineError, EngineHandle, GenerateEvent, GenerateRequest, Prompt};
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 use serde_json::json;
 
@@ -144,16 +142,9 @@ fn merge(weights: &mut HashMap<String, Array>, adapters: &[&Factors]) {
 
 fn greedy(prompt: &str, adapters: &[&str]) -> GenerateRequest {
     GenerateRequest {
-        prompt: Prompt::Text(prompt.into()),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: Some(12),
-        stop: vec![],
         logprobs: Some(0),
-        prompt_cache: None,
         adapters: adapters.iter().map(|s| s.to_string()).collect(),
+        ..GenerateRequest::greedy(Prompt::Text(prompt.into()), 12)
     }
 }
 

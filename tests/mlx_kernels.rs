@@ -24,18 +24,6 @@ fn random(shape: &[i32], seed: u64) -> Array {
     mlx_rs::random::uniform::<f32, f32>(-1.0, 1.0, shape, &key).expect("uniform")
 }
 
-fn values(count: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 struct Quantized {
     w: Array,
     scales: Array,
@@ -183,7 +171,7 @@ fn odd_sizes_batches_and_thread_counts_agree() {
                 }
                 let q = quantized(n, k, group_size, bits, (n * k) as u64);
                 for m in [1, 2, 3, 4, 5, 6, 7, 8, 17, 130] {
-                    let x = Array::from_slice(&values(m * k, m as u64), &[m as i32, k as i32]);
+                    let x = random(&[m, k as i32], m as u64);
                     let error = relative_error(&native(&x, &q), &reference(&x, &q));
                     assert!(
                         error < 1e-4,
@@ -205,7 +193,7 @@ fn results_do_not_depend_on_the_thread_count() {
     }
     let _pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
     let q = quantized(1536, 576, 32, 4, 3);
-    let x = Array::from_slice(&values(9 * 576, 4), &[9, 576]);
+    let x = random(&[9, 576], 4);
     kernels::set_threads(1);
     let one = native(&x, &q);
     kernels::set_threads(4);
@@ -222,12 +210,12 @@ fn views_and_batched_shapes_are_packed_first() {
     }
     let q = quantized(64, 128, 32, 4, 11);
     // A transposed x ([k, m] -> [m, k]) and a 3-D batch.
-    let xt = Array::from_slice(&values(128 * 6, 12), &[128, 6]);
+    let xt = random(&[128, 6], 12);
     let x = xt.t();
     let error = relative_error(&native(&x, &q), &reference(&x, &q));
     assert!(error < 1e-4, "transposed x: {error:e}");
 
-    let x3 = Array::from_slice(&values(2 * 3 * 128, 13), &[2, 3, 128]);
+    let x3 = random(&[2, 3, 128], 13);
     let got = native(&x3, &q);
     assert_eq!(got.shape(), &[2, 3, 64]);
     let error = relative_error(&got, &reference(&x3, &q));
@@ -240,7 +228,7 @@ fn gradient_flows_to_x_as_through_mlx_kernel() {
         return;
     }
     let q = quantized(48, 64, 32, 4, 21);
-    let x = Array::from_slice(&values(3 * 64, 22), &[3, 64]);
+    let x = random(&[3, 64], 22);
     let (w, s, b) = (q.w.clone(), q.scales.clone(), q.biases.clone());
     let loss_native = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
         kernels::quantized_matmul(x, &w, &s, &b, 32, 4)?
@@ -263,28 +251,16 @@ fn bad_operands_are_refused_with_a_reason() {
         return;
     }
     let q = quantized(16, 64, 32, 4, 31);
-    let wrong_k = Array::from_slice(&values(96, 1), &[1, 96]);
-    let error = kernels::quantized_matmul(&wrong_k, &q.w, &q.scales, &q.biases, 32, 4)
-        .expect_err("k mismatch");
-    assert!(
-        error.what().contains("does not match w"),
-        "{}",
-        error.what()
-    );
-
-    let x = Array::from_slice(&values(64, 2), &[1, 64]);
-    let error =
-        kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, 32, 3).expect_err("3 bits");
-    assert!(
-        error.what().contains("bits must be 4 or 8"),
-        "{}",
-        error.what()
-    );
-
+    let refused = |x: &Array, bits: i32, reason: &str| {
+        let error =
+            kernels::quantized_matmul(x, &q.w, &q.scales, &q.biases, 32, bits).expect_err(reason);
+        assert!(error.what().contains(reason), "{}", error.what());
+    };
+    refused(&random(&[1, 96], 1), 4, "does not match w");
+    let x = random(&[1, 64], 2);
+    refused(&x, 3, "bits must be 4 or 8");
     let half = x.as_dtype(Dtype::Float16).expect("cast");
-    let error =
-        kernels::quantized_matmul(&half, &q.w, &q.scales, &q.biases, 32, 4).expect_err("f16 x");
-    assert!(error.what().contains("float32"), "{}", error.what());
+    refused(&half, 4, "float32");
     // The kernels' chooser sends such cases to MLX instead.
     assert!(!kernels::quantized_matmul_is_native(
         &half, &q.scales, 32, 4
@@ -308,10 +284,7 @@ fn greedy(
     let first = logits.as_slice::<f32>().to_vec();
     let mut out = Vec::with_capacity(tokens);
     for _ in 0..tokens {
-        let row = logits.as_slice::<f32>();
-        let next = (0..row.len())
-            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-            .expect("vocab") as u32;
+        let next = mlxgate::engine::argmax(logits.as_slice::<f32>()) as u32;
         out.push(next);
         logits = model
             .forward(&[&[next]], &mut [&mut cache])

@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 use mlxgate::engine::prompt_cache::file::{self, LayerBytes};
 use mlxgate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 use mlxgate::engine::{
-    EngineError, EngineHandle, EngineOptions, GenerateEvent, GenerateRequest, Prompt,
-    SamplingParams, Usage,
+    EngineError, EngineHandle, EngineOptions, GenerateEvent, GenerateRequest, Prompt, Usage,
 };
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
@@ -50,16 +49,9 @@ fn store(dir: &Path) -> Arc<CacheStore> {
 
 fn greedy(prompt: &str, cache: Option<&str>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
-        prompt: Prompt::Text(prompt.into()),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: Some(max_tokens),
-        stop: vec![],
         logprobs: Some(0),
         prompt_cache: cache.map(str::to_owned),
-        adapters: vec![],
+        ..GenerateRequest::greedy(Prompt::Text(prompt.into()), max_tokens)
     }
 }
 

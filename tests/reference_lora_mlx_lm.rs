@@ -17,15 +17,9 @@ use mlxgate::engine::LoadedModel;
 use mlxgate::engine::lora::{self, AdapterStack};
 use serde_json::Value;
 
+/// The greedy choice, as the engine makes it.
 fn argmax(values: &[f32]) -> u32 {
-    values
-        .iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
+    mlxgate::engine::argmax(values) as u32
 }
 
 fn numbers<T>(v: &Value, f: impl Fn(&Value) -> T) -> Vec<T> {

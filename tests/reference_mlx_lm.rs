@@ -9,15 +9,9 @@ use std::path::PathBuf;
 use mlxgate::engine::LoadedModel;
 use serde_json::Value;
 
+/// The greedy choice, as the engine makes it.
 fn argmax(values: &[f32]) -> u32 {
-    values
-        .iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
+    mlxgate::engine::argmax(values) as u32
 }
 
 #[test]

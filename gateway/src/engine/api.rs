@@ -75,6 +75,34 @@ pub struct GenerateRequest {
     pub adapters: Vec<String>,
 }
 
+impl GenerateRequest {
+    /// Greedy decoding of `prompt` for up to `max_tokens`, nothing else set:
+    /// the request tests, benchmarks and reference checks make.
+    pub fn greedy(prompt: Prompt, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            max_tokens: Some(max_tokens),
+            stop: vec![],
+            logprobs: None,
+            prompt_cache: None,
+            adapters: vec![],
+        }
+    }
+
+    /// The same request with these token ids never chosen (logit bias -100),
+    /// e.g. end-of-sequence ids so a benchmark decodes exactly `max_tokens`.
+    pub fn suppressing(mut self, ids: &[u32]) -> GenerateRequest {
+        self.sampling
+            .logit_bias
+            .extend(ids.iter().map(|&id| (id, -100.0)));
+        self
+    }
+}
+
 /// A generated token, with logprobs when asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenOutput {

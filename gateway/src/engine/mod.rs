@@ -26,6 +26,7 @@ use model::Transformer;
 use prompt_cache::{
     CacheInfo, CacheStats, CacheStatsSnapshot, CacheStore, Fingerprint, PromptCacheOptions,
 };
+pub use sampler::argmax;
 use scheduler::{Caching, Command, Job, Scheduler};
 use text::TextCodec;
 

@@ -143,7 +143,8 @@ impl Sampler {
     }
 }
 
-fn argmax(values: &[f32]) -> usize {
+/// Index of the largest value (the first on ties): the greedy choice.
+pub fn argmax(values: &[f32]) -> usize {
     values
         .iter()
         .enumerate()

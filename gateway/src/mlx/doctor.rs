@@ -4,6 +4,7 @@ use std::fmt::Write;
 use std::path::Path;
 use std::time::Instant;
 
+use super::kernels::KernelChoice;
 use super::{ModelSummary, RuntimeInfo};
 
 /// Describes the MLX runtime and tries to load `model`. Never fails: problems
@@ -18,6 +19,11 @@ pub fn doctor_report(model: &Path) -> String {
         out,
         "devices:        cpu x{}, gpu x{}",
         info.cpu_devices, info.gpu_devices
+    );
+    let _ = writeln!(
+        out,
+        "kernels:        {} quantized matmul (MLXGATE_KERNELS=mlx|native; native needs AVX2/FMA and the CPU backend)",
+        KernelChoice::default_for_process().label()
     );
     let library = info.library.as_deref().map(|p| p.display().to_string());
     let _ = writeln!(

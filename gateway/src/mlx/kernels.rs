@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
 
-use super::{Backend, RuntimeInfo};
+use super::Backend;
 
 /// Which quantized matmul a thread runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,7 +86,7 @@ pub fn native_available() -> bool {
     *AVAILABLE.get_or_init(|| {
         // SAFETY: a pure query of the CPU's features.
         let cpu = unsafe { mlx_sys::mlxgate_kernels_supported() } == 1;
-        cpu && RuntimeInfo::detect().backend == Backend::Cpu
+        cpu && Backend::detect() == Backend::Cpu
     })
 }
 

@@ -33,18 +33,24 @@ pub struct RuntimeInfo {
     pub library: Option<PathBuf>,
 }
 
-impl RuntimeInfo {
-    pub fn detect() -> Self {
-        let backend = if probe(mlx_sys::mlx_cuda_is_available) {
+impl Backend {
+    /// The backend of the MLX loaded into this process.
+    pub fn detect() -> Backend {
+        if probe(mlx_sys::mlx_cuda_is_available) {
             Backend::Cuda
         } else if probe(mlx_sys::mlx_metal_is_available) {
             Backend::Metal
         } else {
             Backend::Cpu
-        };
+        }
+    }
+}
+
+impl RuntimeInfo {
+    pub fn detect() -> Self {
         RuntimeInfo {
             version: version(),
-            backend,
+            backend: Backend::detect(),
             cpu_devices: device_count(mlx_sys::mlx_device_type__MLX_CPU),
             gpu_devices: device_count(mlx_sys::mlx_device_type__MLX_GPU),
             library: loaded_library_path("libmlx.so"),
