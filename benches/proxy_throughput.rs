@@ -8,7 +8,8 @@
 //! missing, builds the policies, then `cargo bench -p mlxgate --bench
 //! proxy_throughput`). Load: `wrk`, keep-alive connections, fixed duration;
 //! the three targets are measured in interleaved rounds so machine noise
-//! hits each alike; the medians are reported.
+//! hits each alike; the medians are reported. `PROXY_THROUGHPUT_PROFILE=none`,
+//! `=policy` or `=nginx` only loads that target, for a profiler.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -53,6 +54,20 @@ fn main() {
     load(&wrk, &script, &url(gateway.addr), 1);
     load(&wrk, &script, &url(nginx.addr), 1);
 
+    // `PROXY_THROUGHPUT_PROFILE=none|policy|nginx`: only load that target,
+    // for 30 s, printing its pids, for a profiler to attach to.
+    if let Ok(mode) = std::env::var("PROXY_THROUGHPUT_PROFILE") {
+        let (addr, pids) = if mode == "nginx" {
+            (nginx.addr, nginx.pids())
+        } else {
+            gateway.bind(mode == "policy");
+            (gateway.addr, vec![gateway.child.id()])
+        };
+        println!("pids {pids:?}, mode {mode}");
+        let (rps, _) = load(&wrk, &script, &url(addr), 30);
+        println!("{rps:.0} requests/s");
+        return;
+    }
     let gw_pids = || vec![gateway.child.id()];
     let nginx_pids = || nginx.pids();
     let (mut none, mut policy, mut reference) = (vec![], vec![], vec![]);

@@ -191,6 +191,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .flag("-include")
         .flag(prelude.to_str().expect("utf-8 prelude path"))
         .file(kernels.join("quantized_matmul.cpp"))
+        .file(kernels.join("attention.cpp"))
         .compile("mlxgate_kernels");
 }
 

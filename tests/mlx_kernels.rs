@@ -277,19 +277,20 @@ fn greedy(
 ) -> (Vec<u32>, Vec<f32>) {
     kernels::set_thread_choice(choice);
     let mut cache = model.new_cache();
-    let mut logits = model
+    let logits = model
         .forward(&[prompt], &mut [&mut cache])
         .expect("prefill");
     logits.eval().expect("eval");
     let first = logits.as_slice::<f32>().to_vec();
     let mut out = Vec::with_capacity(tokens);
+    let mut next = mlxgate::engine::argmax(&first) as u32;
     for _ in 0..tokens {
-        let next = mlxgate::engine::argmax(logits.as_slice::<f32>()) as u32;
         out.push(next);
-        logits = model
-            .forward(&[&[next]], &mut [&mut cache])
+        // On native kernels, decode steps run outside MLX's graph.
+        let logits = model
+            .decode(&[next], &mut [&mut cache], &[&Vec::new()])
             .expect("decode");
-        logits.eval().expect("eval");
+        next = mlxgate::engine::argmax(&logits) as u32;
     }
     (out, first)
 }

@@ -95,6 +95,12 @@ fn tenant_router_routes_by_key_tenant_or_header_and_enforces_deny_lists() {
             model: Some("gpt-4o-mini".into())
         }
     );
+    // A key with an empty tenant has none: guests see `None`, so the header
+    // decides.
+    assert_eq!(
+        route(tenant_facts("m", Some(""), &[("x-tenant", "globex")])),
+        route(tenant_facts("m", None, &[("x-tenant", "globex")])),
+    );
     // The key's tenant wins over a header the client controls.
     assert_eq!(
         route(tenant_facts("m", Some("acme"), &[("x-tenant", "globex")])),

@@ -147,6 +147,31 @@ fn a_tight_deadline_is_enforced_within_a_few_ticks() {
 }
 
 #[test]
+fn deadlines_hold_after_the_epoch_ticker_parked() {
+    // The ticker parks after ~100 ms without calls; a call must wake it, or
+    // this loop would never be interrupted.
+    let (_dir, host) = hostile_host_with(OnError::FailClosed, 5);
+    std::thread::sleep(Duration::from_millis(400));
+    let start = Instant::now();
+    let err = host.route_with("hostile", &facts("loop"), &[]).unwrap_err();
+    assert_eq!(failure(err), FailureKind::Timeout);
+    assert!(start.elapsed() < Duration::from_millis(500));
+}
+
+#[test]
+fn a_deadline_longer_than_the_tickers_idle_spell_still_fires() {
+    // The ticker parks after ~100 idle ticks; a call still running must keep
+    // it ticking, or a 300 ms deadline would never be reached.
+    let (_dir, host) = hostile_host_with(OnError::FailClosed, 300);
+    let start = Instant::now();
+    let err = host.route_with("hostile", &facts("loop"), &[]).unwrap_err();
+    assert_eq!(failure(err), FailureKind::Timeout);
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(250), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+#[test]
 fn hostile_behaviour_at_upload_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let host = host(dir.path());
@@ -292,7 +317,7 @@ fn upload_validation_errors_are_distinct() {
     assert!(matches!(e, PolicyError::WrongKind { .. }), "{e}");
     let e = up("x", router, &wasm("wrong-version"));
     assert!(
-        matches!(e, PolicyError::IncompatibleVersion { ref found, .. } if found.ends_with("@0.2.0")),
+        matches!(e, PolicyError::IncompatibleVersion { ref found, .. } if found.ends_with("@0.1.0")),
         "{e}"
     );
 
@@ -310,8 +335,8 @@ fn upload_validation_errors_are_distinct() {
                 ..PolicyOptions::default()
             },
         )
-        .expect("0.1.1 accepted");
-    assert_eq!(info.interface, "mlxgate:policy/router@0.1.1");
+        .expect("0.2.1 accepted");
+    assert_eq!(info.interface, "mlxgate:policy/router@0.2.1");
     assert_eq!(
         host.route_with("patch", &facts("m"), &[]).unwrap(),
         RouteDecision::Local { model: "m".into() }

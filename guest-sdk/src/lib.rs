@@ -2,7 +2,7 @@
 //!
 //! Each guest kind (router, adapter selector, dataset transform) is a WIT world
 //! in `wit/policy.wit` that exports one versioned interface of the package
-//! `mlxgate:policy@0.1.0`. This crate turns each world into a Rust trait with
+//! `mlxgate:policy@0.2.0`. This crate turns each world into a Rust trait with
 //! state created once per instance from the operator's configuration string,
 //! plus an export macro that wires the trait to the component exports:
 //!
@@ -12,8 +12,8 @@
 //! struct Echo;
 //! impl Router for Echo {
 //!     fn init(_config: &str) -> Result<Self, String> { Ok(Echo) }
-//!     fn route(&self, facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
-//!         RouteDecision::Local(facts.model)
+//!     fn route(&self, facts: &RequestFacts, _backends: &[BackendState]) -> RouteDecision {
+//!         RouteDecision::Local(facts.model.to_string())
 //!     }
 //! }
 //! mlxgate_guest::export_router!(Echo);
@@ -51,7 +51,7 @@ pub mod bindings {
             export_macro_name: "__export_adapter_world",
             default_bindings_module: "mlxgate_guest::bindings::adapter",
             with: {
-                "mlxgate:policy/types@0.1.0": crate::bindings::router::mlxgate::policy::types,
+                "mlxgate:policy/types@0.2.0": crate::bindings::router::mlxgate::policy::types,
             },
         });
     }
@@ -69,19 +69,136 @@ pub mod bindings {
     }
 }
 
-/// Types shared by the request-time guests.
+/// Types shared by the request-time guests: borrowed views of what the
+/// host passed. The host sends every string of a call in one text (one copy
+/// into the guest instead of one per string); these views resolve its spans,
+/// so guests read plain `&str` fields.
 pub mod types {
-    pub use crate::bindings::router::mlxgate::policy::types::{
-        AdapterInfo, BackendKind, BackendState, RequestFacts,
-    };
+    use crate::bindings::router::mlxgate::policy::types as wit;
+    pub use wit::BackendKind;
 
-    impl RequestFacts {
-        /// The value of a selected header, by case-insensitive name.
-        pub fn header(&self, name: &str) -> Option<&str> {
+    /// The span's text (offset in the high 32 bits, length in the low);
+    /// "" for a span the text does not hold (the host never sends one, and a
+    /// guest must not trap on it).
+    fn resolve(text: &str, span: wit::Span) -> &str {
+        let start = (span >> 32) as usize;
+        let len = (span & u64::from(u32::MAX)) as usize;
+        text.get(start..start.saturating_add(len))
+            .unwrap_or_default()
+    }
+
+    /// A span's text, `None` when empty (no key, or a key without tenant).
+    fn resolve_nonempty(text: &str, span: wit::Span) -> Option<&str> {
+        Some(resolve(text, span)).filter(|s| !s.is_empty())
+    }
+
+    /// What the gateway knows about a request before it is scheduled.
+    #[derive(Debug, Clone, Copy)]
+    pub struct RequestFacts<'a> {
+        /// HTTP method, upper case ("POST").
+        pub method: &'a str,
+        /// Request path ("/v1/chat/completions").
+        pub path: &'a str,
+        /// The model the client asked for, verbatim.
+        pub model: &'a str,
+        /// Identifier of the API key that authenticated the call, if any.
+        pub api_key_id: Option<&'a str>,
+        /// Tenant of that key, when the key belongs to one (never empty).
+        pub tenant: Option<&'a str>,
+        /// Prompt length in tokens (0 when not counted yet).
+        pub prompt_tokens: u32,
+        /// `max_tokens` from the request, when given.
+        pub max_tokens: Option<u32>,
+        /// Whether the client asked for a streamed answer.
+        pub streaming: bool,
+        text: &'a str,
+        headers: &'a [wit::Header],
+    }
+
+    impl<'a> RequestFacts<'a> {
+        #[doc(hidden)]
+        pub fn from_wit(raw: &'a wit::RequestFacts) -> Self {
+            let text = raw.text.as_str();
+            RequestFacts {
+                method: resolve(text, raw.method),
+                path: resolve(text, raw.path),
+                model: resolve(text, raw.model),
+                api_key_id: resolve_nonempty(text, raw.api_key_id),
+                tenant: resolve_nonempty(text, raw.tenant),
+                prompt_tokens: raw.prompt_tokens,
+                max_tokens: raw.max_tokens,
+                streaming: raw.streaming,
+                text,
+                headers: &raw.headers,
+            }
+        }
+
+        /// The headers the operator selected for policies, (lower-case
+        /// name, value), in the host's order.
+        pub fn headers(&self) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+            let text = self.text;
             self.headers
                 .iter()
+                .map(move |h| (resolve(text, h.name), resolve(text, h.value)))
+        }
+
+        /// The value of a selected header, by case-insensitive name.
+        pub fn header(&self, name: &str) -> Option<&'a str> {
+            self.headers()
                 .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
+                .map(|(_, v)| v)
+        }
+    }
+
+    /// Load and health of one backend at decision time.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct BackendState<'a> {
+        /// Local model name or upstream name.
+        pub name: &'a str,
+        pub kind: BackendKind,
+        pub healthy: bool,
+        /// Requests currently being served.
+        pub in_flight: u32,
+        /// Requests waiting for a slot.
+        pub queue_depth: u32,
+    }
+
+    impl<'a> BackendState<'a> {
+        #[doc(hidden)]
+        pub fn from_wit(facts: &'a wit::RequestFacts, raw: &[wit::BackendState]) -> Vec<Self> {
+            raw.iter()
+                .map(|b| BackendState {
+                    name: resolve(&facts.text, b.name),
+                    kind: b.kind,
+                    healthy: b.healthy,
+                    in_flight: b.in_flight,
+                    queue_depth: b.queue_depth,
+                })
+                .collect()
+        }
+    }
+
+    /// A LoRA adapter mounted on a local base model.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct AdapterInfo<'a> {
+        pub id: &'a str,
+        pub rank: u32,
+        pub scale: f32,
+        /// The local model the adapter is mounted on.
+        pub base_model: &'a str,
+    }
+
+    impl<'a> AdapterInfo<'a> {
+        #[doc(hidden)]
+        pub fn from_wit(facts: &'a wit::RequestFacts, raw: &[wit::AdapterInfo]) -> Vec<Self> {
+            raw.iter()
+                .map(|a| AdapterInfo {
+                    id: resolve(&facts.text, a.id),
+                    rank: a.rank,
+                    scale: a.scale,
+                    base_model: resolve(&facts.text, a.base_model),
+                })
+                .collect()
         }
     }
 }
@@ -98,7 +215,7 @@ pub mod router {
     /// be quick: the host interrupts it after a few milliseconds.
     pub trait Router: Sized + Send + Sync + 'static {
         fn init(config: &str) -> Result<Self, String>;
-        fn route(&self, facts: RequestFacts, backends: Vec<BackendState>) -> RouteDecision;
+        fn route(&self, facts: &RequestFacts, backends: &[BackendState]) -> RouteDecision;
     }
 
     impl RouteDecision {
@@ -129,7 +246,7 @@ pub mod adapter {
     /// gateway's default), `Some(vec![])` for "no adapters".
     pub trait AdapterSelector: Sized + Send + Sync + 'static {
         fn init(config: &str) -> Result<Self, String>;
-        fn select(&self, facts: RequestFacts, adapters: Vec<AdapterInfo>) -> Option<Vec<String>>;
+        fn select(&self, facts: &RequestFacts, adapters: &[AdapterInfo]) -> Option<Vec<String>>;
     }
 }
 
@@ -157,6 +274,7 @@ pub mod __private {
     pub use crate::bindings::adapter::exports::mlxgate::policy::adapter_selector::Guest as AdapterGuest;
     pub use crate::bindings::dataset::exports::mlxgate::policy::dataset_transform::Guest as DatasetGuest;
     pub use crate::bindings::router::exports::mlxgate::policy::router::Guest as RouterGuest;
+    pub use crate::bindings::router::mlxgate::policy::types as wit;
     pub use std::sync::OnceLock;
 
     /// Stores the state from `init`; a second `init` on the same instance is
@@ -185,7 +303,7 @@ pub mod __private {
 }
 
 /// Exports a [`router::Router`] implementation as the component's
-/// `mlxgate:policy/router@0.1.0` interface. Use once per guest crate.
+/// `mlxgate:policy/router@0.2.0` interface. Use once per guest crate.
 #[macro_export]
 macro_rules! export_router {
     ($ty:ty) => {
@@ -201,12 +319,14 @@ macro_rules! export_router {
                     )
                 }
                 fn route(
-                    facts: $crate::router::RequestFacts,
-                    backends: Vec<$crate::router::BackendState>,
+                    facts: $crate::__private::wit::RequestFacts,
+                    backends: Vec<$crate::__private::wit::BackendState>,
                 ) -> $crate::router::RouteDecision {
                     let state =
                         $crate::__private::state(&STATE, <$ty as $crate::router::Router>::init);
-                    <$ty as $crate::router::Router>::route(state, facts, backends)
+                    let backends = $crate::router::BackendState::from_wit(&facts, &backends);
+                    let facts = $crate::router::RequestFacts::from_wit(&facts);
+                    <$ty as $crate::router::Router>::route(state, &facts, &backends)
                 }
             }
             $crate::bindings::router::__export_router_world!(
@@ -217,7 +337,7 @@ macro_rules! export_router {
 }
 
 /// Exports an [`adapter::AdapterSelector`] implementation as the component's
-/// `mlxgate:policy/adapter-selector@0.1.0` interface.
+/// `mlxgate:policy/adapter-selector@0.2.0` interface.
 #[macro_export]
 macro_rules! export_adapter_selector {
     ($ty:ty) => {
@@ -233,14 +353,16 @@ macro_rules! export_adapter_selector {
                     )
                 }
                 fn select(
-                    facts: $crate::adapter::RequestFacts,
-                    adapters: Vec<$crate::adapter::AdapterInfo>,
+                    facts: $crate::__private::wit::RequestFacts,
+                    adapters: Vec<$crate::__private::wit::AdapterInfo>,
                 ) -> Option<Vec<String>> {
                     let state = $crate::__private::state(
                         &STATE,
                         <$ty as $crate::adapter::AdapterSelector>::init,
                     );
-                    <$ty as $crate::adapter::AdapterSelector>::select(state, facts, adapters)
+                    let adapters = $crate::adapter::AdapterInfo::from_wit(&facts, &adapters);
+                    let facts = $crate::adapter::RequestFacts::from_wit(&facts);
+                    <$ty as $crate::adapter::AdapterSelector>::select(state, &facts, &adapters)
                 }
             }
             $crate::bindings::adapter::__export_adapter_world!(
@@ -251,7 +373,7 @@ macro_rules! export_adapter_selector {
 }
 
 /// Exports a [`dataset::DatasetTransform`] implementation as the component's
-/// `mlxgate:policy/dataset-transform@0.1.0` interface.
+/// `mlxgate:policy/dataset-transform@0.2.0` interface.
 #[macro_export]
 macro_rules! export_dataset_transform {
     ($ty:ty) => {

@@ -1,11 +1,13 @@
 /* mlxgate's own CPU kernels, exposed to Rust as a small C ABI.
  *
- * They run as MLX primitives, so they stay inside MLX's lazy graph and are
- * scheduled on MLX's CPU stream like its own ops. */
+ * The quantized matmul runs as an MLX primitive, so it stays inside MLX's
+ * lazy graph and is scheduled on MLX's CPU stream like its own ops; the raw
+ * forms below serve the native decode step, which runs outside the graph. */
 #ifndef MLXGATE_KERNELS_H
 #define MLXGATE_KERNELS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "mlx/c/array.h"
 #include "mlx/c/stream.h"
@@ -43,6 +45,52 @@ int mlxgate_quantized_matmul(
     const mlx_stream s,
     char* error,
     size_t error_len);
+
+/* One of several products of the same input: `y` [m, n] = x @ W^T. */
+typedef struct mlxgate_quantized_product {
+  float* y;
+  const void* w;
+  const float* scales;
+  const float* biases;
+  int64_t n;
+  int group_size;
+  int bits;
+} mlxgate_quantized_product;
+
+/* Products of one input `x` [m, k] on raw, packed buffers (each `w`
+ * [n, k * bits / 8] bytes, `scales`/`biases` [n, k / group_size]), run now on
+ * the calling thread and the kernel pool as one job: for the native decode
+ * step, which runs outside MLX's graph. Several at once (a layer's q, k and
+ * v; its gate and up) cost one hand-off to the workers instead of one each.
+ * Returns 0, or 1 when an operand is refused (then nothing was computed). */
+int mlxgate_quantized_matmul_raw_many(
+    const float* x,
+    int64_t m,
+    int64_t k,
+    const mlxgate_quantized_product* products,
+    int count);
+
+/* Evaluates `a` if needed and, when its data is packed row-major (no view,
+ * no broadcast), stores its data pointer in `data` and returns 0; else 1. */
+int mlxgate_array_packed_data(const mlx_array a, const void** data);
+
+/* One query position attending over `positions` cached positions, per query
+ * head h (reading kv head h / (heads / kv_heads)):
+ *   out[h] = softmax(scale * q[h] . K[g]^T) V[g]
+ * `q` and `out` are [heads, head_dim]; kv head g's keys start at
+ * `keys + g * head_stride`, one position every head_dim floats (likewise
+ * `values`). Returns 0, or 1 when the operands are refused. */
+int mlxgate_decode_attention(
+    float* out,
+    const float* q,
+    int heads,
+    int kv_heads,
+    int head_dim,
+    const float* keys,
+    const float* values,
+    int64_t head_stride,
+    int64_t positions,
+    float scale);
 
 #ifdef __cplusplus
 }

@@ -14,24 +14,15 @@
 
 #include "mlxgate_kernels.h"
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include <dlfcn.h>
-#include <sched.h>
 
+#include "kernels_common.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -40,201 +31,11 @@
 #include "mlx/c/private/array.h"
 #include "mlx/c/private/stream.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MLXGATE_X86 1
-#endif
-
 namespace mx = mlx::core;
+using mlxgate::cpu_supported;
+using mlxgate::Pool;
 
 namespace {
-
-// ---------------------------------------------------------------------------
-// Thread pool. A job is a range of chunks that threads claim one at a time:
-// the stream thread starts claiming at once and workers join as they wake,
-// so a worker descheduled by the OS (2 cores shared with the engine thread)
-// delays the job by at most the chunk it holds, never by a whole share.
-// Workers spin briefly between jobs (a token's matmuls come tens of
-// microseconds apart), then yield, then sleep on a condition variable.
-
-using ChunkFn = void (*)(const void* ctx, int64_t chunk);
-
-class Pool {
- public:
-  static Pool& instance() {
-    static Pool* pool = new Pool();  // never destroyed: workers outlive main
-    return *pool;
-  }
-
-  int threads() const {
-    return threads_.load(std::memory_order_relaxed);
-  }
-
-  int set_threads(int threads) {
-    if (threads <= 0) {
-      threads = cores();
-    }
-    threads = std::clamp(threads, 1, 64);
-    std::lock_guard<std::mutex> lock(busy_);
-    stop_workers();
-    // Each worker starts from the epoch at its creation: one that read it
-    // itself could start after a later post and miss it.
-    const uint32_t start = epoch_.load(std::memory_order_seq_cst);
-    for (int i = 1; i < threads; ++i) {
-      workers_.emplace_back([this, start] { work(start); });
-    }
-    threads_.store(threads, std::memory_order_relaxed);
-    return threads;
-  }
-
-  /// Runs `fn(ctx, chunk)` for every chunk in [0, chunks); returns when all
-  /// are done. A second caller while a job runs (several MLX streams at
-  /// once) does its job alone rather than wait.
-  void run(ChunkFn fn, const void* ctx, int64_t chunks) {
-    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (!lock.owns_lock() || workers_.empty() || chunks <= 1) {
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        fn(ctx, chunk);
-      }
-      return;
-    }
-    fn_ = fn;
-    ctx_ = ctx;
-    chunks_ = chunks;
-    done_.store(0, std::memory_order_relaxed);
-    next_.store(0, std::memory_order_relaxed);
-    open_.store(true, std::memory_order_seq_cst);
-    post();
-    claim_all();
-    // Chunks claimed by workers may still be running.
-    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
-      relax(spins);
-    }
-    // Close the job, then wait out workers that entered it: a worker
-    // announces itself (active_) before it checks open_, so either it sees
-    // the job closed or this sees it active. None may touch the job's
-    // fields once this returns.
-    open_.store(false, std::memory_order_seq_cst);
-    for (int spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
-      relax(spins);
-    }
-  }
-
- private:
-  Pool() {
-    const char* env = std::getenv("MLXGATE_KERNEL_THREADS");
-    set_threads(env ? std::atoi(env) : 0);
-  }
-
-  static int cores() {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-      return std::max(1, CPU_COUNT(&set));
-    }
-    return std::max(1u, std::thread::hardware_concurrency());
-  }
-
-  /// Busy-waits politely: pause first, then give the core away.
-  static void relax(int spins) {
-#if defined(MLXGATE_X86)
-    if (spins < 256) {
-      _mm_pause();
-      return;
-    }
-#endif
-    std::this_thread::yield();
-  }
-
-  void claim_all() {
-    for (;;) {
-      const int64_t chunk = next_.fetch_add(1, std::memory_order_acq_rel);
-      if (chunk >= chunks_) {
-        return;
-      }
-      fn_(ctx_, chunk);
-      done_.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
-
-  void work(uint32_t seen) {
-    for (;;) {
-      auto deadline =
-          std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-      uint32_t now = epoch_.load(std::memory_order_acquire);
-      for (int spins = 0; now == seen; ++spins) {
-        relax(spins);
-        if ((spins & 31) == 31 && std::chrono::steady_clock::now() > deadline) {
-          sleep_until_posted(seen);
-          deadline = std::chrono::steady_clock::now() +
-              std::chrono::microseconds(200);
-          spins = 0;
-        }
-        now = epoch_.load(std::memory_order_acquire);
-      }
-      seen = now;
-      if (stopping_.load(std::memory_order_acquire)) {
-        return;
-      }
-      // Announce before looking at the job (see `run`).
-      active_.fetch_add(1, std::memory_order_seq_cst);
-      if (open_.load(std::memory_order_seq_cst)) {
-        claim_all();
-      }
-      active_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
-
-  /// Publishes a new epoch and wakes sleeping workers. The epoch bump and
-  /// the sleeper count are sequentially consistent on both sides, so either
-  /// the poster sees the sleeper or the sleeper sees the new epoch.
-  void post() {
-    epoch_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_mutex_);
-      wake_.notify_all();
-    }
-  }
-
-  /// Sleeps until the epoch moves past `seen` (a condition variable rather
-  /// than `std::atomic::wait`, which loses wake-ups in GCC 12's libstdc++).
-  void sleep_until_posted(uint32_t seen) {
-    std::unique_lock<std::mutex> lock(sleep_mutex_);
-    sleepers_.fetch_add(1, std::memory_order_seq_cst);
-    wake_.wait(lock, [&] {
-      return epoch_.load(std::memory_order_seq_cst) != seen;
-    });
-    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-  }
-
-  void stop_workers() {
-    if (workers_.empty()) {
-      return;
-    }
-    stopping_.store(true, std::memory_order_release);
-    post();
-    for (auto& worker : workers_) {
-      worker.join();
-    }
-    workers_.clear();
-    stopping_.store(false, std::memory_order_release);
-  }
-
-  std::mutex busy_;
-  std::mutex sleep_mutex_;
-  std::condition_variable wake_;
-  std::vector<std::thread> workers_;
-  std::atomic<uint32_t> epoch_{0};
-  std::atomic<int64_t> next_{0};
-  std::atomic<int64_t> done_{0};
-  std::atomic<int> active_{0};
-  std::atomic<bool> open_{false};
-  std::atomic<int> sleepers_{0};
-  std::atomic<bool> stopping_{false};
-  std::atomic<int> threads_{1};
-  ChunkFn fn_ = nullptr;
-  const void* ctx_ = nullptr;
-  int64_t chunks_ = 0;
-};
 
 // ---------------------------------------------------------------------------
 // Kernels.
@@ -250,35 +51,25 @@ struct Product {
   int group_size, bits;
 };
 
-bool cpu_supported() {
 #if defined(MLXGATE_X86)
-  static const bool ok =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
-#if defined(MLXGATE_X86)
-
-#define AVX2 __attribute__((target("avx2,fma")))
+using mlxgate::horizontal_sum;
 
 /// 32 weight codes starting at `p` as four vectors of 8 floats, in order.
 template <int BITS>
 AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
   if constexpr (BITS == 4) {
-    // Byte j holds code 2j in its low nibble and code 2j+1 in its high one.
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m128i first = _mm_unpacklo_epi8(lo, hi);
-    const __m128i second = _mm_unpackhi_epi8(lo, hi);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+    // Each 32-bit word holds 8 codes, code j in bits 4j..4j+3: broadcast the
+    // word and shift each lane by its own amount. No cross-lane shuffles,
+    // which were the bottleneck of unpacking bytes.
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    for (int i = 0; i < 4; ++i) {
+      int32_t word;
+      std::memcpy(&word, p + 4 * i, sizeof(word));
+      const __m256i codes =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+      q[i] = _mm256_cvtepi32_ps(codes);
+    }
   } else {
     for (int i = 0; i < 4; ++i) {
       const __m128i bytes =
@@ -288,52 +79,78 @@ AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
   }
 }
 
-AVX2 inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+/// Chunk `c` (32 weights, in group `g`) of one row against every input,
+/// into the four accumulators per input starting at `first`.
+template <int BITS, int M, int A>
+AVX2 inline void chunk_into(
+    const Product& p,
+    const uint8_t* w,
+    const float* scales,
+    const float* biases,
+    int64_t c,
+    int64_t g,
+    int first,
+    __m256 (&acc)[M][A]) {
+  constexpr int64_t kChunkBytes = 32 * BITS / 8;
+  const __m256 scale = _mm256_broadcast_ss(scales + g);
+  const __m256 bias = _mm256_broadcast_ss(biases + g);
+  const uint8_t* codes = w + c * kChunkBytes;
+  _mm_prefetch(reinterpret_cast<const char*>(codes + 4 * kChunkBytes), _MM_HINT_T0);
+  __m256 q[4];
+  load_codes<BITS>(codes, q);
+  for (int i = 0; i < 4; ++i) {
+    const __m256 weight = _mm256_fmadd_ps(q[i], scale, bias);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(p.x + m * p.k + c * 32 + 8 * i);
+      acc[m][first + i] = _mm256_fmadd_ps(weight, xv, acc[m][first + i]);
+    }
+  }
 }
 
 /// Decode and small batches: rows [n0, n1) against all M (<= 4) inputs,
 /// dequantizing each 32-weight chunk in registers as it streams past.
+/// Sums are spread over 4 accumulators per input (8 at batch 1, two chunks
+/// per step) so the FMA latency chains never wait on each other.
 template <int BITS, int M>
 AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
-  constexpr int64_t kChunkBytes = 32 * BITS / 8;
+  constexpr int kUnroll = M == 1 ? 2 : 1;  // chunks per step
   const int64_t row_bytes = p.k * BITS / 8;
   const int64_t groups = p.k / p.group_size;
+  const int64_t chunks = p.k / 32;
   const int64_t chunks_per_group = p.group_size / 32;
+  // The group of a chunk, by shift for the usual power-of-two group sizes
+  // (a division per chunk costs as much as the chunk's arithmetic).
+  const bool power_of_two = (chunks_per_group & (chunks_per_group - 1)) == 0;
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(chunks_per_group));
+  auto group_of = [=](int64_t c) {
+    return power_of_two ? c >> shift : c / chunks_per_group;
+  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * row_bytes;
     const float* scales = p.scales + n * groups;
     const float* biases = p.biases + n * groups;
     _mm_prefetch(reinterpret_cast<const char*>(w + row_bytes), _MM_HINT_T0);
-    __m256 acc[M][2];
+    __m256 acc[M][4 * kUnroll];
     for (int m = 0; m < M; ++m) {
-      acc[m][0] = _mm256_setzero_ps();
-      acc[m][1] = _mm256_setzero_ps();
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 scale = _mm256_broadcast_ss(scales + g);
-      const __m256 bias = _mm256_broadcast_ss(biases + g);
-      for (int64_t c = 0; c < chunks_per_group; ++c) {
-        const int64_t k = (g * chunks_per_group + c) * 32;
-        const uint8_t* chunk = w + k * BITS / 8;
-        _mm_prefetch(reinterpret_cast<const char*>(chunk + 4 * kChunkBytes),
-                     _MM_HINT_T0);
-        __m256 q[4];
-        load_codes<BITS>(chunk, q);
-        for (int i = 0; i < 4; ++i) {
-          const __m256 weight = _mm256_fmadd_ps(q[i], scale, bias);
-          for (int m = 0; m < M; ++m) {
-            const __m256 xv = _mm256_loadu_ps(p.x + m * p.k + k + 8 * i);
-            acc[m][i & 1] = _mm256_fmadd_ps(weight, xv, acc[m][i & 1]);
-          }
-        }
+      for (int a = 0; a < 4 * kUnroll; ++a) {
+        acc[m][a] = _mm256_setzero_ps();
       }
     }
+    int64_t c = 0;
+    for (; c + kUnroll <= chunks; c += kUnroll) {
+      for (int u = 0; u < kUnroll; ++u) {
+        chunk_into<BITS>(p, w, scales, biases, c + u, group_of(c + u), 4 * u, acc);
+      }
+    }
+    for (; c < chunks; ++c) {
+      chunk_into<BITS>(p, w, scales, biases, c, group_of(c), 0, acc);
+    }
     for (int m = 0; m < M; ++m) {
-      p.y[m * p.n + n] = horizontal_sum(_mm256_add_ps(acc[m][0], acc[m][1]));
+      __m256 sum = acc[m][0];
+      for (int a = 1; a < 4 * kUnroll; ++a) {
+        sum = _mm256_add_ps(sum, acc[m][a]);
+      }
+      p.y[m * p.n + n] = horizontal_sum(sum);
     }
   }
 }
@@ -477,6 +294,24 @@ void run_chunk(const void* ctx, int64_t chunk) {
   (void)ctx;
   (void)chunk;
 #endif
+}
+
+/// Several products as one job: chunk numbers run through each product's
+/// chunks in turn.
+struct ChunkedMany {
+  std::vector<Product> products;
+  std::vector<int64_t> rows;  // rows per chunk of each product
+  std::vector<int64_t> first_chunk;  // of each product, plus the total
+};
+
+void run_many_chunk(const void* ctx, int64_t chunk) {
+  const ChunkedMany& c = *static_cast<const ChunkedMany*>(ctx);
+  size_t i = 0;
+  while (chunk >= c.first_chunk[i + 1]) {
+    ++i;
+  }
+  const Chunked one{&c.products[i], c.rows[i]};
+  run_chunk(&one, chunk - c.first_chunk[i]);
 }
 
 void run_product(const Product& p) {
@@ -744,6 +579,54 @@ extern "C" int mlxgate_quantized_matmul(
     if (error && error_len) {
       std::snprintf(error, error_len, "%s", e.what());
     }
+    return 1;
+  }
+}
+
+extern "C" int mlxgate_quantized_matmul_raw_many(
+    const float* x,
+    int64_t m,
+    int64_t k,
+    const mlxgate_quantized_product* products,
+    int count) {
+  if (!cpu_supported() || m < 0 || count < 0) {
+    return 1;
+  }
+  ChunkedMany many;
+  many.first_chunk.push_back(0);
+  const int threads = Pool::instance().threads();
+  for (int i = 0; i < count; ++i) {
+    const mlxgate_quantized_product& q = products[i];
+    if ((q.bits != 4 && q.bits != 8) || q.group_size <= 0 ||
+        q.group_size % 32 != 0 || k % q.group_size != 0 || q.n < 0) {
+      return 1;
+    }
+    const Product p{x, static_cast<const uint8_t*>(q.w), q.scales, q.biases,
+                    q.y, m, q.n, k, q.group_size, q.bits};
+    const int64_t rows = rows_per_chunk(p, threads);
+    many.products.push_back(p);
+    many.rows.push_back(rows);
+    many.first_chunk.push_back(many.first_chunk.back() + (q.n + rows - 1) / rows);
+  }
+  if (m == 0 || k == 0) {
+    return m == 0 ? 0 : 1;
+  }
+  Pool::instance().run(run_many_chunk, &many, many.first_chunk.back());
+  return 0;
+}
+
+extern "C" int mlxgate_array_packed_data(const mlx_array a, const void** data) {
+  try {
+    mx::array& array = mlx_array_get_(a);
+    if (!array.is_available()) {
+      array.eval();
+    }
+    if (!array.flags().row_contiguous || array.data_size() != array.size()) {
+      return 1;
+    }
+    *data = array.data<void>();
+    return 0;
+  } catch (std::exception&) {
     return 1;
   }
 }

@@ -407,23 +407,15 @@ impl Scheduler {
 
     /// One token for every running sequence, as one batch.
     fn decode_step(&mut self, running: &mut Vec<Sequence>) -> Result<(), mlx_rs::error::Exception> {
-        let inputs: Vec<[u32; 1]> = running.iter().map(|seq| [seq.last_token]).collect();
-        let tokens: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
-        let logits = {
+        let tokens: Vec<u32> = running.iter().map(|seq| seq.last_token).collect();
+        let all = {
             let (stacks, mut caches): (Vec<&AdapterStack>, Vec<&mut KvCache>) = running
                 .iter_mut()
                 .map(|seq| (&seq.adapters, &mut seq.cache))
                 .unzip();
-            let logits = self
-                .model
-                .forward_with_adapters(&tokens, &mut caches, &stacks)?;
-            mlx_rs::transforms::eval(
-                std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
-            )?;
-            logits
+            self.model.decode(&tokens, &mut caches, &stacks)?
         };
-        let vocab = logits.shape()[1] as usize;
-        let all = logits.as_slice::<f32>();
+        let vocab = all.len() / running.len();
         let mut keep = Vec::with_capacity(running.len());
         let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {

@@ -181,6 +181,12 @@ impl Route {
     }
 
     fn matches(&self, path: &str) -> Option<Vec<(&'static str, String)>> {
+        // Most patterns have no parameter: one comparison, no splitting
+        // (every request is matched against the table in order).
+        if !self.pattern.contains('{') {
+            let same = self.pattern.trim_start_matches('/') == path.trim_start_matches('/');
+            return same.then(Vec::new);
+        }
         let mut params = Vec::new();
         let mut want = self.pattern.trim_start_matches('/').split('/');
         let mut got = path.trim_start_matches('/').split('/');
@@ -513,6 +519,8 @@ mod tests {
     fn pattern_matching() {
         assert_eq!(r("/healthz").matches("/healthz"), Some(vec![]));
         assert_eq!(r("/healthz").matches("/healthz/"), None);
+        assert_eq!(r("/healthz").matches("//healthz"), Some(vec![]));
+        assert_eq!(r("/v1/models").matches("/v1//models"), None);
         assert_eq!(r("/v1/models").matches("/v1/models/x"), None);
         assert_eq!(
             r("/v1/models/{id}").matches("/v1/models/abc"),

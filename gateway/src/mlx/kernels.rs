@@ -135,14 +135,20 @@ impl Drop for BlasThreads {
     }
 }
 
+/// Whether the kernels cover this quantization: 4 or 8 bits, groups of a
+/// multiple of 32, f32 scales (MLX keeps biases in the scales' dtype).
+fn covers(scales: &Array, group_size: i32, bits: i32) -> bool {
+    (bits == 4 || bits == 8)
+        && group_size > 0
+        && group_size % 32 == 0
+        && scales.dtype() == Dtype::Float32
+}
+
 /// Whether this thread should run `x @ W^T` for a quantized W natively.
 pub fn quantized_matmul_is_native(x: &Array, scales: &Array, group_size: i32, bits: i32) -> bool {
     thread_choice() == KernelChoice::Native
-        && (bits == 4 || bits == 8)
-        && group_size > 0
-        && group_size % 32 == 0
         && x.dtype() == Dtype::Float32
-        && scales.dtype() == Dtype::Float32
+        && covers(scales, group_size, bits)
 }
 
 /// `x @ W^T` for an affine-quantized `W` (`transpose = true` in MLX terms),
@@ -183,4 +189,195 @@ pub fn quantized_matmul(
             Err(Exception::custom(message.into_owned()))
         }
     }
+}
+
+/// The packed data of an evaluated array: `None` for views and broadcasts,
+/// which the raw kernels cannot read.
+fn packed_data(array: &Array) -> Option<*const std::ffi::c_void> {
+    let mut data = std::ptr::null();
+    // SAFETY: `array` is live; the call evaluates it if needed and writes
+    // `data` only when it returns 0.
+    let status = unsafe { mlx_sys::mlxgate_array_packed_data(array.as_ptr(), &mut data) };
+    (status == 0 && !data.is_null()).then_some(data)
+}
+
+/// An affine-quantized `[rows, cols]` matrix whose packed buffers the native
+/// kernels read in place, outside MLX's graph (the native decode step).
+/// Holds its arrays, so the buffers live as long as it does.
+pub struct PackedMatrix {
+    _arrays: [Array; 3],
+    weight: *const u8,
+    scales: *const f32,
+    biases: *const f32,
+    pub rows: usize,
+    pub cols: usize,
+    group_size: usize,
+    bits: usize,
+}
+
+// SAFETY: the buffers belong to evaluated MLX arrays, which MLX never
+// writes again; every use only reads them.
+unsafe impl Send for PackedMatrix {}
+unsafe impl Sync for PackedMatrix {}
+
+impl PackedMatrix {
+    /// `None` unless the native kernels run here and cover this layout
+    /// (4 or 8 bits, groups of a multiple of 32, f32 scales and biases,
+    /// packed buffers).
+    pub fn new(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        group_size: i32,
+        bits: i32,
+    ) -> Option<PackedMatrix> {
+        let supported = native_available()
+            && covers(scales, group_size, bits)
+            && weight.dtype() == Dtype::Uint32
+            && biases.dtype() == Dtype::Float32
+            && weight.ndim() == 2;
+        if !supported {
+            return None;
+        }
+        let rows = weight.shape()[0] as usize;
+        let cols = weight.shape()[1] as usize * 32 / bits as usize;
+        let groups = cols / group_size as usize;
+        let group_shape = [rows as i32, groups as i32];
+        if scales.shape() != group_shape || biases.shape() != group_shape {
+            return None;
+        }
+        Some(PackedMatrix {
+            weight: packed_data(weight)?.cast(),
+            scales: packed_data(scales)?.cast(),
+            biases: packed_data(biases)?.cast(),
+            _arrays: [weight.clone(), scales.clone(), biases.clone()],
+            rows,
+            cols,
+            group_size: group_size as usize,
+            bits: bits as usize,
+        })
+    }
+
+    /// `y[m, rows] = x[m, cols] @ W^T`, on this thread and the kernel pool.
+    pub fn matmul(&self, x: &[f32], y: &mut [f32]) {
+        PackedMatrix::matmul_many(x, &mut [(self, y)]);
+    }
+
+    /// `x @ W^T` for several matrices of the same input width, as one job
+    /// for the kernel pool (one hand-off to the workers, not one each):
+    /// each `(matrix, y)` gets `y[m, matrix.rows]`.
+    pub fn matmul_many(x: &[f32], products: &mut [(&PackedMatrix, &mut [f32])]) {
+        let Some(cols) = products.first().map(|(matrix, _)| matrix.cols) else {
+            return;
+        };
+        let m = x.len() / cols;
+        assert_eq!(x.len(), m * cols);
+        let raw: Vec<mlx_sys::mlxgate_quantized_product> = products
+            .iter_mut()
+            .map(|(matrix, y)| {
+                assert!(matrix.cols == cols && y.len() == m * matrix.rows);
+                mlx_sys::mlxgate_quantized_product {
+                    y: y.as_mut_ptr(),
+                    w: matrix.weight.cast(),
+                    scales: matrix.scales,
+                    biases: matrix.biases,
+                    n: matrix.rows as i64,
+                    group_size: matrix.group_size as i32,
+                    bits: matrix.bits as i32,
+                }
+            })
+            .collect();
+        // SAFETY: every output was checked to hold m x rows floats, every
+        // matrix reads `cols` inputs per row, and the outputs are distinct
+        // (each is a separate &mut slice).
+        let status = unsafe {
+            mlx_sys::mlxgate_quantized_matmul_raw_many(
+                x.as_ptr(),
+                m as i64,
+                cols as i64,
+                raw.as_ptr(),
+                raw.len() as i32,
+            )
+        };
+        assert_eq!(
+            status, 0,
+            "operands were checked when the matrices were packed"
+        );
+    }
+
+    /// Row `row` dequantized into `out` (`cols` floats): an embedding lookup.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows && out.len() == self.cols);
+        let row_bytes = self.cols * self.bits / 8;
+        let groups = self.cols / self.group_size;
+        // SAFETY: `row` is in range, so these slices lie inside the buffers.
+        let (codes, scales, biases) = unsafe {
+            (
+                std::slice::from_raw_parts(self.weight.add(row * row_bytes), row_bytes),
+                std::slice::from_raw_parts(self.scales.add(row * groups), groups),
+                std::slice::from_raw_parts(self.biases.add(row * groups), groups),
+            )
+        };
+        let per_byte = 8 / self.bits;
+        let mask = (1u32 << self.bits) - 1;
+        for (i, value) in out.iter_mut().enumerate() {
+            let byte = u32::from(codes[i / per_byte]);
+            let code = (byte >> ((i % per_byte) * self.bits)) & mask;
+            let group = i / self.group_size;
+            *value = scales[group].mul_add(code as f32, biases[group]);
+        }
+    }
+}
+
+/// The shape of one decode-attention call: see [`decode_attention`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Floats between one kv head's first position and the next's.
+    pub head_stride: usize,
+    pub scale: f32,
+}
+
+/// One query position over `positions` cached positions, every query head:
+/// `out[h] = softmax(scale * q[h] . K[g]^T) V[g]`, `g = h / (heads / kv_heads)`.
+///
+/// # Safety
+/// `keys` and `values` must be valid for reads of kv head g's positions
+/// `[0, positions)` at `g * head_stride + p * head_dim` for every kv head,
+/// and nothing may write those floats during the call.
+pub unsafe fn decode_attention(
+    out: &mut [f32],
+    q: &[f32],
+    keys: *const f32,
+    values: *const f32,
+    positions: usize,
+    shape: AttentionShape,
+) {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+        head_stride,
+        scale,
+    } = shape;
+    assert!(out.len() == heads * head_dim && q.len() == heads * head_dim);
+    assert!(head_stride >= positions * head_dim);
+    // SAFETY: `out` and `q` were checked; the caller vouches for the cache.
+    let status = unsafe {
+        mlx_sys::mlxgate_decode_attention(
+            out.as_mut_ptr(),
+            q.as_ptr(),
+            heads as i32,
+            kv_heads as i32,
+            head_dim as i32,
+            keys,
+            values,
+            head_stride as i64,
+            positions as i64,
+            scale,
+        )
+    };
+    assert_eq!(status, 0, "decode attention refused its operands");
 }

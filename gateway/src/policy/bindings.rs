@@ -1,6 +1,7 @@
 //! Host-side bindings for the guest worlds in `guest-sdk/wit/policy.wit`, one
 //! module per world. The `types` interface is generated once (in `router`) and
-//! shared, so request facts are one Rust type for every kind.
+//! shared, so request facts are one Rust type for every kind. [`Packed`]
+//! turns the host's facts into that type.
 
 /// Router world; home of the shared `mlxgate:policy/types` types.
 pub mod router {
@@ -30,4 +31,83 @@ pub mod dataset {
     });
 }
 
-pub use router::mlxgate::policy::types::{AdapterInfo, BackendKind, BackendState, RequestFacts};
+pub use router::mlxgate::policy::types::BackendKind;
+
+use super::types::{AdapterInfo, BackendState, RequestFacts};
+use router::mlxgate::policy::types as wit;
+
+/// The arguments of a router or adapter-selector call in the WIT shape:
+/// every string (facts, then backend names or adapter ids) appended to the
+/// facts' one text, so lowering them into the guest takes three allocation
+/// calls into it (text, headers, items) whatever the number of strings.
+pub(crate) struct Packed<T> {
+    pub(crate) facts: wit::RequestFacts,
+    pub(crate) items: Vec<T>,
+}
+
+impl Packed<wit::BackendState> {
+    pub(crate) fn router(facts: &RequestFacts, backends: &[BackendState]) -> Self {
+        Packed::new(facts, backends, |text, b| wit::BackendState {
+            name: text.span(&b.name),
+            kind: b.kind,
+            healthy: b.healthy,
+            in_flight: b.in_flight,
+            queue_depth: b.queue_depth,
+        })
+    }
+}
+
+impl Packed<wit::AdapterInfo> {
+    pub(crate) fn selector(facts: &RequestFacts, adapters: &[AdapterInfo]) -> Self {
+        Packed::new(facts, adapters, |text, a| wit::AdapterInfo {
+            id: text.span(&a.id),
+            rank: a.rank,
+            scale: a.scale,
+            base_model: text.span(&a.base_model),
+        })
+    }
+}
+
+impl<T> Packed<T> {
+    fn new<I>(f: &RequestFacts, items: &[I], pack: impl Fn(&mut Text, &I) -> T) -> Self {
+        let mut text = Text(String::with_capacity(256));
+        let mut facts = wit::RequestFacts {
+            text: String::new(),
+            method: text.span(&f.method),
+            path: text.span(&f.path),
+            model: text.span(&f.model),
+            headers: f
+                .headers
+                .iter()
+                .map(|(name, value)| wit::Header {
+                    name: text.span(name),
+                    value: text.span(value),
+                })
+                .collect(),
+            api_key_id: text.span(f.api_key_id.as_deref().unwrap_or_default()),
+            tenant: text.span(f.tenant.as_deref().unwrap_or_default()),
+            prompt_tokens: f.prompt_tokens,
+            max_tokens: f.max_tokens,
+            streaming: f.streaming,
+        };
+        let items = items.iter().map(|i| pack(&mut text, i)).collect();
+        facts.text = text.0;
+        Packed { facts, items }
+    }
+}
+
+/// The text being packed.
+struct Text(String);
+
+impl Text {
+    /// Appends `s`; its span (offset in the high 32 bits, length in the
+    /// low). Facts are bounded by the request body limit, far below 4 GiB; a
+    /// longer text would give spans the guest SDK reads as "" rather than a
+    /// trap.
+    fn span(&mut self, s: &str) -> wit::Span {
+        let offset = self.0.len();
+        self.0.push_str(s);
+        let to_u32 = |n: usize| u64::from(u32::try_from(n).unwrap_or(u32::MAX));
+        to_u32(offset) << 32 | to_u32(s.len())
+    }
+}

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use super::types::{OnError, PolicyKind};
+use super::types::{API_VERSION, OnError, PolicyKind};
 
 /// Why a guest call failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -97,13 +97,16 @@ pub enum PolicyError {
         found_kind: PolicyKind,
         found: String,
     },
-    #[error("component exports `{found}`; this gateway speaks `{expected}@0.1.x`")]
+    #[error(
+        "component exports `{found}`; this gateway speaks `{expected}@{API_VERSION}.x` \
+         (rebuild the policy with the current mlxgate-guest SDK)"
+    )]
     IncompatibleVersion { expected: String, found: String },
-    #[error("component does not export `{expected}@0.1.x` (its exports: {exports})")]
+    #[error("component does not export `{expected}@{API_VERSION}.x` (its exports: {exports})")]
     MissingExport { expected: String, exports: String },
     #[error("component imports what the sandbox does not provide: {0}")]
     UnsatisfiedImports(String),
-    #[error("exported interface does not match the WIT of mlxgate:policy@0.1.0: {0}")]
+    #[error("exported interface does not match the WIT of mlxgate:policy@{API_VERSION}.0: {0}")]
     InterfaceMismatch(String),
     #[error("policy `init` refused its configuration: {0}")]
     InitRejected(String),

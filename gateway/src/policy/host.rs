@@ -12,19 +12,17 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use wasmtime::component::{Component, Linker};
 
-use super::bindings::{AdapterInfo, BackendKind, BackendState, RequestFacts, dataset, router};
+use super::bindings::{Packed, dataset, router};
 use super::engine::{HostConfig, PolicyEngine};
 use super::error::{FailureKind, PolicyError};
 use super::metrics::{Counters, PolicyMetrics};
 use super::runtime::{Bound, Budget, Failure, HostState, LoadedPolicy, truncate};
 use super::storage::{Bindings, Storage, StoredMeta, sha256_hex};
 use super::types::{
-    LoadOrigin, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome, RouteDecision,
+    API_VERSION, AdapterInfo, BackendKind, BackendState, LoadOrigin, PolicyInfo, PolicyKind,
+    PolicyOptions, RecordOutcome, RequestFacts, RouteDecision,
 };
 
-/// Major.minor of `mlxgate:policy` this host speaks; patch versions are
-/// compatible.
-const API_VERSION_PREFIX: &str = "0.1.";
 /// Largest configuration string: it is copied into every fresh instance.
 const MAX_CONFIG_BYTES: usize = 1 << 20;
 /// Most adapters a selector may return.
@@ -223,7 +221,7 @@ impl PolicyHost {
             &component,
             info.clone(),
             Arc::new(Counters::default()),
-            self.cfg.tick,
+            Arc::clone(&self.engine.clock),
             self.cfg.max_calls_per_instance,
         )?;
         synthetic_call(&probe)?;
@@ -238,7 +236,7 @@ impl PolicyHost {
             &component,
             info,
             self.counters_for(name),
-            self.cfg.tick,
+            Arc::clone(&self.engine.clock),
             self.cfg.max_calls_per_instance,
         )?;
         let old_sha = previous.map(|p| p.info.sha256.clone());
@@ -556,7 +554,7 @@ impl PolicyHost {
             &component,
             info,
             self.counters_for(&meta.name),
-            self.cfg.tick,
+            Arc::clone(&self.engine.clock),
             self.cfg.max_calls_per_instance,
         )
     }
@@ -627,7 +625,10 @@ fn exported_interface(
     let wanted = kind.interface();
     if let Some(found) = names.iter().find(|n| n.starts_with(&format!("{wanted}@"))) {
         let version = &found[wanted.len() + 1..];
-        if version.starts_with(API_VERSION_PREFIX) {
+        let compatible = version
+            .strip_prefix(API_VERSION)
+            .is_some_and(|patch| patch.starts_with('.'));
+        if compatible {
             return Ok(found.clone());
         }
         return Err(PolicyError::IncompatibleVersion {
@@ -678,11 +679,18 @@ fn route_on(
     backends: &[BackendState],
 ) -> Result<RouteDecision, PolicyError> {
     let start = Instant::now();
+    let args = Packed::router(facts, backends);
     let res = p
-        .call(Budget::of(&p.info.limits, p.tick, 1), |store, b| match b {
-            Bound::Router(r) => r.mlxgate_policy_router().call_route(store, facts, backends),
-            _ => wasmtime::bail!("not a router"),
-        })
+        .call(
+            Budget::of(&p.info.limits, p.clock.tick, 1),
+            |store, b| match b {
+                Bound::Router(r) => {
+                    r.mlxgate_policy_router()
+                        .call_route(store, &args.facts, &args.items)
+                }
+                _ => wasmtime::bail!("not a router"),
+            },
+        )
         .and_then(|d| check_route(d, p.info.limits.max_output_bytes));
     p.counters
         .record(start.elapsed(), res.as_ref().err().map(|f| f.0));
@@ -747,13 +755,18 @@ fn select_on(
     adapters: &[AdapterInfo],
 ) -> Result<Option<Vec<String>>, PolicyError> {
     let start = Instant::now();
+    let args = Packed::selector(facts, adapters);
     let res = p
-        .call(Budget::of(&p.info.limits, p.tick, 1), |store, b| match b {
-            Bound::Adapter(a) => a
-                .mlxgate_policy_adapter_selector()
-                .call_select(store, facts, adapters),
-            _ => wasmtime::bail!("not an adapter selector"),
-        })
+        .call(
+            Budget::of(&p.info.limits, p.clock.tick, 1),
+            |store, b| match b {
+                Bound::Adapter(a) => {
+                    a.mlxgate_policy_adapter_selector()
+                        .call_select(store, &args.facts, &args.items)
+                }
+                _ => wasmtime::bail!("not an adapter selector"),
+            },
+        )
         .and_then(|ids| {
             let Some(ids) = ids else { return Ok(None) };
             if ids.len() > MAX_ADAPTERS {
@@ -787,7 +800,7 @@ fn transform_on(p: &LoadedPolicy, records: &[String]) -> Result<Vec<RecordOutcom
     let units = records.len() as u64;
     let res = p
         .call(
-            Budget::of(&p.info.limits, p.tick, units),
+            Budget::of(&p.info.limits, p.clock.tick, units),
             |store, b| match b {
                 Bound::Dataset(d) => d
                     .mlxgate_policy_dataset_transform()

@@ -1,7 +1,7 @@
 //! The Wasm policy host: one engine, linker and instance pools for all guests.
 //!
 //! Operators upload WebAssembly components implementing one of the worlds in
-//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.1.0`): a router, an
+//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.2.0`): a router, an
 //! adapter selector or a dataset transform. [`PolicyHost`] validates and
 //! precompiles them, stores them durably under the data dir, and calls them
 //! under strict limits (deadline, fuel, memory, stack; no capabilities at all:
@@ -19,12 +19,11 @@ mod runtime;
 mod storage;
 mod types;
 
-pub use bindings::{AdapterInfo, BackendKind, BackendState, RequestFacts};
 pub use engine::HostConfig;
 pub use error::{FailureKind, PolicyError};
 pub use host::{PolicyHost, probe_facts};
 pub use metrics::{LATENCY_BUCKETS_S, PolicyMetrics, render_prometheus};
 pub use types::{
-    Limits, LoadOrigin, OnError, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome,
-    RouteDecision,
+    AdapterInfo, BackendKind, BackendState, Limits, LoadOrigin, OnError, PolicyInfo, PolicyKind,
+    PolicyOptions, RecordOutcome, RequestFacts, RouteDecision,
 };

@@ -17,6 +17,7 @@ use wasmtime::{
 };
 
 use super::bindings::{adapter, dataset, router};
+use super::engine::EpochClock;
 use super::error::{FailureKind, PolicyError};
 use super::metrics::Counters;
 use super::types::{Limits, PolicyInfo, PolicyKind};
@@ -137,7 +138,7 @@ pub(crate) type Failure = (FailureKind, String);
 pub(crate) struct LoadedPolicy {
     pub(crate) info: PolicyInfo,
     pub(crate) counters: Arc<Counters>,
-    pub(crate) tick: Duration,
+    pub(crate) clock: Arc<EpochClock>,
     engine: Engine,
     pre: Pre,
     pool: Mutex<Vec<Warm>>,
@@ -153,7 +154,7 @@ impl LoadedPolicy {
         component: &Component,
         info: PolicyInfo,
         counters: Arc<Counters>,
-        tick: Duration,
+        clock: Arc<EpochClock>,
         max_calls_per_instance: u64,
     ) -> Result<Self, PolicyError> {
         let instance_pre: InstancePre<HostState> = linker
@@ -174,7 +175,7 @@ impl LoadedPolicy {
         Ok(LoadedPolicy {
             info,
             counters,
-            tick,
+            clock,
             engine: engine.clone(),
             pre,
             pool: Mutex::new(Vec::new()),
@@ -189,6 +190,7 @@ impl LoadedPolicy {
         budget: Budget,
         f: impl FnOnce(&mut Store<HostState>, &Bound) -> wasmtime::Result<R>,
     ) -> Result<R, Failure> {
+        let _running = self.clock.enter();
         let mut warm = match self.checkout() {
             Some(w) => w,
             None => self.fresh()?,

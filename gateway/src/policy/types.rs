@@ -2,6 +2,12 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::bindings::BackendKind;
+
+/// Major.minor of `mlxgate:policy` (`guest-sdk/wit/policy.wit`) this host
+/// speaks; components exporting any patch version of it are accepted.
+pub(crate) const API_VERSION: &str = "0.2";
+
 /// The guest kinds; each is one WIT world exporting one interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -145,7 +151,7 @@ pub struct PolicyInfo {
     /// sha256 of the component bytes, hex.
     pub sha256: String,
     pub size_bytes: u64,
-    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.1.0`.
+    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.2.0`.
     pub interface: String,
     pub limits: Limits,
     pub on_error: OnError,
@@ -157,6 +163,49 @@ pub struct PolicyInfo {
     pub origin: LoadOrigin,
     /// Kinds this policy is currently bound for.
     pub bound_as: Vec<PolicyKind>,
+}
+
+/// What the gateway knows about a request before it is scheduled, as the
+/// host's callers give it; the call packs every string into one text (see
+/// `request-facts` in the WIT).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// HTTP method, upper case.
+    pub method: String,
+    pub path: String,
+    /// The model the client asked for, verbatim.
+    pub model: String,
+    /// The headers selected for policies, (lower-case name, value).
+    pub headers: Vec<(String, String)>,
+    /// `None` and `Some("")` reach guests alike, as an empty span (the SDK
+    /// gives `None`): the spans are plain `u64`s to keep a call's arguments
+    /// in registers.
+    pub api_key_id: Option<String>,
+    pub tenant: Option<String>,
+    /// 0 when not counted yet.
+    pub prompt_tokens: u32,
+    pub max_tokens: Option<u32>,
+    pub streaming: bool,
+}
+
+/// Load and health of one backend at decision time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendState {
+    /// Local model name or upstream name.
+    pub name: String,
+    pub kind: BackendKind,
+    pub healthy: bool,
+    pub in_flight: u32,
+    pub queue_depth: u32,
+}
+
+/// A LoRA adapter mounted on a local base model, as selectors see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterInfo {
+    pub id: String,
+    pub rank: u32,
+    pub scale: f32,
+    pub base_model: String,
 }
 
 /// A router's decision, validated by the host.

@@ -25,10 +25,9 @@ impl AdapterSelector for AdapterByTenant {
         serde_json::from_str(config).map_err(|e| format!("adapter-by-tenant config: {e}"))
     }
 
-    fn select(&self, facts: RequestFacts, adapters: Vec<AdapterInfo>) -> Option<Vec<String>> {
+    fn select(&self, facts: &RequestFacts, adapters: &[AdapterInfo]) -> Option<Vec<String>> {
         let wanted = facts
             .tenant
-            .as_deref()
             .and_then(|t| self.tenants.get(t))
             .or(self.default.as_ref())?;
         Some(
@@ -37,7 +36,7 @@ impl AdapterSelector for AdapterByTenant {
                 .filter(|id| {
                     adapters
                         .iter()
-                        .any(|a| &a.id == *id && a.base_model == facts.model)
+                        .any(|a| a.id == id.as_str() && a.base_model == facts.model)
                 })
                 .cloned()
                 .collect(),

@@ -27,14 +27,17 @@ impl Router for AliasRouter {
         serde_json::from_str(config).map_err(|e| format!("alias-router config: {e}"))
     }
 
-    fn route(&self, facts: RequestFacts, backends: Vec<BackendState>) -> RouteDecision {
-        let target = self.aliases.get(&facts.model).unwrap_or(&facts.model);
+    fn route(&self, facts: &RequestFacts, backends: &[BackendState]) -> RouteDecision {
+        let target = self
+            .aliases
+            .get(facts.model)
+            .map_or(facts.model, String::as_str);
         let served = backends
             .iter()
-            .any(|b| b.kind == BackendKind::Local && &b.name == target)
+            .any(|b| b.kind == BackendKind::Local && b.name == target)
             || self.models.iter().any(|m| m == target);
         if served {
-            RouteDecision::Local(target.clone())
+            RouteDecision::Local(target.to_string())
         } else {
             RouteDecision::reject(404, format!("The model `{}` does not exist", facts.model))
         }

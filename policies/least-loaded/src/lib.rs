@@ -21,7 +21,7 @@ struct LeastLoaded {
 impl LeastLoaded {
     fn eligible(&self, model: &str, b: &BackendState) -> bool {
         match self.candidates.get(model) {
-            Some(names) => names.iter().any(|n| n == &b.name),
+            Some(names) => names.iter().any(|n| n == b.name),
             None => b.kind == BackendKind::Upstream || b.name == model,
         }
     }
@@ -35,17 +35,17 @@ impl Router for LeastLoaded {
         serde_json::from_str(config).map_err(|e| format!("least-loaded config: {e}"))
     }
 
-    fn route(&self, facts: RequestFacts, backends: Vec<BackendState>) -> RouteDecision {
+    fn route(&self, facts: &RequestFacts, backends: &[BackendState]) -> RouteDecision {
         let best = backends
             .iter()
-            .filter(|b| b.healthy && self.eligible(&facts.model, b))
+            .filter(|b| b.healthy && self.eligible(facts.model, b))
             .min_by_key(|b| {
                 let load = u64::from(b.in_flight) + u64::from(b.queue_depth);
                 (load, b.kind != BackendKind::Local)
             });
         match best {
-            Some(b) if b.kind == BackendKind::Local => RouteDecision::Local(b.name.clone()),
-            Some(b) => RouteDecision::upstream(b.name.clone(), None),
+            Some(b) if b.kind == BackendKind::Local => RouteDecision::Local(b.name.to_string()),
+            Some(b) => RouteDecision::upstream(b.name, None),
             None => RouteDecision::reject(
                 503,
                 format!("no healthy backend for model `{}`", facts.model),

@@ -70,19 +70,16 @@ impl Router for TenantRouter {
         Ok(TenantRouter(cfg))
     }
 
-    fn route(&self, facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
+    fn route(&self, facts: &RequestFacts, _backends: &[BackendState]) -> RouteDecision {
         let cfg = &self.0;
-        let tenant = facts
-            .tenant
-            .clone()
-            .or_else(|| facts.header(&cfg.header).map(str::to_string));
-        let Some(t) = tenant.as_deref().and_then(|n| cfg.tenants.get(n)) else {
+        let tenant = facts.tenant.or_else(|| facts.header(&cfg.header));
+        let Some(t) = tenant.and_then(|n| cfg.tenants.get(n)) else {
             return match cfg.unknown {
-                Unknown::Pass => RouteDecision::Local(facts.model),
+                Unknown::Pass => RouteDecision::Local(facts.model.to_string()),
                 Unknown::Reject => RouteDecision::reject(403, "unknown tenant"),
             };
         };
-        if t.deny.iter().any(|m| m == &facts.model) {
+        if t.deny.iter().any(|m| m == facts.model) {
             return RouteDecision::reject(
                 403,
                 format!("model `{}` is not allowed for this tenant", facts.model),
@@ -91,7 +88,7 @@ impl Router for TenantRouter {
         match (&t.local, &t.upstream) {
             (Some(local), _) => RouteDecision::Local(local.clone()),
             (None, Some(up)) => RouteDecision::upstream(up.clone(), t.model.clone()),
-            (None, None) => RouteDecision::Local(facts.model),
+            (None, None) => RouteDecision::Local(facts.model.to_string()),
         }
     }
 }

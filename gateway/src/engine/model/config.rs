@@ -75,6 +75,27 @@ pub struct Quantization {
 }
 
 impl ModelConfig {
+    /// The factor queries are scaled by before attention.
+    pub fn attention_scale(&self) -> f32 {
+        match self.query_pre_attn_scalar {
+            Some(scalar) => scalar.powf(-0.5),
+            None => (self.head_dim as f32).powf(-0.5),
+        }
+    }
+
+    /// The factor Gemma multiplies embeddings by: sqrt(hidden) rounded to
+    /// bfloat16, as the reference implementations compute it (the exact root
+    /// drifts). `None` for families that do not scale.
+    pub fn embedding_scale(&self) -> Option<f32> {
+        if self.family != Family::Gemma3 {
+            return None;
+        }
+        // Round to nearest even on the upper 16 bits: f32 -> bf16 -> f32.
+        let bits = (self.hidden_size as f32).sqrt().to_bits();
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+        Some(f32::from_bits(rounded))
+    }
+
     /// Is layer `layer` a sliding-window (local attention) layer?
     pub fn is_sliding(&self, layer: usize) -> bool {
         self.sliding_window.is_some()

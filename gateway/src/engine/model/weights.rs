@@ -10,7 +10,7 @@ use mlx_rs::ops::{dequantize, matmul, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use super::LoadError;
-use crate::mlx::kernels;
+use crate::mlx::kernels::{self, PackedMatrix};
 
 pub type MlxResult<T> = Result<T, mlx_rs::error::Exception>;
 
@@ -266,6 +266,21 @@ impl Kernel {
                     quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)
                 }
             }
+        }
+    }
+
+    /// The matrix as the native kernels read it outside MLX's graph (the
+    /// native decode step); `None` when dense or in a layout they lack.
+    pub fn packed(&self) -> Option<PackedMatrix> {
+        match self {
+            Kernel::Dense(_) => None,
+            Kernel::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => PackedMatrix::new(weight, scales, biases, *group_size, *bits),
         }
     }
 

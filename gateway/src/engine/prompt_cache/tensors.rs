@@ -54,7 +54,7 @@ pub fn export(cache: &KvCache) -> MlxResult<Vec<LayerBytes>> {
         .layers
         .iter()
         .map(|layer| {
-            let (Some(keys), Some(values)) = (&layer.keys, &layer.values) else {
+            let Some((keys, values)) = layer.mlx_arrays()? else {
                 return Err(mlx_rs::error::Exception::custom(
                     "cannot save an empty cache",
                 ));
@@ -63,8 +63,8 @@ pub fn export(cache: &KvCache) -> MlxResult<Vec<LayerBytes>> {
                 window: layer.window,
                 start: layer.start,
                 shape: keys.shape().iter().map(|&d| d as usize).collect(),
-                keys: array_bytes(keys)?,
-                values: array_bytes(values)?,
+                keys: array_bytes(&keys)?,
+                values: array_bytes(&values)?,
             })
         })
         .collect()
@@ -133,12 +133,12 @@ pub fn import(file: Arc<MappedFile>) -> Result<Imported, String> {
         let (keys, kept_keys) = mapped_array(&file, &layer.keys, &shape, dtype)?;
         let (values, kept_values) = mapped_array(&file, &layer.values, &shape, dtype)?;
         zero_copy &= kept_keys && kept_values;
-        layers.push(LayerCache {
-            keys: Some(keys),
-            values: Some(values),
-            window: layer.window,
-            start: layer.start,
-        });
+        layers.push(LayerCache::from_arrays(
+            keys,
+            values,
+            layer.window,
+            layer.start,
+        ));
     }
     Ok(Imported {
         cache: KvCache {

@@ -56,11 +56,11 @@ impl Router for Hostile {
         }
     }
 
-    fn route(&self, facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
+    fn route(&self, facts: &RequestFacts, _backends: &[BackendState]) -> RouteDecision {
         if self.loop_always {
             spin();
         }
-        match facts.model.as_str() {
+        match facts.model {
             "loop" => spin(),
             "oom" => RouteDecision::Local(format!("{}", hog())),
             "recurse" => RouteDecision::Local(format!("{}", recurse(0))),
@@ -71,9 +71,9 @@ impl Router for Hostile {
                 // leaves a large instance behind.
                 let big: Vec<u8> = black_box(Vec::with_capacity(10 << 20));
                 drop(big);
-                RouteDecision::Local(facts.model)
+                RouteDecision::Local(facts.model.to_string())
             }
-            _ => RouteDecision::Local(facts.model),
+            _ => RouteDecision::Local(facts.model.to_string()),
         }
     }
 }

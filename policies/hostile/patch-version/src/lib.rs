@@ -1,20 +1,23 @@
-//! A router built against `mlxgate:policy@0.1.1`: patch versions of the
+//! A router built against `mlxgate:policy@0.2.1`, without the SDK: patch versions of the
 //! interface are compatible, so upload must succeed and calls must work.
 
 wit_bindgen::generate!({ path: "wit", world: "router-policy" });
 
 use exports::mlxgate::policy::router::{BackendState, Guest, RequestFacts, RouteDecision};
 
-struct V011;
+struct V021;
 
-impl Guest for V011 {
+impl Guest for V021 {
     fn init(_config: String) -> Result<(), String> {
         Ok(())
     }
 
     fn route(facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
-        RouteDecision::Local(facts.model)
+        // The raw interface: strings are spans of the facts' one text.
+        let (start, len) = ((facts.model >> 32) as usize, facts.model as u32 as usize);
+        let model = &facts.text[start..start + len];
+        RouteDecision::Local(model.to_string())
     }
 }
 
-export!(V011);
+export!(V021);

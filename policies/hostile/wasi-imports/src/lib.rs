@@ -13,7 +13,7 @@ impl Router for EnvRouter {
         ))
     }
 
-    fn route(&self, _facts: RequestFacts, _backends: Vec<BackendState>) -> RouteDecision {
+    fn route(&self, _facts: &RequestFacts, _backends: &[BackendState]) -> RouteDecision {
         RouteDecision::Local(self.0.clone())
     }
 }

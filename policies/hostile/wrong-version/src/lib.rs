@@ -1,13 +1,14 @@
-//! A router built against `mlxgate:policy@0.2.0`, a version the host does not
-//! speak: upload must fail with an incompatible-version error.
+//! A router built against `mlxgate:policy@0.1.0`, the interface before packed
+//! facts, which the host no longer speaks: upload must fail with an
+//! incompatible-version error (422).
 
 wit_bindgen::generate!({ path: "wit", world: "router-policy" });
 
 use exports::mlxgate::policy::router::{BackendState, Guest, RequestFacts, RouteDecision};
 
-struct V2;
+struct V010;
 
-impl Guest for V2 {
+impl Guest for V010 {
     fn init(_config: String) -> Result<(), String> {
         Ok(())
     }
@@ -17,4 +18,4 @@ impl Guest for V2 {
     }
 }
 
-export!(V2);
+export!(V010);

@@ -10,11 +10,17 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{add, concatenate, multiply};
 use mlx_rs::{Array, Dtype};
 
+mod native;
+
+use std::sync::OnceLock;
+
 use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
 use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
+use crate::mlx::kernels::{self, KernelChoice};
+use native::NativeDecoder;
 
 struct Attention {
     q_proj: Linear,
@@ -49,6 +55,21 @@ struct Block {
     rope_scale: f32,
 }
 
+impl Block {
+    /// RoPE with this layer's settings, the first position at `offset`.
+    fn rotate(&self, y: Array, config: &ModelConfig, offset: i32) -> MlxResult<Array> {
+        rope(
+            y,
+            config.head_dim as i32,
+            config.rope_traditional,
+            self.rope_theta,
+            self.rope_scale,
+            offset,
+            None,
+        )
+    }
+}
+
 /// A loaded decoder-only transformer.
 pub struct Transformer {
     pub config: ModelConfig,
@@ -56,6 +77,9 @@ pub struct Transformer {
     blocks: Vec<Block>,
     final_norm: Array,
     lm_head: Option<Linear>,
+    /// The weights as the native decode step reads them, built at its first
+    /// use; `None` when some matrix is not in a layout the kernels read.
+    native: OnceLock<Option<NativeDecoder>>,
 }
 
 impl Transformer {
@@ -150,6 +174,7 @@ impl Transformer {
             blocks,
             final_norm,
             lm_head,
+            native: OnceLock::new(),
         })
     }
 
@@ -243,6 +268,42 @@ impl Transformer {
         self.forward_with_adapters(tokens, caches, &stacks)
     }
 
+    /// One decode step: `tokens[b]` extends `caches[b]`; float32 logits,
+    /// `[B * vocab]`. Runs natively, outside MLX's graph, when this thread
+    /// uses the native kernels, no sequence has adapters and the kernels read
+    /// every matrix of the model; else through MLX like any other step.
+    pub fn decode(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Vec<f32>> {
+        let native = kernels::thread_choice() == KernelChoice::Native
+            && adapters.iter().all(|stack| stack.is_empty());
+        if native && let Some(decoder) = self.native_decoder() {
+            return decoder.step(&self.config, tokens, caches);
+        }
+        let inputs: Vec<[u32; 1]> = tokens.iter().map(|&token| [token]).collect();
+        let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
+        let logits = self.forward_with_adapters(&sequences, caches, adapters)?;
+        mlx_rs::transforms::eval(
+            std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
+        )?;
+        Ok(logits.as_slice::<f32>().to_vec())
+    }
+
+    fn native_decoder(&self) -> Option<&NativeDecoder> {
+        self.native
+            .get_or_init(|| match NativeDecoder::new(self) {
+                Ok(decoder) => decoder,
+                Err(error) => {
+                    tracing::warn!(%error, "native decode unavailable; decoding through MLX");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
     /// [`Transformer::forward`] with each sequence's adapter stack (empty
     /// for the base model).
     pub fn forward_with_adapters(
@@ -256,13 +317,8 @@ impl Transformer {
         let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
         let ids = Array::from_slice(&flat, &[batch, length]);
         let mut x = self.embed.lookup(&ids)?;
-        if self.config.family == Family::Gemma3 {
-            // Gemma was trained with sqrt(hidden) rounded to bfloat16 (as the
-            // reference implementations compute it); the exact root drifts.
-            let scale = Array::from_f32((self.config.hidden_size as f32).sqrt())
-                .as_dtype(Dtype::Bfloat16)?
-                .as_dtype(x.dtype())?;
-            x = multiply(&x, &scale)?;
+        if let Some(scale) = self.config.embedding_scale() {
+            x = multiply(&x, Array::from_f32(scale))?;
         }
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
@@ -341,6 +397,7 @@ impl Transformer {
             blocks,
             final_norm: self.final_norm.clone(),
             lm_head: self.lm_head.as_ref().map(dense).transpose()?,
+            native: OnceLock::new(),
         })
     }
 
@@ -375,20 +432,14 @@ impl Transformer {
     ) -> MlxResult<Array> {
         let c = &self.config;
         let mut x = self.embed.lookup(ids)?;
-        if c.family == Family::Gemma3 {
-            let scale = Array::from_f32((c.hidden_size as f32).sqrt())
-                .as_dtype(Dtype::Bfloat16)?
-                .as_dtype(x.dtype())?;
-            x = multiply(&x, &scale)?;
+        if let Some(scale) = c.embedding_scale() {
+            x = multiply(&x, Array::from_f32(scale))?;
         }
         let shape = x.shape().to_vec();
         let (batch, length) = (shape[0], shape[1]);
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
-        let scale = match c.query_pre_attn_scalar {
-            Some(scalar) => scalar.powf(-0.5),
-            None => (c.head_dim as f32).powf(-0.5),
-        };
+        let scale = c.attention_scale();
         for (layer, block) in self.blocks.iter().enumerate() {
             let project = |linear: &Linear, projection, x: &Array| {
                 residual(linear.forward(x)?, x, layer, projection)
@@ -402,17 +453,7 @@ impl Transformer {
                 }
                 y.transpose_axes(&[0, 2, 1, 3])
             };
-            let rotate = |y: Array| {
-                rope(
-                    y,
-                    head_dim,
-                    c.rope_traditional,
-                    block.rope_theta,
-                    block.rope_scale,
-                    0,
-                    None,
-                )
-            };
+            let rotate = |y: Array| block.rotate(y, c, 0);
             let q = rotate(split(
                 project(&a.q_proj, Projection::Q, &normed)?,
                 heads,
@@ -516,25 +557,12 @@ impl Transformer {
         let queries = split(project(&a.q_proj, Projection::Q, x)?, heads, &a.q_norm)?;
         let keys = split(project(&a.k_proj, Projection::K, x)?, kv_heads, &a.k_norm)?;
         let values = split(project(&a.v_proj, Projection::V, x)?, kv_heads, &None)?;
-        let scale = match c.query_pre_attn_scalar {
-            Some(scalar) => scalar.powf(-0.5),
-            None => (c.head_dim as f32).powf(-0.5),
-        };
+        let scale = c.attention_scale();
         let mut outputs = Vec::with_capacity(batch as usize);
         for (b, cache) in caches.iter_mut().enumerate() {
             let b = b as i32;
             let offset = cache.offset as i32;
-            let rotate = |y: Array| {
-                rope(
-                    y,
-                    head_dim,
-                    c.rope_traditional,
-                    block.rope_theta,
-                    block.rope_scale,
-                    offset,
-                    None,
-                )
-            };
+            let rotate = |y: Array| block.rotate(y, c, offset);
             // One sequence (the common case) needs no per-sequence slices:
             // every graph node costs MLX's CPU backend microseconds per token.
             let one = |all: &Array| {
