@@ -31,9 +31,10 @@
 //! Weight bytes per decoded token: every weight array a decode step reads once
 //! (quantized weights, scales, biases, norms); the embedding table is a gather,
 //! so only one row counts, unless it is also the (tied) output projection,
-//! which reads it whole. mlxgate's figure comes from the arrays the engine
-//! holds (`Transformer::parameters`, MLX `nbytes`), llama.cpp's from the GGUF
-//! tensor table (its tensors are used as stored). KV-cache reads and
+//! which reads it whole. mlxgate's figure is what its native decode step
+//! reads (`Transformer::native_decode_weight_bytes`: codes, scales and biases
+//! as the kernels store them), llama.cpp's from the GGUF tensor table (its
+//! tensors are used as stored). KV-cache reads and
 //! activations are not counted (small next to the weights at these lengths).
 
 use std::io::{BufRead, BufReader, Write};
@@ -116,29 +117,16 @@ fn read_bandwidth() -> (f64, f64) {
 
 // ---------------------------------------------------------------- weight bytes
 
-/// Bytes of the weight arrays mlxgate's engine reads per decoded token (see the
-/// module doc), from a separate load of the model (arrays are not evaluated:
-/// `nbytes` is shape x item size).
+/// Bytes of weights mlxgate's native decode step reads per token (see the
+/// module doc), from a separate load of the model.
 fn mlxgate_weight_bytes(path: &Path) -> usize {
     let path = path.to_owned();
     std::thread::spawn(move || {
         let model = LoadedModel::load(&path).expect("load model for its weight sizes");
-        let vocab = model.transformer.config.vocab_size;
-        let arrays = model.transformer.parameters();
-        // `parameters()` lists the embedding's arrays first (weight, and scales
-        // and biases when quantized): the leading arrays with `vocab` rows.
-        let is_vocab = |a: &mlx_rs::Array| a.shape().first() == Some(&(vocab as i32));
-        let embed_len = arrays.iter().take_while(|a| is_vocab(a)).count();
-        let (embed, rest) = arrays.split_at(embed_len);
-        let embed_bytes: usize = embed.iter().map(|a| a.nbytes()).sum();
-        let rest_bytes: usize = rest.iter().map(|a| a.nbytes()).sum();
-        let untied_head = rest.iter().any(|a| a.shape().len() == 2 && is_vocab(a));
-        let row = embed_bytes / vocab.max(1);
-        if untied_head {
-            rest_bytes + row
-        } else {
-            rest_bytes + embed_bytes + row
-        }
+        model
+            .transformer
+            .native_decode_weight_bytes()
+            .expect("the native kernels decode this model")
     })
     .join()
     .expect("weight-size thread")

@@ -14,8 +14,8 @@ use mlx_rs::Array;
 use mlx_rs::io::GgufFile;
 use mlx_rs::ops::dequantize;
 use mlxgate::engine::model::gguf::{
-    GgmlType, GgufError, GgufReader, MetaValue, TensorData, TensorInfo, f32_to_f16,
-    mlx_quantization, to_mlx_affine, write_gguf,
+    GgmlType, GgufError, GgufReader, MetaValue, TensorData, TensorInfo, mlx_quantization,
+    to_mlx_affine, write_gguf,
 };
 use mlxgate::engine::model::{GgufMetadata, Transformer, gguf, gguf_config};
 use mlxgate::engine::text::TextCodec;
@@ -67,7 +67,7 @@ impl Noise {
 }
 
 fn f16_bytes(value: f32) -> [u8; 2] {
-    f32_to_f16(value).to_le_bytes()
+    half::f16::from_f32(value).to_bits().to_le_bytes()
 }
 
 /// `rows` rows of `cols` values of `kind`, random codes with sane f16 scales.

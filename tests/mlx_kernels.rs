@@ -13,7 +13,7 @@ use mlx_rs::transforms::grad;
 use mlx_rs::{Array, Dtype};
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::model::Transformer;
-use mlxgate::mlx::kernels::{self, KernelChoice};
+use mlxgate::mlx::kernels::{self, KernelChoice, PackedMatrix};
 
 /// The kernels' thread pool is process-wide: tests that resize it run alone.
 static POOL: Mutex<()> = Mutex::new(());
@@ -265,6 +265,226 @@ fn bad_operands_are_refused_with_a_reason() {
     assert!(!kernels::quantized_matmul_is_native(
         &half, &q.scales, 32, 4
     ));
+}
+
+/// A packed matrix's product against the graph kernel's on the same MLX
+/// arrays, batches 1, 3 and 6, and one dequantized row against MLX's.
+fn assert_packed_matches_graph(q: &Quantized, packed: &PackedMatrix, what: &str) {
+    let (n, k) = (packed.rows, packed.cols);
+    for m in [1usize, 3, 6] {
+        let x = random(&[m as i32, k as i32], 50 + m as u64);
+        let graph = native(&x, q);
+        let mut ours = vec![0.0f32; m * n];
+        packed.matmul(x.as_slice::<f32>(), &mut ours);
+        // Same codes, same values, same order of sums: bitwise equal.
+        assert_eq!(ours, graph.as_slice::<f32>(), "{what}, batch {m}");
+    }
+    let mut row = vec![0.0f32; k];
+    packed.dequantize_row(7, &mut row);
+    let expected = &q.dense.as_slice::<f32>()[7 * k..8 * k];
+    // MLX rounds `scale * q + bias` in two steps where we fuse them: an ulp
+    // of the larger term apart.
+    let largest = expected.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (got, want) in row.iter().zip(expected) {
+        assert!(
+            (got - want).abs() <= 1e-6 * largest,
+            "{what}, row 7: {got} vs {want}"
+        );
+    }
+}
+
+/// An 8-bit matrix from GGML-style symmetric blocks: codes below `levels`,
+/// f16 scales, each bias `-offset * scale` (as Q5_0 and Q8_0 load).
+fn symmetric(n: usize, k: usize, levels: u32, offset: f32, seed: u64) -> Quantized {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let codes: Vec<u8> = (0..n * k)
+        .map(|_| (next() % u64::from(levels)) as u8)
+        .collect();
+    let words: Vec<u32> = codes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let groups = n * k / 32;
+    let scales: Vec<f32> = (0..groups)
+        .map(|_| half::f16::from_f32((next() % 1000) as f32 * 1e-5 + 1e-4).to_f32())
+        .collect();
+    let biases: Vec<f32> = scales.iter().map(|s| s * -offset).collect();
+    let w = Array::from_slice(&words, &[n as i32, (k / 4) as i32]);
+    let scales = Array::from_slice(&scales, &[n as i32, (k / 32) as i32]);
+    let biases = Array::from_slice(&biases, &[n as i32, (k / 32) as i32]);
+    let dense = dequantize(&w, &scales, &biases, 32, 8).expect("dequantize");
+    Quantized {
+        w,
+        scales,
+        biases,
+        dense,
+        group_size: 32,
+        bits: 8,
+    }
+}
+
+#[test]
+fn packed_matrices_store_exact_values_compactly_with_bitwise_equal_results() {
+    if !require_native() {
+        return;
+    }
+    let pack = |q: &Quantized| {
+        PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
+    };
+    // MLX's own quantization: f32 scales and biases, kept as they are.
+    for bits in [4, 8] {
+        let q = quantized(200, 256, 32, bits, 41 + bits as u64);
+        let packed = pack(&q);
+        assert_eq!(packed.bits_per_weight(), bits as f64 + 2.0, "{bits} bits");
+        assert_packed_matches_graph(&q, &packed, &format!("MLX {bits}-bit"));
+    }
+    // Q4_1-like: f16 scales and biases, read as f16 (5 bits per weight).
+    let to_f16_values = |a: &Array| {
+        a.as_dtype(Dtype::Float16)
+            .and_then(|h| h.as_dtype(Dtype::Float32))
+            .expect("cast")
+    };
+    let mut q41 = quantized(200, 256, 32, 4, 45);
+    q41.scales = to_f16_values(&q41.scales);
+    q41.biases = to_f16_values(&q41.biases);
+    q41.dense = dequantize(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("dequantize");
+    let packed = pack(&q41);
+    assert_eq!(packed.bits_per_weight(), 5.0);
+    assert_packed_matches_graph(&q41, &packed, "Q4_1-like");
+    // Q5_0-like: codes below 32 repacked to 5 bits, f16 scales, biases
+    // derived (5.5 bits per weight instead of 10).
+    let q50 = symmetric(136, 512, 32, 16.0, 46);
+    let packed = pack(&q50);
+    assert_eq!(packed.bits_per_weight(), 5.5);
+    assert_packed_matches_graph(&q50, &packed, "Q5_0-like");
+    // Q8_0-like: 8-bit codes, f16 scales, biases derived (8.5 bits).
+    let q80 = symmetric(72, 256, 256, 128.0, 47);
+    let packed = pack(&q80);
+    assert_eq!(packed.bits_per_weight(), 8.5);
+    assert_packed_matches_graph(&q80, &packed, "Q8_0-like");
+}
+
+/// MLX's own attention of `q` over `k`/`v` with a boolean `[queries, keys]`
+/// mask, as `[1, queries, heads, head_dim]`.
+fn mlx_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Array {
+    use mlx_rs::fast::{ScaledDotProductAttentionMask, scaled_dot_product_attention};
+    scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        scale,
+        Some(ScaledDotProductAttentionMask::Array(mask)),
+        None,
+    )
+    .and_then(|a| {
+        // Transposed, then copied to a packed array the test can read.
+        let shape = [1, a.shape()[2], a.shape()[1], a.shape()[3]];
+        a.transpose_axes(&[0, 2, 1, 3])?
+            .flatten(None, None)?
+            .reshape(&shape)
+    })
+    .expect("MLX attention")
+}
+
+/// The mask the kernel promises: query i (at key index first + i) sees
+/// keys j <= first + i, within `window` when nonzero.
+fn causal_mask(queries: usize, keys: usize, first: usize, window: usize) -> Array {
+    let allowed: Vec<bool> = (0..queries)
+        .flat_map(|i| {
+            (0..keys).map(move |j| j <= first + i && (window == 0 || j + window > first + i))
+        })
+        .collect();
+    Array::from_slice(&allowed, &[queries as i32, keys as i32])
+}
+
+#[test]
+fn causal_attention_matches_mlx_with_offsets_windows_gqa_and_views() {
+    if !require_native() {
+        return;
+    }
+    // (heads, kv_heads, head_dim, queries, keys, window): SmolLM2, Qwen
+    // (GQA 7:1) and Gemma 3 (head_dim 256, sliding window) shapes; a prompt
+    // after a cached prefix; one query; odd lengths.
+    let cases = [
+        (9, 3, 64, 37, 37, 0),
+        (14, 2, 64, 21, 50, 0),
+        (4, 1, 256, 40, 40, 16),
+        (4, 1, 256, 9, 30, 16),
+        (9, 3, 64, 1, 77, 0),
+        (2, 2, 8, 5, 5, 0),
+    ];
+    for (seed, &(heads, kv_heads, head_dim, queries, keys, window)) in cases.iter().enumerate() {
+        let seed = 100 + 3 * seed as u64;
+        let q = random(&[1, heads, queries, head_dim], seed);
+        let k = random(&[1, kv_heads, keys, head_dim], seed + 1);
+        let v = random(&[1, kv_heads, keys, head_dim], seed + 2);
+        let first = (keys - queries) as usize;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let ours = kernels::causal_attention(&q, &k, &v, scale, first, window as usize)
+            .expect("native attention");
+        let mask = causal_mask(queries as usize, keys as usize, first, window as usize);
+        let theirs = mlx_attention(&q, &k, &v, scale, &mask);
+        assert_eq!(ours.shape(), theirs.shape());
+        let error = relative_error(&ours, &theirs);
+        assert!(
+            error < 1e-5,
+            "case {heads}/{kv_heads}/{head_dim}/{queries}/{keys}: {error:e}"
+        );
+    }
+    // Views: keys and values sliced out of a larger cache buffer, queries
+    // transposed from [1, L, heads, d] (rows strided), as the engine passes them.
+    let cache_k = random(&[1, 2, 64, 64], 200);
+    let cache_v = random(&[1, 2, 64, 64], 201);
+    use mlx_rs::ops::indexing::IndexOp;
+    let (k, v) = (
+        cache_k.index((.., .., 0..24, ..)),
+        cache_v.index((.., .., 0..24, ..)),
+    );
+    let q = random(&[1, 10, 4, 64], 202)
+        .transpose_axes(&[0, 2, 1, 3])
+        .expect("transpose");
+    let ours = kernels::causal_attention(&q, &k, &v, 0.125, 14, 0).expect("views");
+    let theirs = mlx_attention(&q, &k, &v, 0.125, &causal_mask(10, 24, 14, 0));
+    let error = relative_error(&ours, &theirs);
+    assert!(error < 1e-5, "views: {error:e}");
+    // A view whose rows are not contiguous (head_dim strided) is gathered.
+    let kt = random(&[1, 2, 64, 24], 203)
+        .transpose_axes(&[0, 1, 3, 2])
+        .expect("transpose");
+    let ours = kernels::causal_attention(&q, &kt, &v, 0.125, 14, 0).expect("strided rows");
+    let theirs = mlx_attention(&q, &kt, &v, 0.125, &causal_mask(10, 24, 14, 0));
+    let error = relative_error(&ours, &theirs);
+    assert!(error < 1e-5, "strided rows: {error:e}");
+}
+
+#[test]
+fn causal_attention_refuses_what_it_cannot_run() {
+    if !require_native() {
+        return;
+    }
+    let refused = |q: &Array, k: &Array, reason: &str| {
+        let error = kernels::causal_attention(q, k, k, 1.0, 0, 0).expect_err(reason);
+        assert!(error.what().contains(reason), "{}", error.what());
+    };
+    let q = random(&[1, 4, 3, 12], 1);
+    refused(&q, &random(&[1, 2, 3, 12], 2), "multiple of 8");
+    let q = random(&[1, 3, 3, 16], 3);
+    refused(&q, &random(&[1, 2, 3, 16], 4), "multiple of kv heads");
+    let half = random(&[1, 2, 3, 16], 5)
+        .as_dtype(Dtype::Float16)
+        .expect("cast");
+    refused(&half, &half, "float32");
+    refused(
+        &random(&[2, 2, 3, 16], 6),
+        &random(&[2, 2, 3, 16], 7),
+        "[1, heads",
+    );
 }
 
 /// Greedy tokens and first-step logits of the packaged models' forward pass

@@ -1,5 +1,6 @@
-// Attention of one new query position over a sequence's cached keys and
-// values, for the native decode step.
+// Attention kernels: one new query position over a sequence's cached keys
+// and values (the native decode step), and causal attention of a block of
+// query positions (prefill, as an MLX primitive inside the graph).
 //
 // Why: in MLX's graph, decode attention is a handful of small nodes per layer
 // (scale, matmul, softmax, matmul) and OpenBLAS calls whose idle threads spin;
@@ -9,11 +10,24 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels_common.h"
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/c/private/array.h"
+#include "mlx/c/private/stream.h"
 #include "mlxgate_kernels.h"
+
+namespace mx = mlx::core;
 
 namespace {
 
@@ -87,6 +101,166 @@ void attend_head(const void* ctx, int64_t head) {
     axpy(out, scores[p] * inverse, values + p * d, d);
   }
 }
+
+/// e^x for x <= 0 (scores minus their maximum), 8 at a time: x = n ln 2 + r
+/// with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (relative error about
+/// 1e-7, like MLX's own vectorized exp), times 2^n built in the exponent.
+AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below: e^x is ~0 in f32
+  const __m256 n = _mm256_round_ps(
+      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts, so r keeps its low bits.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+/// Queries `[queries, heads, head_dim]` attending over keys and values
+/// `[kv_heads, keys, head_dim]`, all read through strides (rows of head_dim
+/// floats contiguous). Query i sits at key index `first_query + i`: it sees
+/// keys j <= first_query + i, and with a window only j > first_query + i -
+/// window.
+struct CausalAttention {
+  float* out;  // [queries, heads, head_dim], packed
+  const float* q;
+  int64_t q_head_stride, q_row_stride;
+  const float* k;
+  int64_t k_head_stride, k_row_stride;
+  const float* v;
+  int64_t v_head_stride, v_row_stride;
+  int heads, kv_heads, head_dim;
+  int64_t queries, keys, first_query, window;
+  float scale;
+  int64_t block_rows;
+};
+
+/// Four dot products of `q` with the rows at `k` (d a multiple of 8), into
+/// scores[0..4).
+AVX2 inline void dot4(const float* q, const float* k, int64_t row_stride, int d,
+                      float* scores) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int r = 0; r < 4; ++r) {
+      acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * row_stride + i), acc[r]);
+    }
+  }
+  const __m256 pairs = _mm256_hadd_ps(
+      _mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  _mm_storeu_ps(scores, _mm_add_ps(_mm256_castps256_ps128(pairs),
+                                   _mm256_extractf128_ps(pairs, 1)));
+}
+
+/// out[0..8 * N) = sum over rows j of weights[j] * v_j[0..8 * N).
+template <int N>
+AVX2 inline void weighted_rows(const float* weights, const float* v, int64_t rows,
+                               int64_t row_stride, float inverse, float* out) {
+  __m256 acc[N];
+  for (int t = 0; t < N; ++t) {
+    acc[t] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < rows; ++j) {
+    const __m256 w = _mm256_broadcast_ss(weights + j);
+    const float* row = v + j * row_stride;
+    for (int t = 0; t < N; ++t) {
+      acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * t), acc[t]);
+    }
+  }
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (int t = 0; t < N; ++t) {
+    _mm256_storeu_ps(out + 8 * t, _mm256_mul_ps(acc[t], inv));
+  }
+}
+
+/// One query row of one head.
+AVX2 void attend_row(const CausalAttention& a, int head, int64_t row) {
+  const int d = a.head_dim;
+  const int kv = head / (a.heads / a.kv_heads);
+  float* out = a.out + (row * a.heads + head) * d;
+  const int64_t at = a.first_query + row;
+  const int64_t hi = std::min(at, a.keys - 1);
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, at - a.window + 1) : 0;
+  if (hi < lo) {
+    std::fill(out, out + d, 0.0f);
+    return;
+  }
+  const int64_t count = hi - lo + 1;
+  thread_local std::vector<float> scaled;
+  thread_local std::vector<float> scores;
+  scaled.resize(d);
+  scores.resize(count + 8);
+  const float* q = a.q + head * a.q_head_stride + row * a.q_row_stride;
+  for (int i = 0; i < d; ++i) {
+    scaled[i] = q[i] * a.scale;
+  }
+  const float* k = a.k + kv * a.k_head_stride + lo * a.k_row_stride;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    dot4(scaled.data(), k + j * a.k_row_stride, a.k_row_stride, d, scores.data() + j);
+  }
+  for (; j < count; ++j) {
+    scores[j] = dot(scaled.data(), k + j * a.k_row_stride, d);
+  }
+  // Softmax numerators, vectorized; the tail is padded with -inf -> 0.
+  const int64_t padded = (count + 7) / 8 * 8;
+  __m256 maxv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (j = count; j < padded; ++j) {
+    scores[j] = -std::numeric_limits<float>::infinity();
+  }
+  for (j = 0; j < padded; j += 8) {
+    maxv = _mm256_max_ps(maxv, _mm256_loadu_ps(scores.data() + j));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(maxv), _mm256_extractf128_ps(maxv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 max = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  __m256 sumv = _mm256_setzero_ps();
+  for (j = 0; j < padded; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + j), max));
+    if (j + 8 > count) {  // the padded tail: exactly zero
+      const __m256 index = _mm256_add_ps(
+          _mm256_set1_ps(static_cast<float>(j)),
+          _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+      e = _mm256_and_ps(e, _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(count)),
+                                         _CMP_LT_OQ));
+    }
+    _mm256_storeu_ps(scores.data() + j, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  const float inverse = 1.0f / horizontal_sum(sumv);
+  const float* v = a.v + kv * a.v_head_stride + lo * a.v_row_stride;
+  int i = 0;
+  for (; i + 64 <= d; i += 64) {
+    weighted_rows<8>(scores.data(), v + i, count, a.v_row_stride, inverse, out + i);
+  }
+  for (; i < d; i += 8) {
+    weighted_rows<1>(scores.data(), v + i, count, a.v_row_stride, inverse, out + i);
+  }
+}
+
+/// Chunk c: one head, one block of query rows; the last (longest) blocks
+/// first, so the pool's dynamic claiming evens out the causal triangle.
+void attend_block(const void* ctx, int64_t chunk) {
+  const CausalAttention& a = *static_cast<const CausalAttention*>(ctx);
+  const int64_t blocks = (a.queries + a.block_rows - 1) / a.block_rows;
+  const int head = static_cast<int>(chunk % a.heads);
+  const int64_t block = blocks - 1 - chunk / a.heads;
+  const int64_t end = std::min(a.queries, (block + 1) * a.block_rows);
+  for (int64_t row = block * a.block_rows; row < end; ++row) {
+    attend_row(a, head, row);
+  }
+}
 #endif  // MLXGATE_X86
 
 }  // namespace
@@ -117,4 +291,198 @@ extern "C" int mlxgate_decode_attention(
   (void)values, (void)head_stride, (void)positions, (void)scale;
   return 1;
 #endif
+}
+
+// ---------------------------------------------------------------------------
+// Causal attention as an MLX primitive (prefill inside the graph).
+
+namespace {
+
+/// A float array read as `[.., rows, row_len]` with each row contiguous:
+/// its data and the strides of its last two-but-one axes.
+struct Rows {
+  const float* data;
+  int64_t head_stride;
+  int64_t row_stride;
+};
+
+/// Rows of `a` (4-D, batch 1) in place, or of a packed copy (registered as a
+/// temporary) when its rows are not contiguous.
+Rows rows_of(const mx::array& a, mx::cpu::CommandEncoder& encoder, bool& gather,
+             mx::array& copy) {
+  if (a.strides(3) == 1) {
+    return Rows{a.data<float>(), static_cast<int64_t>(a.strides(1)),
+                static_cast<int64_t>(a.strides(2))};
+  }
+  copy = mx::array(a.shape(), mx::float32, nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  gather = true;
+  return Rows{copy.data<float>(), static_cast<int64_t>(a.shape(2)) * a.shape(3),
+              static_cast<int64_t>(a.shape(3))};
+}
+
+/// Copies a strided 4-D float view (batch 1) into `dst`, packed.
+void gather_into(const float* src, const mx::Strides& strides, const mx::Shape& shape,
+                 float* dst) {
+  for (int64_t h = 0; h < shape[1]; ++h) {
+    for (int64_t r = 0; r < shape[2]; ++r) {
+      for (int64_t c = 0; c < shape[3]; ++c) {
+        *dst++ = src[h * strides[1] + r * strides[2] + c * strides[3]];
+      }
+    }
+  }
+}
+
+class CausalAttentionOp : public mx::UnaryPrimitive {
+ public:
+  CausalAttentionOp(mx::Stream stream, float scale, int64_t first_query, int64_t window)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        first_query_(first_query),
+        window_(window) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    Rows rows[3];
+    bool gather[3] = {false, false, false};
+    mx::array copies[3] = {mx::array(0.0f), mx::array(0.0f), mx::array(0.0f)};
+    for (int i = 0; i < 3; ++i) {
+      rows[i] = rows_of(inputs[i], encoder, gather[i], copies[i]);
+      encoder.set_input_array(inputs[i]);
+    }
+    encoder.set_output_array(out);
+    const mx::array& q = inputs[0];
+    const mx::array& k = inputs[1];
+    CausalAttention a{};
+    a.out = out.data<float>();
+    a.heads = q.shape(1);
+    a.kv_heads = k.shape(1);
+    a.head_dim = q.shape(3);
+    a.queries = q.shape(2);
+    a.keys = k.shape(2);
+    a.first_query = first_query_;
+    a.window = window_;
+    a.scale = scale_;
+    a.block_rows = 16;
+    struct Source {
+      const float* data;
+      mx::Strides strides;
+      mx::Shape shape;
+    };
+    Source sources[3];
+    for (int i = 0; i < 3; ++i) {
+      sources[i] = {inputs[i].data<float>(), inputs[i].strides(), inputs[i].shape()};
+    }
+    encoder.dispatch([a, rows0 = rows[0], rows1 = rows[1], rows2 = rows[2],
+                      g0 = gather[0], g1 = gather[1], g2 = gather[2], sources]() mutable {
+      const Rows all[3] = {rows0, rows1, rows2};
+      const bool gathers[3] = {g0, g1, g2};
+      for (int i = 0; i < 3; ++i) {
+        if (gathers[i]) {
+          gather_into(sources[i].data, sources[i].strides, sources[i].shape,
+                      const_cast<float*>(all[i].data));
+        }
+      }
+      a.q = all[0].data, a.q_head_stride = all[0].head_stride, a.q_row_stride = all[0].row_stride;
+      a.k = all[1].data, a.k_head_stride = all[1].head_stride, a.k_row_stride = all[1].row_stride;
+      a.v = all[2].data, a.v_head_stride = all[2].head_stride, a.v_row_stride = all[2].row_stride;
+      if (a.queries == 0) {
+        return;
+      }
+#if defined(MLXGATE_X86)
+      const int64_t blocks = (a.queries + a.block_rows - 1) / a.block_rows;
+      mlxgate::Pool::instance().run(attend_block, &a, blocks * a.heads);
+#endif
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(
+        "mlxgate's causal attention is a CPU kernel; use MLX's on GPUs");
+  }
+
+  const char* name() const override {
+    return "MlxgateCausalAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* same = dynamic_cast<const CausalAttentionOp*>(&other);
+    return same && same->scale_ == scale_ && same->first_query_ == first_query_ &&
+        same->window_ == window_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const mx::array& q = inputs[0];
+    return {{1, q.shape(2), q.shape(1), q.shape(3)}};
+  }
+
+ private:
+  float scale_;
+  int64_t first_query_;
+  int64_t window_;
+};
+
+}  // namespace
+
+extern "C" int mlxgate_causal_attention(
+    mlx_array* res,
+    const mlx_array q,
+    const mlx_array k,
+    const mlx_array v,
+    float scale,
+    int64_t first_query,
+    int64_t window,
+    const mlx_stream s,
+    char* error,
+    size_t error_len) {
+  try {
+    if (!mlxgate::cpu_supported()) {
+      throw std::runtime_error(
+          "[mlxgate causal attention] this CPU lacks AVX2/FMA; use MLX's attention");
+    }
+    const mx::array& qa = mlx_array_get_(q);
+    const mx::array& ka = mlx_array_get_(k);
+    const mx::array& va = mlx_array_get_(v);
+    auto fail = [](const std::string& what) {
+      throw std::invalid_argument("[mlxgate causal attention] " + what);
+    };
+    for (const mx::array* a : {&qa, &ka, &va}) {
+      if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1) {
+        fail("q, k and v must be float32 [1, heads, positions, head_dim]");
+      }
+    }
+    if (ka.shape() != va.shape() || ka.shape(3) != qa.shape(3)) {
+      fail("k and v must have equal shapes and q's head_dim");
+    }
+    if (qa.shape(3) % 8 != 0) {
+      fail("head_dim must be a multiple of 8, got " + std::to_string(qa.shape(3)));
+    }
+    if (qa.shape(1) % ka.shape(1) != 0) {
+      fail("heads (" + std::to_string(qa.shape(1)) + ") must be a multiple of kv heads (" +
+           std::to_string(ka.shape(1)) + ")");
+    }
+    if (window < 0) {
+      fail("window must be >= 0");
+    }
+    const mx::Stream& stream = mlx_stream_get_(s);
+    if (stream.device != mx::Device::cpu) {
+      fail("runs on CPU streams only");
+    }
+    mx::Shape shape{1, qa.shape(2), qa.shape(1), qa.shape(3)};
+    mlx_array_set_(
+        *res,
+        mx::array(
+            std::move(shape),
+            mx::float32,
+            std::make_shared<CausalAttentionOp>(stream, scale, first_query, window),
+            {qa, ka, va}));
+    return 0;
+  } catch (std::exception& e) {
+    if (error && error_len) {
+      std::snprintf(error, error_len, "%s", e.what());
+    }
+    return 1;
+  }
 }

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-/* 1 when this CPU runs the kernels (x86-64 with AVX2 and FMA), else 0. */
+/* 1 when this CPU runs the kernels (x86-64 with AVX2, FMA and F16C), else 0. */
 int mlxgate_kernels_supported(void);
 
 /* Threads the kernels split their work across (1 .. 64); 0 means one per core
@@ -46,15 +46,21 @@ int mlxgate_quantized_matmul(
     char* error,
     size_t error_len);
 
-/* One of several products of the same input: `y` [m, n] = x @ W^T. */
+/* One of several products of the same input: `y` [m, n] = x @ W^T.
+ * Storage: `bits` 4 or 8 as in MLX, or 5: per 32 weights, 16 bytes of low
+ * nibbles (as 4 bits) then a little-endian u32 whose bit j is weight j's
+ * fifth bit. Scales are f32, or f16 when `scales_f16` is 1; biases likewise,
+ * or null when every bias is `-bias_offset * scale` (computed in f32). */
 typedef struct mlxgate_quantized_product {
   float* y;
   const void* w;
-  const float* scales;
-  const float* biases;
+  const void* scales;
+  const void* biases;
   int64_t n;
   int group_size;
   int bits;
+  int scales_f16;
+  float bias_offset;
 } mlxgate_quantized_product;
 
 /* Products of one input `x` [m, k] on raw, packed buffers (each `w`
@@ -91,6 +97,24 @@ int mlxgate_decode_attention(
     int64_t head_stride,
     int64_t positions,
     float scale);
+
+/* Causal attention of `q` [1, heads, queries, head_dim] over `k` and `v`
+ * [1, kv_heads, keys, head_dim] (float32, head_dim a multiple of 8), as an
+ * MLX primitive on CPU stream `s`: query i sits at key index
+ * `first_query + i` and sees keys j <= first_query + i (and, when `window`
+ * > 0, j > first_query + i - window). `res` gets [1, queries, heads,
+ * head_dim]. Returns 0, or 1 with a message in `error`. */
+int mlxgate_causal_attention(
+    mlx_array* res,
+    const mlx_array q,
+    const mlx_array k,
+    const mlx_array v,
+    float scale,
+    int64_t first_query,
+    int64_t window,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
 
 #ifdef __cplusplus
 }

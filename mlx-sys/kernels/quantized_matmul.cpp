@@ -44,15 +44,58 @@ namespace {
 struct Product {
   const float* x;
   const uint8_t* w;  // N rows of K * bits / 8 bytes
-  const float* scales;  // [N, K / group_size]
-  const float* biases;
+  const void* scales;  // [N, K / group_size], f32 (or f16 when `f16`)
+  const void* biases;  // likewise, or null: each bias is -bias_offset * scale
   float* y;
   int64_t m, n, k;
   int group_size, bits;
+  bool f16;  // scales and biases stored as f16 (exact copies; fewer bytes)
+  float bias_offset;
 };
 
 #if defined(MLXGATE_X86)
 using mlxgate::horizontal_sum;
+
+/// How a matrix is stored, as template parameters: 4-, 5- or 8-bit codes;
+/// f32 or f16 scales and biases; biases stored or derived from the scales.
+template <int Bits, bool F16, bool Derived>
+struct Layout {
+  static constexpr int kBits = Bits;
+  static constexpr bool kF16 = F16;
+  static constexpr bool kDerived = Derived;
+};
+
+/// One row's scales and biases.
+template <class L>
+struct RowGroups {
+  const void* scales;
+  const void* biases;
+  __m256 neg_offset;
+
+  AVX2 RowGroups(const Product& p, int64_t n) {
+    const int64_t groups = p.k / p.group_size;
+    const size_t width = L::kF16 ? 2 : 4;
+    scales = static_cast<const uint8_t*>(p.scales) + n * groups * width;
+    biases = L::kDerived ? nullptr
+                         : static_cast<const uint8_t*>(p.biases) + n * groups * width;
+    neg_offset = _mm256_set1_ps(-p.bias_offset);
+  }
+
+  AVX2 static __m256 value(const void* values, int64_t g) {
+    if constexpr (L::kF16) {
+      return _mm256_set1_ps(_cvtsh_ss(static_cast<const uint16_t*>(values)[g]));
+    } else {
+      return _mm256_broadcast_ss(static_cast<const float*>(values) + g);
+    }
+  }
+
+  /// Group `g`'s scale and bias, broadcast. A derived bias is the same f32
+  /// product the stored one was made by, so results do not change.
+  AVX2 void at(int64_t g, __m256& scale, __m256& bias) const {
+    scale = value(scales, g);
+    bias = L::kDerived ? _mm256_mul_ps(scale, neg_offset) : value(biases, g);
+  }
+};
 
 /// 32 weight codes starting at `p` as four vectors of 8 floats, in order.
 template <int BITS>
@@ -70,6 +113,19 @@ AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
           _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
       q[i] = _mm256_cvtepi32_ps(codes);
     }
+  } else if constexpr (BITS == 5) {
+    // 16 bytes of low nibbles as in 4 bits, then a word of fifth bits (bit j
+    // of it is code j's bit 4).
+    load_codes<4>(p, q);
+    uint32_t high;
+    std::memcpy(&high, p + 16, sizeof(high));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i bit = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(high >> (8 * i))), lanes),
+          _mm256_set1_epi32(1));
+      q[i] = _mm256_add_ps(q[i], _mm256_cvtepi32_ps(_mm256_slli_epi32(bit, 4)));
+    }
   } else {
     for (int i = 0; i < 4; ++i) {
       const __m128i bytes =
@@ -81,23 +137,22 @@ AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
 
 /// Chunk `c` (32 weights, in group `g`) of one row against every input,
 /// into the four accumulators per input starting at `first`.
-template <int BITS, int M, int A>
+template <class L, int M, int A>
 AVX2 inline void chunk_into(
     const Product& p,
     const uint8_t* w,
-    const float* scales,
-    const float* biases,
+    const RowGroups<L>& groups,
     int64_t c,
     int64_t g,
     int first,
     __m256 (&acc)[M][A]) {
-  constexpr int64_t kChunkBytes = 32 * BITS / 8;
-  const __m256 scale = _mm256_broadcast_ss(scales + g);
-  const __m256 bias = _mm256_broadcast_ss(biases + g);
+  constexpr int64_t kChunkBytes = 32 * L::kBits / 8;
+  __m256 scale, bias;
+  groups.at(g, scale, bias);
   const uint8_t* codes = w + c * kChunkBytes;
   _mm_prefetch(reinterpret_cast<const char*>(codes + 4 * kChunkBytes), _MM_HINT_T0);
   __m256 q[4];
-  load_codes<BITS>(codes, q);
+  load_codes<L::kBits>(codes, q);
   for (int i = 0; i < 4; ++i) {
     const __m256 weight = _mm256_fmadd_ps(q[i], scale, bias);
     for (int m = 0; m < M; ++m) {
@@ -111,11 +166,10 @@ AVX2 inline void chunk_into(
 /// dequantizing each 32-weight chunk in registers as it streams past.
 /// Sums are spread over 4 accumulators per input (8 at batch 1, two chunks
 /// per step) so the FMA latency chains never wait on each other.
-template <int BITS, int M>
+template <class L, int M>
 AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
   constexpr int kUnroll = M == 1 ? 2 : 1;  // chunks per step
-  const int64_t row_bytes = p.k * BITS / 8;
-  const int64_t groups = p.k / p.group_size;
+  const int64_t row_bytes = p.k * L::kBits / 8;
   const int64_t chunks = p.k / 32;
   const int64_t chunks_per_group = p.group_size / 32;
   // The group of a chunk, by shift for the usual power-of-two group sizes
@@ -127,8 +181,7 @@ AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
   };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * row_bytes;
-    const float* scales = p.scales + n * groups;
-    const float* biases = p.biases + n * groups;
+    const RowGroups<L> groups(p, n);
     _mm_prefetch(reinterpret_cast<const char*>(w + row_bytes), _MM_HINT_T0);
     __m256 acc[M][4 * kUnroll];
     for (int m = 0; m < M; ++m) {
@@ -139,11 +192,11 @@ AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
     int64_t c = 0;
     for (; c + kUnroll <= chunks; c += kUnroll) {
       for (int u = 0; u < kUnroll; ++u) {
-        chunk_into<BITS>(p, w, scales, biases, c + u, group_of(c + u), 4 * u, acc);
+        chunk_into<L>(p, w, groups, c + u, group_of(c + u), 4 * u, acc);
       }
     }
     for (; c < chunks; ++c) {
-      chunk_into<BITS>(p, w, scales, biases, c, group_of(c), 0, acc);
+      chunk_into<L>(p, w, groups, c, group_of(c), 0, acc);
     }
     for (int m = 0; m < M; ++m) {
       __m256 sum = acc[m][0];
@@ -156,19 +209,19 @@ AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
 }
 
 /// Dequantizes rows [n, n + rows) into `out` (rows x K floats).
-template <int BITS>
+template <class L>
 AVX2 void dequantize_rows(const Product& p, int64_t n, int rows, float* out) {
+  constexpr int BITS = L::kBits;
   const int64_t row_bytes = p.k * BITS / 8;
   const int64_t groups = p.k / p.group_size;
   const int64_t chunks_per_group = p.group_size / 32;
   for (int r = 0; r < rows; ++r) {
     const uint8_t* w = p.w + (n + r) * row_bytes;
-    const float* scales = p.scales + (n + r) * groups;
-    const float* biases = p.biases + (n + r) * groups;
+    const RowGroups<L> row_groups(p, n + r);
     float* dst = out + r * p.k;
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 scale = _mm256_broadcast_ss(scales + g);
-      const __m256 bias = _mm256_broadcast_ss(biases + g);
+      __m256 scale, bias;
+      row_groups.at(g, scale, bias);
       for (int64_t c = 0; c < chunks_per_group; ++c) {
         const int64_t k = (g * chunks_per_group + c) * 32;
         __m256 q[4];
@@ -213,7 +266,7 @@ AVX2 inline void tile(const Product& p, const float* w, int64_t n, int64_t m) {
 /// Prefill and larger batches: rows [n0, n1) in blocks of 4, each block
 /// dequantized once per block of inputs that fits in L2 and reused by all of
 /// them through a 4 x 3 register tile.
-template <int BITS>
+template <class L>
 AVX2 void large_batch_rows(const Product& p, int64_t n0, int64_t n1) {
   constexpr int kRows = 4;
   constexpr int kCols = 3;
@@ -227,7 +280,7 @@ AVX2 void large_batch_rows(const Product& p, int64_t n0, int64_t n1) {
     const int64_t m1 = std::min(p.m, m0 + inputs_per_block);
     int64_t n = n0;
     for (; n + kRows <= n1; n += kRows) {
-      dequantize_rows<BITS>(p, n, kRows, rows);
+      dequantize_rows<L>(p, n, kRows, rows);
       int64_t m = m0;
       for (; m + kCols <= m1; m += kCols) {
         tile<kRows, kCols>(p, rows, n, m);
@@ -237,7 +290,7 @@ AVX2 void large_batch_rows(const Product& p, int64_t n0, int64_t n1) {
       }
     }
     for (; n < n1; ++n) {
-      dequantize_rows<BITS>(p, n, 1, rows);
+      dequantize_rows<L>(p, n, 1, rows);
       for (int64_t m = m0; m < m1; ++m) {
         tile<1, 1>(p, rows, n, m);
       }
@@ -246,20 +299,32 @@ AVX2 void large_batch_rows(const Product& p, int64_t n0, int64_t n1) {
   std::free(rows);
 }
 
-template <int BITS>
+template <class L>
 void rows_for(const Product& p, int64_t n0, int64_t n1) {
   switch (p.m) {
     case 1:
-      return small_batch_rows<BITS, 1>(p, n0, n1);
+      return small_batch_rows<L, 1>(p, n0, n1);
     case 2:
-      return small_batch_rows<BITS, 2>(p, n0, n1);
+      return small_batch_rows<L, 2>(p, n0, n1);
     case 3:
-      return small_batch_rows<BITS, 3>(p, n0, n1);
+      return small_batch_rows<L, 3>(p, n0, n1);
     case 4:
-      return small_batch_rows<BITS, 4>(p, n0, n1);
+      return small_batch_rows<L, 4>(p, n0, n1);
     default:
-      return large_batch_rows<BITS>(p, n0, n1);
+      return large_batch_rows<L>(p, n0, n1);
   }
+}
+
+/// Picks the instantiation for this product's storage.
+template <int BITS>
+void rows_for_bits(const Product& p, int64_t n0, int64_t n1) {
+  const bool derived = p.biases == nullptr;
+  if (p.f16) {
+    return derived ? rows_for<Layout<BITS, true, true>>(p, n0, n1)
+                   : rows_for<Layout<BITS, true, false>>(p, n0, n1);
+  }
+  return derived ? rows_for<Layout<BITS, false, true>>(p, n0, n1)
+                 : rows_for<Layout<BITS, false, false>>(p, n0, n1);
 }
 
 #endif  // MLXGATE_X86
@@ -285,10 +350,13 @@ void run_chunk(const void* ctx, int64_t chunk) {
   const Product& p = *c.product;
   const int64_t n0 = chunk * c.rows;
   const int64_t n1 = std::min(p.n, n0 + c.rows);
-  if (p.bits == 4) {
-    rows_for<4>(p, n0, n1);
-  } else {
-    rows_for<8>(p, n0, n1);
+  switch (p.bits) {
+    case 4:
+      return rows_for_bits<4>(p, n0, n1);
+    case 5:
+      return rows_for_bits<5>(p, n0, n1);
+    default:
+      return rows_for_bits<8>(p, n0, n1);
   }
 #else
   (void)ctx;
@@ -415,9 +483,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const Product product{
           static_cast<const float*>(packed_data(packed_x)),
           static_cast<const uint8_t*>(packed_data(packed_w)),
-          static_cast<const float*>(packed_data(packed_s)),
-          static_cast<const float*>(packed_data(packed_b)),
-          y, m, n, k, group_size, bits};
+          packed_data(packed_s), packed_data(packed_b),
+          y, m, n, k, group_size, bits, false, 0.0f};
       run_product(product);
     });
   }
@@ -597,12 +664,13 @@ extern "C" int mlxgate_quantized_matmul_raw_many(
   const int threads = Pool::instance().threads();
   for (int i = 0; i < count; ++i) {
     const mlxgate_quantized_product& q = products[i];
-    if ((q.bits != 4 && q.bits != 8) || q.group_size <= 0 ||
-        q.group_size % 32 != 0 || k % q.group_size != 0 || q.n < 0) {
+    if ((q.bits != 4 && q.bits != 5 && q.bits != 8) || q.group_size <= 0 ||
+        q.group_size % 32 != 0 || k % q.group_size != 0 || q.n < 0 || !q.scales) {
       return 1;
     }
     const Product p{x, static_cast<const uint8_t*>(q.w), q.scales, q.biases,
-                    q.y, m, q.n, k, q.group_size, q.bits};
+                    q.y, m, q.n, k, q.group_size, q.bits, q.scales_f16 != 0,
+                    q.bias_offset};
     const int64_t rows = rows_per_chunk(p, threads);
     many.products.push_back(p);
     many.rows.push_back(rows);

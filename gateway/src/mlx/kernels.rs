@@ -161,27 +161,73 @@ pub fn quantized_matmul(
     group_size: i32,
     bits: i32,
 ) -> Result<Array, Exception> {
-    let stream = Stream::thread_local_or_default();
-    let mut error = [0 as c_char; 512];
-    // SAFETY: the operands are live arrays; `res` starts empty and on success
-    // holds a new array whose ownership passes to `Array::from_ptr`. On
-    // failure it is freed here and the message is read from `error`, which
-    // the kernel NUL-terminates.
-    unsafe {
-        let mut res = mlx_sys::mlx_array_new();
-        let status = mlx_sys::mlxgate_quantized_matmul(
-            &mut res,
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_quantized_matmul(
+            res,
             x.as_ptr(),
             w.as_ptr(),
             scales.as_ptr(),
             biases.as_ptr(),
             group_size,
             bits,
-            stream.as_ref().as_ptr(),
-            error.as_mut_ptr(),
-            error.len(),
-        );
-        if status == 0 {
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
+/// Whether this thread should run prefill attention natively (float32
+/// queries, head_dim a multiple of 8).
+pub fn causal_attention_is_native(q: &Array, head_dim: usize) -> bool {
+    thread_choice() == KernelChoice::Native
+        && q.dtype() == Dtype::Float32
+        && head_dim.is_multiple_of(8)
+}
+
+/// Causal attention of `q` `[1, heads, queries, head_dim]` over `k`/`v`
+/// `[1, kv_heads, keys, head_dim]`, by the native kernel on this thread's
+/// stream: query i sits at key index `first_query + i` and sees keys up to
+/// it, within `window` positions when `window > 0`. Returns
+/// `[1, queries, heads, head_dim]` (positions first, ready to merge heads).
+pub fn causal_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    first_query: usize,
+    window: usize,
+) -> Result<Array, Exception> {
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_causal_attention(
+            res,
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            scale,
+            first_query as i64,
+            window as i64,
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
+/// Runs a kernel constructor of the form `f(&mut res, error, error_len)`:
+/// on 0, the new array in `res`; else the message it wrote into `error`.
+fn new_array(
+    make: impl FnOnce(*mut mlx_sys::mlx_array, *mut c_char, usize) -> i32,
+) -> Result<Array, Exception> {
+    let mut error = [0 as c_char; 512];
+    // SAFETY: `res` starts empty and on success holds a new array whose
+    // ownership passes to `Array::from_ptr`; on failure it is freed here and
+    // the message is read from `error`, which the kernels NUL-terminate.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        if make(&mut res, error.as_mut_ptr(), error.len()) == 0 {
             Ok(Array::from_ptr(res))
         } else {
             mlx_sys::mlx_array_free(res);
@@ -201,24 +247,146 @@ fn packed_data(array: &Array) -> Option<*const std::ffi::c_void> {
     (status == 0 && !data.is_null()).then_some(data)
 }
 
-/// An affine-quantized `[rows, cols]` matrix whose packed buffers the native
-/// kernels read in place, outside MLX's graph (the native decode step).
-/// Holds its arrays, so the buffers live as long as it does.
+/// An affine-quantized `[rows, cols]` matrix as the native kernels read it
+/// outside MLX's graph (the native decode step). Holds its arrays, so the
+/// buffers it reads in place live as long as it does.
+///
+/// Decoding is bound by memory bandwidth, so it stores the matrix as tightly
+/// as stays exact: f16 scales and biases where every one is an f16 (weights
+/// from Q4_0, Q4_1, Q5_0, Q8_0 files), no biases where each is a fixed
+/// multiple of its scale (symmetric types: Q4_0, Q5_0, Q8_0), and 5-bit
+/// codes where 8-bit codes never exceed 31 (Q5_0, Q5_1). Q4_1 weights then
+/// read 5 bits per weight instead of 6, Q5_0 5.5 instead of 10, Q8_0 8.5
+/// instead of 10. MLX's graph (prefill) keeps reading its own arrays.
 pub struct PackedMatrix {
     _arrays: [Array; 3],
-    weight: *const u8,
-    scales: *const f32,
-    biases: *const f32,
+    codes: Codes,
+    groups: GroupValues,
     pub rows: usize,
     pub cols: usize,
     group_size: usize,
+    /// Bits per stored code: 4, 5 or 8.
     bits: usize,
 }
 
-// SAFETY: the buffers belong to evaluated MLX arrays, which MLX never
+/// A matrix's codes: MLX's buffer in place, or repacked to 5 bits (per 32
+/// weights, 16 bytes of low nibbles, then a little-endian u32 of fifth bits).
+enum Codes {
+    InPlace(*const u8),
+    Five(Vec<u8>),
+}
+
+/// Per-group values, as the kernels read them.
+enum Values {
+    F32(*const f32),
+    F16(Vec<u16>),
+}
+
+struct GroupValues {
+    scales: Values,
+    /// `None`: every bias is `-offset * scale` (in f32).
+    biases: Option<Values>,
+    offset: f32,
+}
+
+// SAFETY: the raw buffers belong to evaluated MLX arrays, which MLX never
 // writes again; every use only reads them.
 unsafe impl Send for PackedMatrix {}
 unsafe impl Sync for PackedMatrix {}
+
+/// `values` as exact f16s, or `None` when one of them is not an f16.
+fn exact_f16(values: &[f32]) -> Option<Vec<u16>> {
+    values
+        .iter()
+        .map(|&value| {
+            let half = half::f16::from_f32(value);
+            (half.to_f32() == value).then_some(half.to_bits())
+        })
+        .collect()
+}
+
+/// The `offset` with `bias == scale * -offset` (f32) for every group, if any.
+fn symmetric_offset(scales: &[f32], biases: &[f32]) -> Option<f32> {
+    let (scale, bias) = scales.iter().zip(biases).find(|(s, _)| **s != 0.0)?;
+    let offset = -bias / scale;
+    let derives = |(s, b): (&f32, &f32)| s * -offset == *b;
+    scales.iter().zip(biases).all(derives).then_some(offset)
+}
+
+impl GroupValues {
+    fn new(scales: *const f32, biases: *const f32, count: usize) -> GroupValues {
+        // SAFETY: both buffers hold `count` floats (checked by the caller).
+        let (s, b) = unsafe {
+            (
+                std::slice::from_raw_parts(scales, count),
+                std::slice::from_raw_parts(biases, count),
+            )
+        };
+        let offset = symmetric_offset(s, b);
+        // The kernels read scales and stored biases in one dtype.
+        let halves = exact_f16(s).and_then(|scales| match offset {
+            Some(_) => Some((scales, None)),
+            None => exact_f16(b).map(|biases| (scales, Some(biases))),
+        });
+        match halves {
+            Some((scales, biases)) => GroupValues {
+                scales: Values::F16(scales),
+                biases: biases.map(Values::F16),
+                offset: offset.unwrap_or(0.0),
+            },
+            None => GroupValues {
+                scales: Values::F32(scales),
+                biases: offset.is_none().then_some(Values::F32(biases)),
+                offset: offset.unwrap_or(0.0),
+            },
+        }
+    }
+
+    fn f16(&self) -> bool {
+        matches!(self.scales, Values::F16(_))
+    }
+
+    fn get(&self, g: usize) -> (f32, f32) {
+        let value = |values: &Values| match values {
+            // SAFETY: callers keep `g` below the group count.
+            Values::F32(p) => unsafe { *p.add(g) },
+            Values::F16(h) => half::f16::from_bits(h[g]).to_f32(),
+        };
+        let scale = value(&self.scales);
+        let bias = self.biases.as_ref().map_or(scale * -self.offset, value);
+        (scale, bias)
+    }
+}
+
+impl Values {
+    fn as_ptr(&self) -> *const std::ffi::c_void {
+        match self {
+            Values::F32(p) => p.cast(),
+            Values::F16(h) => h.as_ptr().cast(),
+        }
+    }
+}
+
+/// 8-bit codes `[rows, cols]` repacked to 5 bits, when every code is < 32.
+fn five_bit_codes(codes: &[u8]) -> Option<Vec<u8>> {
+    if codes.iter().any(|&c| c >= 32) {
+        return None;
+    }
+    let mut packed = Vec::with_capacity(codes.len() / 32 * 20);
+    for chunk in codes.chunks_exact(32) {
+        packed.extend(
+            chunk
+                .chunks_exact(2)
+                .map(|pair| (pair[0] & 15) | (pair[1] & 15) << 4),
+        );
+        let high = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |word, (j, &c)| word | u32::from(c >> 4) << j);
+        packed.extend(high.to_le_bytes());
+    }
+    Some(packed)
+}
 
 impl PackedMatrix {
     /// `None` unless the native kernels run here and cover this layout
@@ -246,16 +414,55 @@ impl PackedMatrix {
         if scales.shape() != group_shape || biases.shape() != group_shape {
             return None;
         }
+        let weight_data: *const u8 = packed_data(weight)?.cast();
+        let mut codes = Codes::InPlace(weight_data);
+        let mut stored_bits = bits as usize;
+        if bits == 8 {
+            // SAFETY: an 8-bit [rows, cols] weight holds rows * cols bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(weight_data, rows * cols) };
+            if let Some(five) = five_bit_codes(bytes) {
+                codes = Codes::Five(five);
+                stored_bits = 5;
+            }
+        }
+        let groups = GroupValues::new(
+            packed_data(scales)?.cast(),
+            packed_data(biases)?.cast(),
+            rows * groups,
+        );
         Some(PackedMatrix {
-            weight: packed_data(weight)?.cast(),
-            scales: packed_data(scales)?.cast(),
-            biases: packed_data(biases)?.cast(),
+            codes,
+            groups,
             _arrays: [weight.clone(), scales.clone(), biases.clone()],
             rows,
             cols,
             group_size: group_size as usize,
-            bits: bits as usize,
+            bits: stored_bits,
         })
+    }
+
+    /// Bytes the kernels read per weight, in bits: codes, scales, biases.
+    pub fn bits_per_weight(&self) -> f64 {
+        let value_bits = if self.groups.f16() { 16.0 } else { 32.0 };
+        let per_group = if self.groups.biases.is_some() {
+            2.0
+        } else {
+            1.0
+        };
+        self.bits as f64 + per_group * value_bits / self.group_size as f64
+    }
+
+    /// Bytes the kernels read for the whole matrix.
+    pub fn bytes(&self) -> usize {
+        (self.rows as f64 * self.cols as f64 * self.bits_per_weight() / 8.0) as usize
+    }
+
+    /// The buffer of codes the kernels read.
+    fn code_bytes(&self) -> *const u8 {
+        match &self.codes {
+            Codes::InPlace(p) => *p,
+            Codes::Five(v) => v.as_ptr(),
+        }
     }
 
     /// `y[m, rows] = x[m, cols] @ W^T`, on this thread and the kernel pool.
@@ -276,14 +483,20 @@ impl PackedMatrix {
             .iter_mut()
             .map(|(matrix, y)| {
                 assert!(matrix.cols == cols && y.len() == m * matrix.rows);
+                let groups = &matrix.groups;
                 mlx_sys::mlxgate_quantized_product {
                     y: y.as_mut_ptr(),
-                    w: matrix.weight.cast(),
-                    scales: matrix.scales,
-                    biases: matrix.biases,
+                    w: matrix.code_bytes().cast(),
+                    scales: groups.scales.as_ptr(),
+                    biases: groups
+                        .biases
+                        .as_ref()
+                        .map_or(std::ptr::null(), Values::as_ptr),
                     n: matrix.rows as i64,
                     group_size: matrix.group_size as i32,
                     bits: matrix.bits as i32,
+                    scales_f16: i32::from(groups.f16()),
+                    bias_offset: groups.offset,
                 }
             })
             .collect();
@@ -310,21 +523,25 @@ impl PackedMatrix {
         assert!(row < self.rows && out.len() == self.cols);
         let row_bytes = self.cols * self.bits / 8;
         let groups = self.cols / self.group_size;
-        // SAFETY: `row` is in range, so these slices lie inside the buffers.
-        let (codes, scales, biases) = unsafe {
-            (
-                std::slice::from_raw_parts(self.weight.add(row * row_bytes), row_bytes),
-                std::slice::from_raw_parts(self.scales.add(row * groups), groups),
-                std::slice::from_raw_parts(self.biases.add(row * groups), groups),
-            )
+        // SAFETY: `row` is in range, so this slice lies inside the buffer.
+        let codes = unsafe {
+            std::slice::from_raw_parts(self.code_bytes().add(row * row_bytes), row_bytes)
         };
-        let per_byte = 8 / self.bits;
-        let mask = (1u32 << self.bits) - 1;
+        let code = |i: usize| -> u32 {
+            match self.bits {
+                8 => u32::from(codes[i]),
+                4 => u32::from(codes[i / 2] >> (4 * (i % 2))) & 0xf,
+                _ => {
+                    let chunk = &codes[i / 32 * 20..][..20];
+                    let j = i % 32;
+                    let high = u32::from_le_bytes([chunk[16], chunk[17], chunk[18], chunk[19]]);
+                    (u32::from(chunk[j / 2] >> (4 * (j % 2))) & 0xf) | ((high >> j) & 1) << 4
+                }
+            }
+        };
         for (i, value) in out.iter_mut().enumerate() {
-            let byte = u32::from(codes[i / per_byte]);
-            let code = (byte >> ((i % per_byte) * self.bits)) & mask;
-            let group = i / self.group_size;
-            *value = scales[group].mul_add(code as f32, biases[group]);
+            let (scale, bias) = self.groups.get(row * groups + i / self.group_size);
+            *value = scale.mul_add(code(i) as f32, bias);
         }
     }
 }

@@ -439,53 +439,7 @@ fn u16_at(b: &[u8], at: usize) -> u16 {
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16_to_f32(u16_at(b, at))
-}
-
-/// IEEE half -> f32 (exact).
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let exponent = u32::from((h >> 10) & 0x1f);
-    let mantissa = u32::from(h & 0x3ff);
-    match exponent {
-        // Zero and subnormals: mantissa * 2^-24.
-        0 => sign * mantissa as f32 * (1.0 / 16_777_216.0),
-        31 => f32::from_bits((u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (mantissa << 13)),
-        _ => f32::from_bits(
-            (u32::from(h & 0x8000) << 16) | ((exponent + 112) << 23) | (mantissa << 13),
-        ),
-    }
-}
-
-/// f32 -> IEEE half, round to nearest even (for writing test files).
-pub fn f32_to_f16(value: f32) -> u16 {
-    let bits = value.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let exponent = ((bits >> 23) & 0xff) as i32;
-    let mantissa = bits & 0x7f_ffff;
-    if exponent == 0xff {
-        return sign | 0x7c00 | if mantissa != 0 { 0x200 } else { 0 };
-    }
-    let e = exponent - 127 + 15;
-    if e >= 31 {
-        return sign | 0x7c00;
-    }
-    if e <= 0 {
-        if e < -10 {
-            return sign;
-        }
-        let m = mantissa | 0x80_0000;
-        let shift = (14 - e) as u32;
-        let half = m >> shift;
-        let rest = m & ((1 << shift) - 1);
-        let midpoint = 1 << (shift - 1);
-        let round = rest > midpoint || (rest == midpoint && half & 1 == 1);
-        return sign | (half + u32::from(round)) as u16;
-    }
-    let half = ((e as u32) << 10) | (mantissa >> 13);
-    let rest = mantissa & 0x1fff;
-    let round = rest > 0x1000 || (rest == 0x1000 && half & 1 == 1);
-    sign | (half + u32::from(round)) as u16
+    half::f16::from_bits(u16_at(b, at)).to_f32()
 }
 
 /// Q4_0: f16 scale d, 16 bytes of nibbles; value = (q - 8) * d. Byte j holds

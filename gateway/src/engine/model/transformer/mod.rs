@@ -292,6 +292,13 @@ impl Transformer {
         Ok(logits.as_slice::<f32>().to_vec())
     }
 
+    /// Bytes of weights a native decode step reads per token (the roofline
+    /// of decoding); `None` where decode does not run natively.
+    pub fn native_decode_weight_bytes(&self) -> Option<usize> {
+        self.native_decoder()
+            .map(NativeDecoder::weight_bytes_per_token)
+    }
+
     fn native_decoder(&self) -> Option<&NativeDecoder> {
         self.native
             .get_or_init(|| match NativeDecoder::new(self) {
@@ -578,6 +585,19 @@ impl Transformer {
             let layer_cache = &mut cache.layers[layer];
             let cached_start = layer_cache.start;
             let (k, v) = layer_cache.append(k, v)?;
+            if kernels::causal_attention_is_native(&q, c.head_dim) {
+                let window = block.sliding_window.unwrap_or(0);
+                let first_query = offset as usize - cached_start;
+                outputs.push(kernels::causal_attention(
+                    &q,
+                    &k,
+                    &v,
+                    scale,
+                    first_query,
+                    window,
+                )?);
+                continue;
+            }
             let key_count = k.shape()[2] as usize;
             let window_mask;
             let mask = if length == 1 {
@@ -594,17 +614,18 @@ impl Transformer {
             } else {
                 Some(ScaledDotProductAttentionMask::Causal)
             };
-            outputs.push(scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?);
+            // [1, heads, L, head_dim] -> [1, L, heads, head_dim], as the native kernel gives.
+            outputs.push(
+                scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
+                    .transpose_axes(&[0, 2, 1, 3])?,
+            );
         }
         let attended = if outputs.len() == 1 {
             outputs.pop().expect("one output")
         } else {
             concatenate(&outputs, 0)?
         };
-        let merged =
-            attended
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[batch, length, heads * head_dim])?;
+        let merged = attended.reshape(&[batch, length, heads * head_dim])?;
         project(&a.o_proj, Projection::O, &merged)
     }
 }

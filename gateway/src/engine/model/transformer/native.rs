@@ -136,6 +136,29 @@ struct NativeBlock {
 }
 
 impl NativeBlock {
+    /// Bytes of weights one step reads in this layer.
+    fn weight_bytes(&self) -> usize {
+        let floats = |v: &Vec<f32>| 4 * v.len();
+        let optional = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, floats);
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+        .iter()
+        .map(|p| p.matrix.bytes() + optional(&p.bias))
+        .sum::<usize>()
+            + floats(&self.input_norm)
+            + floats(&self.pre_mlp_norm)
+            + [
+                &self.q_norm,
+                &self.k_norm,
+                &self.post_attention_norm,
+                &self.post_mlp_norm,
+            ]
+            .into_iter()
+            .map(optional)
+            .sum::<usize>()
+    }
+
     fn new(block: &Block, rope: usize) -> MlxResult<Option<NativeBlock>> {
         let Block {
             input_norm,
@@ -255,6 +278,23 @@ impl NativeDecoder {
             final_norm: floats(&model.final_norm)?,
             ropes,
         }))
+    }
+
+    /// Bytes of weights one step reads for one token: every layer, the
+    /// output head (the whole embedding when tied) and one embedding row.
+    pub(super) fn weight_bytes_per_token(&self) -> usize {
+        let head = match &self.lm_head {
+            Some(head) => head.matrix.bytes(),
+            None => self.embed.bytes(),
+        };
+        let row = self.embed.bytes() / self.embed.rows.max(1);
+        self.blocks
+            .iter()
+            .map(NativeBlock::weight_bytes)
+            .sum::<usize>()
+            + head
+            + row
+            + 4 * self.final_norm.len()
     }
 
     /// One token for each sequence (`tokens[b]` extends `caches[b]`):
