@@ -357,11 +357,11 @@ fn packed_matrices_store_exact_values_compactly_with_bitwise_equal_results() {
     let packed = pack(&q41);
     assert_eq!(packed.bits_per_weight(), 5.0);
     assert_packed_matches_graph(&q41, &packed, "Q4_1-like");
-    // Q5_0-like: codes below 32 repacked to 5 bits, f16 scales, biases
-    // derived (5.5 bits per weight instead of 10).
+    // Q5_0-like: 5-bit codes in 8 bits, f16 scales, biases derived (8.5 bits
+    // per weight instead of 10).
     let q50 = symmetric(136, 512, 32, 16.0, 46);
     let packed = pack(&q50);
-    assert_eq!(packed.bits_per_weight(), 5.5);
+    assert_eq!(packed.bits_per_weight(), 8.5);
     assert_packed_matches_graph(&q50, &packed, "Q5_0-like");
     // Q8_0-like: 8-bit codes, f16 scales, biases derived (8.5 bits).
     let q80 = symmetric(72, 256, 256, 128.0, 47);

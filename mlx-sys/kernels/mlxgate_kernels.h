@@ -47,10 +47,11 @@ int mlxgate_quantized_matmul(
     size_t error_len);
 
 /* One of several products of the same input: `y` [m, n] = x @ W^T.
- * Storage: `bits` 4 or 8 as in MLX, or 5: per 32 weights, 16 bytes of low
- * nibbles (as 4 bits) then a little-endian u32 whose bit j is weight j's
- * fifth bit. Scales are f32, or f16 when `scales_f16` is 1; biases likewise,
- * or null when every bias is `-bias_offset * scale` (computed in f32). */
+ * Storage: `bits` 4 or 8 as in MLX; or, 4 bits with `split` 1: 16 bytes per
+ * 32 weights, byte l holding weight l (low nibble) and weight l + 16 (high
+ * nibble), which unpacks in fewer instructions. Scales are f32, or f16 when
+ * `scales_f16` is 1; biases likewise, or null when every bias is
+ * `-bias_offset * scale` (computed in f32). */
 typedef struct mlxgate_quantized_product {
   float* y;
   const void* w;
@@ -61,6 +62,7 @@ typedef struct mlxgate_quantized_product {
   int bits;
   int scales_f16;
   float bias_offset;
+  int split;
 } mlxgate_quantized_product;
 
 /* Products of one input `x` [m, k] on raw, packed buffers (each `w`

@@ -51,16 +51,19 @@ struct Product {
   int group_size, bits;
   bool f16;  // scales and biases stored as f16 (exact copies; fewer bytes)
   float bias_offset;
+  bool split;  // 4 bits: per 32 weights, byte l holds weights l and l + 16
 };
 
 #if defined(MLXGATE_X86)
 using mlxgate::horizontal_sum;
 
-/// How a matrix is stored, as template parameters: 4-, 5- or 8-bit codes;
-/// f32 or f16 scales and biases; biases stored or derived from the scales.
-template <int Bits, bool F16, bool Derived>
+/// How a matrix is stored, as template parameters: 4-bit codes (in MLX's
+/// order or split, see `Product::split`) or 8-bit codes; f32 or f16 scales
+/// and biases; biases stored or derived from the scales.
+template <int Bits, bool Split, bool F16, bool Derived>
 struct Layout {
   static constexpr int kBits = Bits;
+  static constexpr bool kSplit = Split;
   static constexpr bool kF16 = F16;
   static constexpr bool kDerived = Derived;
 };
@@ -98,9 +101,18 @@ struct RowGroups {
 };
 
 /// 32 weight codes starting at `p` as four vectors of 8 floats, in order.
-template <int BITS>
+template <int BITS, bool SPLIT = false>
 AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
-  if constexpr (BITS == 4) {
+  if constexpr (SPLIT) {
+    // Byte l: weight l (low nibble), weight l + 16 (high nibble).
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+      q[half] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+      q[2 + half] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    }
+  } else if constexpr (BITS == 4) {
     // Each 32-bit word holds 8 codes, code j in bits 4j..4j+3: broadcast the
     // word and shift each lane by its own amount. No cross-lane shuffles,
     // which were the bottleneck of unpacking bytes.
@@ -112,19 +124,6 @@ AVX2 inline void load_codes(const uint8_t* p, __m256 q[4]) {
       const __m256i codes =
           _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
       q[i] = _mm256_cvtepi32_ps(codes);
-    }
-  } else if constexpr (BITS == 5) {
-    // 16 bytes of low nibbles as in 4 bits, then a word of fifth bits (bit j
-    // of it is code j's bit 4).
-    load_codes<4>(p, q);
-    uint32_t high;
-    std::memcpy(&high, p + 16, sizeof(high));
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i bit = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(high >> (8 * i))), lanes),
-          _mm256_set1_epi32(1));
-      q[i] = _mm256_add_ps(q[i], _mm256_cvtepi32_ps(_mm256_slli_epi32(bit, 4)));
     }
   } else {
     for (int i = 0; i < 4; ++i) {
@@ -152,7 +151,7 @@ AVX2 inline void chunk_into(
   const uint8_t* codes = w + c * kChunkBytes;
   _mm_prefetch(reinterpret_cast<const char*>(codes + 4 * kChunkBytes), _MM_HINT_T0);
   __m256 q[4];
-  load_codes<L::kBits>(codes, q);
+  load_codes<L::kBits, L::kSplit>(codes, q);
   for (int i = 0; i < 4; ++i) {
     const __m256 weight = _mm256_fmadd_ps(q[i], scale, bias);
     for (int m = 0; m < M; ++m) {
@@ -225,7 +224,7 @@ AVX2 void dequantize_rows(const Product& p, int64_t n, int rows, float* out) {
       for (int64_t c = 0; c < chunks_per_group; ++c) {
         const int64_t k = (g * chunks_per_group + c) * 32;
         __m256 q[4];
-        load_codes<BITS>(w + k * BITS / 8, q);
+        load_codes<BITS, L::kSplit>(w + k * BITS / 8, q);
         for (int i = 0; i < 4; ++i) {
           _mm256_store_ps(dst + k + 8 * i, _mm256_fmadd_ps(q[i], scale, bias));
         }
@@ -316,15 +315,15 @@ void rows_for(const Product& p, int64_t n0, int64_t n1) {
 }
 
 /// Picks the instantiation for this product's storage.
-template <int BITS>
-void rows_for_bits(const Product& p, int64_t n0, int64_t n1) {
+template <int BITS, bool SPLIT>
+void rows_for_layout(const Product& p, int64_t n0, int64_t n1) {
   const bool derived = p.biases == nullptr;
   if (p.f16) {
-    return derived ? rows_for<Layout<BITS, true, true>>(p, n0, n1)
-                   : rows_for<Layout<BITS, true, false>>(p, n0, n1);
+    return derived ? rows_for<Layout<BITS, SPLIT, true, true>>(p, n0, n1)
+                   : rows_for<Layout<BITS, SPLIT, true, false>>(p, n0, n1);
   }
-  return derived ? rows_for<Layout<BITS, false, true>>(p, n0, n1)
-                 : rows_for<Layout<BITS, false, false>>(p, n0, n1);
+  return derived ? rows_for<Layout<BITS, SPLIT, false, true>>(p, n0, n1)
+                 : rows_for<Layout<BITS, SPLIT, false, false>>(p, n0, n1);
 }
 
 #endif  // MLXGATE_X86
@@ -352,11 +351,10 @@ void run_chunk(const void* ctx, int64_t chunk) {
   const int64_t n1 = std::min(p.n, n0 + c.rows);
   switch (p.bits) {
     case 4:
-      return rows_for_bits<4>(p, n0, n1);
-    case 5:
-      return rows_for_bits<5>(p, n0, n1);
+      return p.split ? rows_for_layout<4, true>(p, n0, n1)
+                     : rows_for_layout<4, false>(p, n0, n1);
     default:
-      return rows_for_bits<8>(p, n0, n1);
+      return rows_for_layout<8, false>(p, n0, n1);
   }
 #else
   (void)ctx;
@@ -484,7 +482,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
           static_cast<const float*>(packed_data(packed_x)),
           static_cast<const uint8_t*>(packed_data(packed_w)),
           packed_data(packed_s), packed_data(packed_b),
-          y, m, n, k, group_size, bits, false, 0.0f};
+          y, m, n, k, group_size, bits, false, 0.0f, false};
       run_product(product);
     });
   }
@@ -588,6 +586,7 @@ extern "C" int mlxgate_kernels_supported(void) {
   return cpu_supported() ? 1 : 0;
 }
 
+
 extern "C" int mlxgate_blas_set_threads(int threads) {
   // Looked up at run time: OpenBLAS is linked only where the system has it.
   using Get = int (*)();
@@ -664,13 +663,13 @@ extern "C" int mlxgate_quantized_matmul_raw_many(
   const int threads = Pool::instance().threads();
   for (int i = 0; i < count; ++i) {
     const mlxgate_quantized_product& q = products[i];
-    if ((q.bits != 4 && q.bits != 5 && q.bits != 8) || q.group_size <= 0 ||
+    if ((q.bits != 4 && q.bits != 8) || q.group_size <= 0 ||
         q.group_size % 32 != 0 || k % q.group_size != 0 || q.n < 0 || !q.scales) {
       return 1;
     }
     const Product p{x, static_cast<const uint8_t*>(q.w), q.scales, q.biases,
                     q.y, m, q.n, k, q.group_size, q.bits, q.scales_f16 != 0,
-                    q.bias_offset};
+                    q.bias_offset, q.split != 0 && q.bits == 4};
     const int64_t rows = rows_per_chunk(p, threads);
     many.products.push_back(p);
     many.rows.push_back(rows);

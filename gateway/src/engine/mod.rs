@@ -176,6 +176,7 @@ impl EngineHandle {
                     let _ = ready.send(Err(LoadError::Mlx(error.to_string())));
                     return;
                 }
+                model.transformer.prepare_native_decode();
                 let config = &model.transformer.config;
                 let card = ModelCard {
                     id: model.id.clone(),

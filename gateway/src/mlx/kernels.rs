@@ -251,13 +251,19 @@ fn packed_data(array: &Array) -> Option<*const std::ffi::c_void> {
 /// outside MLX's graph (the native decode step). Holds its arrays, so the
 /// buffers it reads in place live as long as it does.
 ///
-/// Decoding is bound by memory bandwidth, so it stores the matrix as tightly
-/// as stays exact: f16 scales and biases where every one is an f16 (weights
-/// from Q4_0, Q4_1, Q5_0, Q8_0 files), no biases where each is a fixed
-/// multiple of its scale (symmetric types: Q4_0, Q5_0, Q8_0), and 5-bit
-/// codes where 8-bit codes never exceed 31 (Q5_0, Q5_1). Q4_1 weights then
-/// read 5 bits per weight instead of 6, Q5_0 5.5 instead of 10, Q8_0 8.5
-/// instead of 10. MLX's graph (prefill) keeps reading its own arrays.
+/// Decoding is bound by memory bandwidth and by the instructions spent per
+/// weight, so it stores the matrix as tightly as stays exact: f16 scales and
+/// biases where every one is an f16 (weights from Q4_0, Q4_1, Q5_0, Q8_0
+/// files), and no biases where each is a fixed multiple of its scale
+/// (symmetric types: Q4_0, Q5_0, Q8_0). Q4_1 weights then read 5 bits per
+/// weight instead of 6, Q5_0 and Q8_0 8.5 instead of 10. 4-bit codes are
+/// stored split (weights l and l + 16 of each 32 share a byte), which
+/// unpacks in fewer instructions than MLX's order (~6% faster decode).
+/// MLX's graph (prefill) keeps reading its own arrays.
+///
+/// Tried and left out: Q5_0's codes packed to 5 bits (5.5 bits per weight).
+/// Unpacking the fifth bit cost more than the bytes saved, on AVX2 and with
+/// AVX-512 table lookups alike (Qwen2.5 decode 25-31 against 30-36 tok/s).
 pub struct PackedMatrix {
     _arrays: [Array; 3],
     codes: Codes,
@@ -265,15 +271,16 @@ pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
     group_size: usize,
-    /// Bits per stored code: 4, 5 or 8.
+    /// Bits per stored code: 4 or 8.
     bits: usize,
 }
 
-/// A matrix's codes: MLX's buffer in place, or repacked to 5 bits (per 32
-/// weights, 16 bytes of low nibbles, then a little-endian u32 of fifth bits).
+/// A matrix's codes: MLX's 8-bit buffer in place, or 4-bit codes split: per
+/// 32 weights, 16 bytes whose byte l holds weight l (low nibble) and weight
+/// l + 16 (high nibble).
 enum Codes {
     InPlace(*const u8),
-    Five(Vec<u8>),
+    Split(Vec<u8>),
 }
 
 /// Per-group values, as the kernels read them.
@@ -367,25 +374,16 @@ impl Values {
     }
 }
 
-/// 8-bit codes `[rows, cols]` repacked to 5 bits, when every code is < 32.
-fn five_bit_codes(codes: &[u8]) -> Option<Vec<u8>> {
-    if codes.iter().any(|&c| c >= 32) {
-        return None;
-    }
-    let mut packed = Vec::with_capacity(codes.len() / 32 * 20);
-    for chunk in codes.chunks_exact(32) {
-        packed.extend(
-            chunk
-                .chunks_exact(2)
-                .map(|pair| (pair[0] & 15) | (pair[1] & 15) << 4),
-        );
-        let high = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |word, (j, &c)| word | u32::from(c >> 4) << j);
-        packed.extend(high.to_le_bytes());
-    }
-    Some(packed)
+/// MLX-order 4-bit codes (code i in nibble i % 2 of byte i / 2) in the
+/// split layout of [`Codes`].
+fn split_codes(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(16)
+        .flat_map(|chunk| {
+            let code = |i: usize| (chunk[i / 2] >> (4 * (i % 2))) & 15;
+            (0..16).map(move |l| code(l) | code(l + 16) << 4)
+        })
+        .collect()
 }
 
 impl PackedMatrix {
@@ -415,16 +413,13 @@ impl PackedMatrix {
             return None;
         }
         let weight_data: *const u8 = packed_data(weight)?.cast();
-        let mut codes = Codes::InPlace(weight_data);
-        let mut stored_bits = bits as usize;
-        if bits == 8 {
-            // SAFETY: an 8-bit [rows, cols] weight holds rows * cols bytes.
-            let bytes = unsafe { std::slice::from_raw_parts(weight_data, rows * cols) };
-            if let Some(five) = five_bit_codes(bytes) {
-                codes = Codes::Five(five);
-                stored_bits = 5;
-            }
-        }
+        // SAFETY: a [rows, cols] weight of `bits` holds rows * cols * bits / 8 bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(weight_data, rows * cols * bits as usize / 8) };
+        let codes = match bits {
+            4 => Codes::Split(split_codes(bytes)),
+            _ => Codes::InPlace(weight_data),
+        };
         let groups = GroupValues::new(
             packed_data(scales)?.cast(),
             packed_data(biases)?.cast(),
@@ -437,7 +432,7 @@ impl PackedMatrix {
             rows,
             cols,
             group_size: group_size as usize,
-            bits: stored_bits,
+            bits: bits as usize,
         })
     }
 
@@ -461,7 +456,7 @@ impl PackedMatrix {
     fn code_bytes(&self) -> *const u8 {
         match &self.codes {
             Codes::InPlace(p) => *p,
-            Codes::Five(v) => v.as_ptr(),
+            Codes::Split(v) => v.as_ptr(),
         }
     }
 
@@ -497,6 +492,7 @@ impl PackedMatrix {
                     bits: matrix.bits as i32,
                     scales_f16: i32::from(groups.f16()),
                     bias_offset: groups.offset,
+                    split: i32::from(matches!(matrix.codes, Codes::Split(_))),
                 }
             })
             .collect();
@@ -530,13 +526,8 @@ impl PackedMatrix {
         let code = |i: usize| -> u32 {
             match self.bits {
                 8 => u32::from(codes[i]),
-                4 => u32::from(codes[i / 2] >> (4 * (i % 2))) & 0xf,
-                _ => {
-                    let chunk = &codes[i / 32 * 20..][..20];
-                    let j = i % 32;
-                    let high = u32::from_le_bytes([chunk[16], chunk[17], chunk[18], chunk[19]]);
-                    (u32::from(chunk[j / 2] >> (4 * (j % 2))) & 0xf) | ((high >> j) & 1) << 4
-                }
+                // Split: byte l of each 16 holds weights l and l + 16.
+                _ => u32::from(codes[i / 32 * 16 + i % 16] >> (4 * (i % 32 / 16))) & 0xf,
             }
         };
         for (i, value) in out.iter_mut().enumerate() {

@@ -292,6 +292,15 @@ impl Transformer {
         Ok(logits.as_slice::<f32>().to_vec())
     }
 
+    /// Builds the native decode step's weights now (repacking takes up to a
+    /// second on larger models) rather than in the first request, when this
+    /// thread decodes natively.
+    pub fn prepare_native_decode(&self) {
+        if kernels::thread_choice() == KernelChoice::Native {
+            self.native_decoder();
+        }
+    }
+
     /// Bytes of weights a native decode step reads per token (the roofline
     /// of decoding); `None` where decode does not run natively.
     pub fn native_decode_weight_bytes(&self) -> Option<usize> {
