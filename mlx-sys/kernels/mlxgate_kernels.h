@@ -51,7 +51,8 @@ int mlxgate_quantized_matmul(
  * 32 weights, byte l holding weight l (low nibble) and weight l + 16 (high
  * nibble), which unpacks in fewer instructions. Scales are f32, or f16 when
  * `scales_f16` is 1; biases likewise, or null when every bias is
- * `-bias_offset * scale` (computed in f32). */
+ * `-bias_offset * scale` (computed in f32); 8-bit codes without biases are
+ * signed, `q - bias_offset`, and each weight is `scale * code`. */
 typedef struct mlxgate_quantized_product {
   float* y;
   const void* w;

@@ -275,12 +275,14 @@ pub struct PackedMatrix {
     bits: usize,
 }
 
-/// A matrix's codes: MLX's 8-bit buffer in place, or 4-bit codes split: per
-/// 32 weights, 16 bytes whose byte l holds weight l (low nibble) and weight
-/// l + 16 (high nibble).
+/// A matrix's codes: MLX's 8-bit buffer in place; 4-bit codes split (per 32
+/// weights, 16 bytes whose byte l holds weight l in its low nibble and
+/// weight l + 16 in its high one); or, for symmetric 8-bit matrices, signed
+/// codes `q - offset`, each weight `scale * code`.
 enum Codes {
     InPlace(*const u8),
     Split(Vec<u8>),
+    Signed(Vec<u8>),
 }
 
 /// Per-group values, as the kernels read them.
@@ -321,31 +323,25 @@ fn symmetric_offset(scales: &[f32], biases: &[f32]) -> Option<f32> {
 }
 
 impl GroupValues {
-    fn new(scales: *const f32, biases: *const f32, count: usize) -> GroupValues {
-        // SAFETY: both buffers hold `count` floats (checked by the caller).
-        let (s, b) = unsafe {
-            (
-                std::slice::from_raw_parts(scales, count),
-                std::slice::from_raw_parts(biases, count),
-            )
-        };
-        let offset = symmetric_offset(s, b);
+    /// `offset`: every bias is `-offset * scale` (then none are stored).
+    /// The slices are MLX's buffers, which the F32 form keeps reading.
+    fn new(scales: &[f32], biases: &[f32], offset: Option<f32>) -> GroupValues {
         // The kernels read scales and stored biases in one dtype.
-        let halves = exact_f16(s).and_then(|scales| match offset {
-            Some(_) => Some((scales, None)),
-            None => exact_f16(b).map(|biases| (scales, Some(biases))),
+        let halves = exact_f16(scales).and_then(|halved| match offset {
+            Some(_) => Some((halved, None)),
+            None => exact_f16(biases).map(|biases| (halved, Some(biases))),
         });
-        match halves {
-            Some((scales, biases)) => GroupValues {
-                scales: Values::F16(scales),
-                biases: biases.map(Values::F16),
-                offset: offset.unwrap_or(0.0),
-            },
-            None => GroupValues {
-                scales: Values::F32(scales),
-                biases: offset.is_none().then_some(Values::F32(biases)),
-                offset: offset.unwrap_or(0.0),
-            },
+        let (scales, biases) = match halves {
+            Some((scales, biases)) => (Values::F16(scales), biases.map(Values::F16)),
+            None => (
+                Values::F32(scales.as_ptr()),
+                offset.is_none().then_some(Values::F32(biases.as_ptr())),
+            ),
+        };
+        GroupValues {
+            scales,
+            biases,
+            offset: offset.unwrap_or(0.0),
         }
     }
 
@@ -386,6 +382,18 @@ fn split_codes(bytes: &[u8]) -> Vec<u8> {
         .collect()
 }
 
+/// 8-bit codes minus `offset` as signed bytes, when each fits.
+fn signed_codes(bytes: &[u8], offset: f32) -> Option<Vec<u8>> {
+    if offset.fract() != 0.0 || !(0.0..=255.0).contains(&offset) {
+        return None;
+    }
+    let offset = offset as i16;
+    bytes
+        .iter()
+        .map(|&code| i8::try_from(i16::from(code) - offset).ok().map(|c| c as u8))
+        .collect()
+}
+
 impl PackedMatrix {
     /// `None` unless the native kernels run here and cover this layout
     /// (4 or 8 bits, groups of a multiple of 32, f32 scales and biases,
@@ -416,15 +424,24 @@ impl PackedMatrix {
         // SAFETY: a [rows, cols] weight of `bits` holds rows * cols * bits / 8 bytes.
         let bytes =
             unsafe { std::slice::from_raw_parts(weight_data, rows * cols * bits as usize / 8) };
-        let codes = match bits {
-            4 => Codes::Split(split_codes(bytes)),
-            _ => Codes::InPlace(weight_data),
+        let count = rows * groups;
+        // SAFETY: scales and biases were checked to be [rows, groups] f32.
+        let (scales_f32, biases_f32) = unsafe {
+            (
+                std::slice::from_raw_parts(packed_data(scales)?.cast::<f32>(), count),
+                std::slice::from_raw_parts(packed_data(biases)?.cast::<f32>(), count),
+            )
         };
-        let groups = GroupValues::new(
-            packed_data(scales)?.cast(),
-            packed_data(biases)?.cast(),
-            rows * groups,
-        );
+        let offset = symmetric_offset(scales_f32, biases_f32);
+        let (codes, offset) = match (bits, offset) {
+            (4, _) => (Codes::Split(split_codes(bytes)), offset),
+            (_, Some(offset)) => match signed_codes(bytes, offset) {
+                Some(signed) => (Codes::Signed(signed), Some(offset)),
+                None => (Codes::InPlace(weight_data), None),
+            },
+            _ => (Codes::InPlace(weight_data), None),
+        };
+        let groups = GroupValues::new(scales_f32, biases_f32, offset);
         Some(PackedMatrix {
             codes,
             groups,
@@ -456,7 +473,7 @@ impl PackedMatrix {
     fn code_bytes(&self) -> *const u8 {
         match &self.codes {
             Codes::InPlace(p) => *p,
-            Codes::Split(v) => v.as_ptr(),
+            Codes::Split(v) | Codes::Signed(v) => v.as_ptr(),
         }
     }
 
@@ -523,16 +540,22 @@ impl PackedMatrix {
         let codes = unsafe {
             std::slice::from_raw_parts(self.code_bytes().add(row * row_bytes), row_bytes)
         };
-        let code = |i: usize| -> u32 {
-            match self.bits {
-                8 => u32::from(codes[i]),
-                // Split: byte l of each 16 holds weights l and l + 16.
-                _ => u32::from(codes[i / 32 * 16 + i % 16] >> (4 * (i % 32 / 16))) & 0xf,
+        let code = |i: usize| -> f32 {
+            match &self.codes {
+                Codes::InPlace(_) => f32::from(codes[i]),
+                Codes::Signed(_) => f32::from(codes[i] as i8),
+                // byte l of each 16 holds weights l and l + 16
+                Codes::Split(_) => {
+                    f32::from((codes[i / 32 * 16 + i % 16] >> (4 * (i % 32 / 16))) & 0xf)
+                }
             }
         };
         for (i, value) in out.iter_mut().enumerate() {
             let (scale, bias) = self.groups.get(row * groups + i / self.group_size);
-            *value = scale.mul_add(code(i) as f32, bias);
+            *value = match self.codes {
+                Codes::Signed(_) => scale * code(i),
+                _ => scale.mul_add(code(i), bias),
+            };
         }
     }
 }
