@@ -118,15 +118,13 @@ fn read_bandwidth() -> (f64, f64) {
 // ---------------------------------------------------------------- weight bytes
 
 /// Bytes of weights mlxgate's native decode step reads per token (see the
-/// module doc), from a separate load of the model.
-fn mlxgate_weight_bytes(path: &Path) -> usize {
+/// module doc), from a separate load of the model; `None` where decode does
+/// not run natively (no AVX2, `MLXGATE_KERNELS=mlx`): no roofline then.
+fn mlxgate_weight_bytes(path: &Path) -> Option<usize> {
     let path = path.to_owned();
     std::thread::spawn(move || {
         let model = LoadedModel::load(&path).expect("load model for its weight sizes");
-        model
-            .transformer
-            .native_decode_weight_bytes()
-            .expect("the native kernels decode this model")
+        model.transformer.native_decode_weight_bytes()
     })
     .join()
     .expect("weight-size thread")
@@ -556,7 +554,9 @@ fn main() {
                 100.0 * rate / bw2
             )
         };
-        rooflines.push(line("mlxgate", mlx_bytes, dm.median));
+        if let Some(mlx_bytes) = mlx_bytes {
+            rooflines.push(line("mlxgate", mlx_bytes, dm.median));
+        }
         if let Some(dl) = dl {
             rooflines.push(line("llama.cpp", gguf_bytes, dl.median));
         }

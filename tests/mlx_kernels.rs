@@ -364,6 +364,11 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     let packed = pack(&q41);
     assert_eq!(packed.bits_per_weight(), 5.0);
     assert_packed_matches_graph(&q41, &packed, "Q4_1-like", true);
+    // In place (lookup-only tables): MLX's buffers as they are.
+    let in_place =
+        PackedMatrix::in_place(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("packable");
+    assert_eq!(in_place.bits_per_weight(), 6.0);
+    assert_packed_matches_graph(&q41, &in_place, "Q4_1-like in place", true);
     // Q5_0-like: 5-bit codes in 8 bits, signed, f16 scales, no biases (8.5
     // bits per weight instead of 10); summed as scale * sum(code * x) per
     // 32 weights, so equal within rounding.

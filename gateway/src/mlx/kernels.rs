@@ -275,7 +275,7 @@ pub struct PackedMatrix {
     bits: usize,
 }
 
-/// A matrix's codes: MLX's 8-bit buffer in place; 4-bit codes split (per 32
+/// A matrix's codes: MLX's buffer in place; 4-bit codes split (per 32
 /// weights, 16 bytes whose byte l holds weight l in its low nibble and
 /// weight l + 16 in its high one); or, for symmetric 8-bit matrices, signed
 /// codes `q - offset`, each weight `scale * code`.
@@ -324,13 +324,17 @@ fn symmetric_offset(scales: &[f32], biases: &[f32]) -> Option<f32> {
 
 impl GroupValues {
     /// `offset`: every bias is `-offset * scale` (then none are stored).
-    /// The slices are MLX's buffers, which the F32 form keeps reading.
-    fn new(scales: &[f32], biases: &[f32], offset: Option<f32>) -> GroupValues {
+    /// `compact`: f16 copies where exact. The slices are MLX's buffers,
+    /// which the F32 form keeps reading.
+    fn new(scales: &[f32], biases: &[f32], offset: Option<f32>, compact: bool) -> GroupValues {
         // The kernels read scales and stored biases in one dtype.
-        let halves = exact_f16(scales).and_then(|halved| match offset {
-            Some(_) => Some((halved, None)),
-            None => exact_f16(biases).map(|biases| (halved, Some(biases))),
-        });
+        let halves = compact
+            .then(|| exact_f16(scales))
+            .flatten()
+            .and_then(|halved| match offset {
+                Some(_) => Some((halved, None)),
+                None => exact_f16(biases).map(|biases| (halved, Some(biases))),
+            });
         let (scales, biases) = match halves {
             Some((scales, biases)) => (Values::F16(scales), biases.map(Values::F16)),
             None => (
@@ -405,6 +409,31 @@ impl PackedMatrix {
         group_size: i32,
         bits: i32,
     ) -> Option<PackedMatrix> {
+        PackedMatrix::build(weight, scales, biases, group_size, bits, true)
+    }
+
+    /// The matrix read in place, without compact copies: for an embedding
+    /// table that only serves row lookups (one row per token), where
+    /// repacking the whole table would cost start-up time and memory for
+    /// nothing.
+    pub fn in_place(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        group_size: i32,
+        bits: i32,
+    ) -> Option<PackedMatrix> {
+        PackedMatrix::build(weight, scales, biases, group_size, bits, false)
+    }
+
+    fn build(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        group_size: i32,
+        bits: i32,
+        compact: bool,
+    ) -> Option<PackedMatrix> {
         let supported = native_available()
             && covers(scales, group_size, bits)
             && weight.dtype() == Dtype::Uint32
@@ -432,8 +461,11 @@ impl PackedMatrix {
                 std::slice::from_raw_parts(packed_data(biases)?.cast::<f32>(), count),
             )
         };
-        let offset = symmetric_offset(scales_f32, biases_f32);
+        let offset = compact
+            .then(|| symmetric_offset(scales_f32, biases_f32))
+            .flatten();
         let (codes, offset) = match (bits, offset) {
+            _ if !compact => (Codes::InPlace(weight_data), None),
             (4, _) => (Codes::Split(split_codes(bytes)), offset),
             (_, Some(offset)) => match signed_codes(bytes, offset) {
                 Some(signed) => (Codes::Signed(signed), Some(offset)),
@@ -441,7 +473,7 @@ impl PackedMatrix {
             },
             _ => (Codes::InPlace(weight_data), None),
         };
-        let groups = GroupValues::new(scales_f32, biases_f32, offset);
+        let groups = GroupValues::new(scales_f32, biases_f32, offset, compact);
         Some(PackedMatrix {
             codes,
             groups,
@@ -542,6 +574,9 @@ impl PackedMatrix {
         };
         let code = |i: usize| -> f32 {
             match &self.codes {
+                Codes::InPlace(_) if self.bits == 4 => {
+                    f32::from((codes[i / 2] >> (4 * (i % 2))) & 15)
+                }
                 Codes::InPlace(_) => f32::from(codes[i]),
                 Codes::Signed(_) => f32::from(codes[i] as i8),
                 // byte l of each 16 holds weights l and l + 16

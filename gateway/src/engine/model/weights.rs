@@ -271,7 +271,8 @@ impl Kernel {
 
     /// The matrix as the native kernels read it outside MLX's graph (the
     /// native decode step); `None` when dense or in a layout they lack.
-    pub fn packed(&self) -> Option<PackedMatrix> {
+    /// `for_lookup`: read in place, for a table that only serves row lookups.
+    pub fn packed(&self, for_lookup: bool) -> Option<PackedMatrix> {
         match self {
             Kernel::Dense(_) => None,
             Kernel::Quantized {
@@ -280,7 +281,14 @@ impl Kernel {
                 biases,
                 group_size,
                 bits,
-            } => PackedMatrix::new(weight, scales, biases, *group_size, *bits),
+            } => {
+                let build = if for_lookup {
+                    PackedMatrix::in_place
+                } else {
+                    PackedMatrix::new
+                };
+                build(weight, scales, biases, *group_size, *bits)
+            }
         }
     }
 

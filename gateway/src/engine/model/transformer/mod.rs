@@ -304,6 +304,9 @@ impl Transformer {
     /// Bytes of weights a native decode step reads per token (the roofline
     /// of decoding); `None` where decode does not run natively.
     pub fn native_decode_weight_bytes(&self) -> Option<usize> {
+        if kernels::thread_choice() != KernelChoice::Native {
+            return None;
+        }
         self.native_decoder()
             .map(NativeDecoder::weight_bytes_per_token)
     }
@@ -328,14 +331,9 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
-        let batch = tokens.len() as i32;
-        let length = tokens.first().map_or(0, |t| t.len()) as i32;
-        let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
-        let ids = Array::from_slice(&flat, &[batch, length]);
-        let mut x = self.embed.lookup(&ids)?;
-        if let Some(scale) = self.config.embedding_scale() {
-            x = multiply(&x, Array::from_f32(scale))?;
-        }
+        let ids = token_ids(tokens);
+        let length = ids.shape()[1];
+        let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
@@ -426,10 +424,7 @@ impl Transformer {
         tokens: &[&[u32]],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
-        let batch = tokens.len() as i32;
-        let length = tokens.first().map_or(0, |t| t.len()) as i32;
-        let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
-        let ids = Array::from_slice(&flat, &[batch, length]);
+        let ids = token_ids(tokens);
         let hidden = self.forward_hidden_with(&ids, &|y, x, layer, projection| {
             lora::apply(y, x, layer, projection, adapters)
         })?;
@@ -447,10 +442,7 @@ impl Transformer {
         residual: &dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>,
     ) -> MlxResult<Array> {
         let c = &self.config;
-        let mut x = self.embed.lookup(ids)?;
-        if let Some(scale) = c.embedding_scale() {
-            x = multiply(&x, Array::from_f32(scale))?;
-        }
+        let mut x = self.embed_ids(ids)?;
         let shape = x.shape().to_vec();
         let (batch, length) = (shape[0], shape[1]);
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
@@ -512,6 +504,15 @@ impl Transformer {
             x = add(&x, &mlp)?;
         }
         rms_norm(&x, Some(&self.final_norm), eps)
+    }
+
+    /// Embeddings of `ids`, scaled where the family scales them (Gemma).
+    fn embed_ids(&self, ids: &Array) -> MlxResult<Array> {
+        let x = self.embed.lookup(ids)?;
+        match self.config.embedding_scale() {
+            Some(scale) => multiply(&x, Array::from_f32(scale)),
+            None => Ok(x),
+        }
     }
 
     /// Float32 logits of final-normed hidden states (any leading shape).
@@ -637,6 +638,13 @@ impl Transformer {
         let merged = attended.reshape(&[batch, length, heads * head_dim])?;
         project(&a.o_proj, Projection::O, &merged)
     }
+}
+
+/// B sequences of equal length as a `[B, L]` array of token ids.
+fn token_ids(tokens: &[&[u32]]) -> Array {
+    let length = tokens.first().map_or(0, |t| t.len()) as i32;
+    let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+    Array::from_slice(&flat, &[tokens.len() as i32, length])
 }
 
 /// Boolean `[queries, keys]` mask: causal and within `window` positions.

@@ -27,7 +27,7 @@ struct Projection {
 
 impl Projection {
     fn new(linear: &Linear) -> MlxResult<Option<Projection>> {
-        let Some(matrix) = linear.kernel.packed() else {
+        let Some(matrix) = linear.kernel.packed(false) else {
             return Ok(None);
         };
         let bias = linear.bias.as_ref().map(floats).transpose()?;
@@ -244,7 +244,10 @@ struct Scratch {
 impl NativeDecoder {
     /// `None` when some matrix is not in a layout the kernels read.
     pub(super) fn new(model: &Transformer) -> MlxResult<Option<NativeDecoder>> {
-        let Some(embed) = model.embed.kernel.packed() else {
+        // Tied to the output head, the table is a matrix like any other;
+        // else it only serves one row per token, read in place.
+        let lookup_only = model.lm_head.is_some();
+        let Some(embed) = model.embed.kernel.packed(lookup_only) else {
             return Ok(None);
         };
         let lm_head = match &model.lm_head {
