@@ -1,19 +1,19 @@
-//! The one wasmtime `Engine` for all policies, and its epoch ticker.
+//! The one wasmtime `Engine` for all policies, and the watchdog that
+//! interrupts guests past their deadline.
 //!
 //! Configuration: pooling allocator (slots sized by [`HostConfig`], each linear
 //! memory reserving only `max_memory_bytes` plus a 64 KiB guard, so explicit
 //! bounds checks replace the 4 GiB guard regions), epoch interruption driven by
-//! a ticker thread that runs while policies are being called (wall-clock
-//! deadlines for request-time policies), fuel
+//! the [`Watchdog`] (wall-clock deadlines for request-time policies), fuel
 //! (deterministic budgets for dataset transforms; other kinds get an unlimited
 //! budget unless configured) and a bounded Wasm stack.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
@@ -35,8 +35,10 @@ pub struct HostConfig {
     pub max_component_bytes: usize,
     /// Ceiling for any policy's deadline.
     pub max_deadline_ms: u32,
-    /// Epoch tick period.
-    pub tick: Duration,
+    /// Longest the watchdog waits, while calls run, before advancing the
+    /// epoch again: a call whose deadline it did not schedule (an earlier
+    /// one came first) is stopped at most this long after its deadline.
+    pub recheck: Duration,
     /// A warm instance is replaced after this many calls, bounding state a
     /// guest can accumulate across requests.
     pub max_calls_per_instance: u64,
@@ -52,44 +54,54 @@ impl HostConfig {
             max_wasm_stack: 512 << 10,
             max_component_bytes: 16 << 20,
             max_deadline_ms: 60_000,
-            tick: Duration::from_millis(1),
+            recheck: Duration::from_millis(10),
             max_calls_per_instance: 10_000,
         }
     }
 }
 
-/// Ticks without any call after which the epoch ticker parks.
-const IDLE_TICKS: u32 = 100;
-
-/// The engine plus the thread that advances its epoch; the thread stops when
-/// this is dropped.
+/// The engine plus the watchdog thread; the thread stops when this is
+/// dropped.
 pub(crate) struct PolicyEngine {
     pub(crate) engine: Engine,
     /// Stable key of `Engine::precompile_compatibility_hash`, hex.
     pub(crate) compat_key: String,
-    pub(crate) clock: Arc<EpochClock>,
-    ticker: Option<JoinHandle<()>>,
+    pub(crate) watchdog: Arc<Watchdog>,
+    thread: Option<JoinHandle<()>>,
 }
 
-/// The epoch's tick period and the ticker's state. Deadlines only need the
-/// epoch to advance while a guest runs, so the ticker parks after
-/// [`IDLE_TICKS`] ticks in which no call began, and the next call wakes it:
-/// a gateway whose policies are not being called has no 1 kHz wake-ups.
-pub(crate) struct EpochClock {
-    pub(crate) tick: Duration,
-    /// A call began since the ticker last looked.
-    called: AtomicBool,
-    /// Calls inside a guest now: the ticker never parks while one runs, or a
-    /// deadline longer than its idle spell would never come.
+/// No deadline (as nanoseconds after [`Watchdog::base`]).
+const NONE: u64 = u64::MAX;
+
+/// Interrupts guest calls that run past their deadline, waking only when a
+/// deadline comes rather than on a fixed tick.
+///
+/// Every call registers its deadline on entry ([`Watchdog::enter`]); the
+/// thread sleeps until the earliest registered one and then advances the
+/// engine's epoch. Each store's epoch deadline is one tick ahead, so every
+/// guest running at that moment stops in its epoch callback, which traps it
+/// if its own deadline has passed and lets it go on otherwise. Only the
+/// earliest deadline registered between two wake-ups is kept, so while
+/// calls run the thread also wakes every [`HostConfig::recheck`]. Under
+/// steady traffic it wakes every few milliseconds, not once per call or
+/// per millisecond; with no call running it parks until the next one.
+pub(crate) struct Watchdog {
+    base: Instant,
+    /// Earliest deadline registered since the thread last looked.
+    next: AtomicU64,
+    /// What the thread sleeps until ([`NONE`]: parked until a call comes).
+    sleeping_until: AtomicU64,
+    /// Calls inside a guest now.
     running: AtomicUsize,
-    /// The ticker is parked (or about to park): the next call unparks it.
-    parked: AtomicBool,
+    recheck: Duration,
+    /// Times the epoch was advanced (tests and diagnostics).
+    advanced: AtomicU64,
     stop: AtomicBool,
     thread: OnceLock<Thread>,
 }
 
-/// A call inside a guest, from [`EpochClock::enter`] until dropped.
-pub(crate) struct RunningCall<'a>(&'a EpochClock);
+/// A call inside a guest, from [`Watchdog::enter`] until dropped.
+pub(crate) struct RunningCall<'a>(&'a Watchdog);
 
 impl Drop for RunningCall<'_> {
     fn drop(&mut self) {
@@ -97,54 +109,74 @@ impl Drop for RunningCall<'_> {
     }
 }
 
-impl EpochClock {
-    /// Called before entering a guest, held until the guest returns: the
-    /// epoch keeps advancing for as long as the call runs.
-    pub(crate) fn enter(&self) -> RunningCall<'_> {
-        self.running.fetch_add(1, Ordering::SeqCst);
-        self.wake();
-        RunningCall(self)
+impl Watchdog {
+    fn new(recheck: Duration) -> Watchdog {
+        Watchdog {
+            base: Instant::now(),
+            next: AtomicU64::new(NONE),
+            sleeping_until: AtomicU64::new(NONE),
+            running: AtomicUsize::new(0),
+            recheck,
+            advanced: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            thread: OnceLock::new(),
+        }
     }
 
-    /// Makes sure the epoch advances (unparks the ticker).
-    fn wake(&self) {
-        // SeqCst pairs with the ticker's store of `parked` then load of
-        // `called`: either it sees this call, or this sees it parked.
-        if !self.called.load(Ordering::Relaxed) {
-            self.called.store(true, Ordering::SeqCst);
-        }
-        if self.parked.load(Ordering::SeqCst)
-            && self.parked.swap(false, Ordering::SeqCst)
+    /// Called before entering a guest that must stop by `deadline`; the
+    /// returned guard is held until the guest returns.
+    pub(crate) fn enter(&self, deadline: Instant) -> RunningCall<'_> {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        let at = self.nanos(deadline);
+        self.next.fetch_min(at, Ordering::SeqCst);
+        // SeqCst pairs with the thread's store of `sleeping_until` then load
+        // of `next`: either it sees this deadline, or this sees it sleeping
+        // past it.
+        if at < self.sleeping_until.load(Ordering::SeqCst)
             && let Some(t) = self.thread.get()
         {
             t.unpark();
         }
+        RunningCall(self)
+    }
+
+    fn nanos(&self, t: Instant) -> u64 {
+        let n = t.saturating_duration_since(self.base).as_nanos();
+        u64::try_from(n).unwrap_or(NONE - 1).min(NONE - 1)
     }
 
     fn run(&self, engine: &Engine) {
-        let mut idle = 0;
-        while !self.stop.load(Ordering::Relaxed) {
-            std::thread::sleep(self.tick);
-            engine.increment_epoch();
-            let began = self.called.swap(false, Ordering::SeqCst);
-            if began || self.running.load(Ordering::SeqCst) > 0 {
-                idle = 0;
+        let mut target = NONE;
+        while !self.stop.load(Ordering::SeqCst) {
+            target = target.min(self.next.swap(NONE, Ordering::SeqCst));
+            if target == NONE {
+                if self.running.load(Ordering::SeqCst) == 0 {
+                    self.sleeping_until.store(NONE, Ordering::SeqCst);
+                    if self.next.load(Ordering::SeqCst) == NONE
+                        && self.running.load(Ordering::SeqCst) == 0
+                        && !self.stop.load(Ordering::SeqCst)
+                    {
+                        std::thread::park();
+                    }
+                    continue;
+                }
+                // Calls run whose deadlines were not kept: check them soon.
+                target = self.nanos(Instant::now() + self.recheck);
+            }
+            self.sleeping_until.store(target, Ordering::SeqCst);
+            let now = self.nanos(Instant::now());
+            if now < target {
+                if self.next.load(Ordering::SeqCst) >= target {
+                    std::thread::park_timeout(Duration::from_nanos(target - now));
+                }
+                // Woken early (an earlier deadline, stop) or on time: look again.
                 continue;
             }
-            idle += 1;
-            if idle < IDLE_TICKS {
-                continue;
+            target = NONE;
+            if self.running.load(Ordering::SeqCst) > 0 {
+                engine.increment_epoch();
+                self.advanced.fetch_add(1, Ordering::Relaxed);
             }
-            self.parked.store(true, Ordering::SeqCst);
-            if !self.called.load(Ordering::SeqCst)
-                && self.running.load(Ordering::SeqCst) == 0
-                && !self.stop.load(Ordering::SeqCst)
-            {
-                // A spurious wake-up only costs one more idle period.
-                std::thread::park();
-            }
-            self.parked.store(false, Ordering::SeqCst);
-            idle = 0;
         }
     }
 }
@@ -178,36 +210,29 @@ impl PolicyEngine {
         engine.precompile_compatibility_hash().hash(&mut hasher);
         let compat_key = format!("{:016x}", hasher.finish());
 
-        let clock = Arc::new(EpochClock {
-            tick: cfg.tick,
-            called: AtomicBool::new(false),
-            running: AtomicUsize::new(0),
-            parked: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            thread: OnceLock::new(),
-        });
-        let ticker = {
+        let watchdog = Arc::new(Watchdog::new(cfg.recheck));
+        let thread = {
             let engine = engine.clone();
-            let clock = Arc::clone(&clock);
+            let watchdog = Arc::clone(&watchdog);
             std::thread::Builder::new()
-                .name("policy-epoch".into())
-                .spawn(move || clock.run(&engine))
-                .map_err(|e| PolicyError::Engine(format!("epoch ticker: {e}")))?
+                .name("policy-watchdog".into())
+                .spawn(move || watchdog.run(&engine))
+                .map_err(|e| PolicyError::Engine(format!("policy watchdog: {e}")))?
         };
-        let _ = clock.thread.set(ticker.thread().clone());
+        let _ = watchdog.thread.set(thread.thread().clone());
         Ok(PolicyEngine {
             engine,
             compat_key,
-            clock,
-            ticker: Some(ticker),
+            watchdog,
+            thread: Some(thread),
         })
     }
 }
 
 impl Drop for PolicyEngine {
     fn drop(&mut self) {
-        self.clock.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.ticker.take() {
+        self.watchdog.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
             t.thread().unpark();
             let _ = t.join();
         }
@@ -217,32 +242,58 @@ impl Drop for PolicyEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
-    fn parked_within(clock: &EpochClock, limit: Duration) -> bool {
+    fn parked_within(w: &Watchdog, limit: Duration) -> bool {
         let until = Instant::now() + limit;
         while Instant::now() < until {
-            if clock.parked.load(Ordering::SeqCst) {
+            if w.sleeping_until.load(Ordering::SeqCst) == NONE {
                 return true;
             }
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(2));
         }
         false
     }
 
     #[test]
-    fn the_ticker_parks_when_idle_and_calls_wake_it() {
+    fn the_watchdog_parks_without_calls_and_wakes_once_per_deadline_under_load() {
         let dir = tempfile::tempdir().unwrap();
         let e = PolicyEngine::new(&HostConfig::new(dir.path())).unwrap();
-        assert!(parked_within(&e.clock, Duration::from_secs(5)));
-        e.clock.wake();
-        assert!(!e.clock.parked.load(Ordering::SeqCst));
-        // Calls keep it awake; it parks again once they stop.
-        for _ in 0..20 {
-            e.clock.wake();
-            std::thread::sleep(Duration::from_millis(10));
-            assert!(!e.clock.parked.load(Ordering::SeqCst));
+        let w = &e.watchdog;
+        assert!(parked_within(w, Duration::from_secs(5)));
+        // 200 ms of back-to-back short calls with a 20 ms deadline: the epoch
+        // advances every few ms (deadline or recheck), never per call.
+        let start = Instant::now();
+        let mut calls = 0;
+        while start.elapsed() < Duration::from_millis(200) {
+            let _call = w.enter(Instant::now() + Duration::from_millis(20));
+            std::thread::sleep(Duration::from_micros(50));
+            calls += 1;
         }
-        assert!(parked_within(&e.clock, Duration::from_secs(5)));
+        let advanced = w.advanced.load(Ordering::Relaxed);
+        assert!(calls > 100, "{calls}");
+        assert!(
+            advanced <= 50,
+            "{advanced} epoch advances for {calls} calls"
+        );
+        assert!(parked_within(w, Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn a_call_past_its_deadline_gets_the_epoch_advanced_near_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = PolicyEngine::new(&HostConfig::new(dir.path())).unwrap();
+        let w = &e.watchdog;
+        assert!(parked_within(w, Duration::from_secs(5)));
+        let start = Instant::now();
+        let _call = w.enter(start + Duration::from_millis(30));
+        while w.advanced.load(Ordering::Relaxed) == 0 {
+            assert!(start.elapsed() < Duration::from_secs(5), "never advanced");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        // While it keeps running, the watchdog keeps checking it.
+        let first = w.advanced.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(w.advanced.load(Ordering::Relaxed) > first);
     }
 }

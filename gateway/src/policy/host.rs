@@ -221,7 +221,7 @@ impl PolicyHost {
             &component,
             info.clone(),
             Arc::new(Counters::default()),
-            Arc::clone(&self.engine.clock),
+            Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )?;
         synthetic_call(&probe)?;
@@ -236,7 +236,7 @@ impl PolicyHost {
             &component,
             info,
             self.counters_for(name),
-            Arc::clone(&self.engine.clock),
+            Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )?;
         let old_sha = previous.map(|p| p.info.sha256.clone());
@@ -554,7 +554,7 @@ impl PolicyHost {
             &component,
             info,
             self.counters_for(&meta.name),
-            Arc::clone(&self.engine.clock),
+            Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )
     }
@@ -681,16 +681,13 @@ fn route_on(
     let start = Instant::now();
     let args = Packed::router(facts, backends);
     let res = p
-        .call(
-            Budget::of(&p.info.limits, p.clock.tick, 1),
-            |store, b| match b {
-                Bound::Router(r) => {
-                    r.mlxgate_policy_router()
-                        .call_route(store, &args.facts, &args.items)
-                }
-                _ => wasmtime::bail!("not a router"),
-            },
-        )
+        .call(Budget::of(&p.info.limits, 1), |store, b| match b {
+            Bound::Router(r) => {
+                r.mlxgate_policy_router()
+                    .call_route(store, &args.facts, &args.items)
+            }
+            _ => wasmtime::bail!("not a router"),
+        })
         .and_then(|d| check_route(d, p.info.limits.max_output_bytes));
     p.counters
         .record(start.elapsed(), res.as_ref().err().map(|f| f.0));
@@ -757,16 +754,13 @@ fn select_on(
     let start = Instant::now();
     let args = Packed::selector(facts, adapters);
     let res = p
-        .call(
-            Budget::of(&p.info.limits, p.clock.tick, 1),
-            |store, b| match b {
-                Bound::Adapter(a) => {
-                    a.mlxgate_policy_adapter_selector()
-                        .call_select(store, &args.facts, &args.items)
-                }
-                _ => wasmtime::bail!("not an adapter selector"),
-            },
-        )
+        .call(Budget::of(&p.info.limits, 1), |store, b| match b {
+            Bound::Adapter(a) => {
+                a.mlxgate_policy_adapter_selector()
+                    .call_select(store, &args.facts, &args.items)
+            }
+            _ => wasmtime::bail!("not an adapter selector"),
+        })
         .and_then(|ids| {
             let Some(ids) = ids else { return Ok(None) };
             if ids.len() > MAX_ADAPTERS {
@@ -799,15 +793,12 @@ fn transform_on(p: &LoadedPolicy, records: &[String]) -> Result<Vec<RecordOutcom
     let max = p.info.limits.max_output_bytes;
     let units = records.len() as u64;
     let res = p
-        .call(
-            Budget::of(&p.info.limits, p.clock.tick, units),
-            |store, b| match b {
-                Bound::Dataset(d) => d
-                    .mlxgate_policy_dataset_transform()
-                    .call_transform(store, records),
-                _ => wasmtime::bail!("not a dataset transform"),
-            },
-        )
+        .call(Budget::of(&p.info.limits, units), |store, b| match b {
+            Bound::Dataset(d) => d
+                .mlxgate_policy_dataset_transform()
+                .call_transform(store, records),
+            _ => wasmtime::bail!("not a dataset transform"),
+        })
         .and_then(|outs| {
             if outs.len() != records.len() {
                 return Err(bad_output(format!(

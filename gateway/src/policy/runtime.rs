@@ -8,26 +8,30 @@
 //! memory grew past half the cap.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use wasmtime::component::{Component, InstancePre, Linker};
 use wasmtime::{
     Engine, PoolConcurrencyLimitError, ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder,
-    Trap,
+    Trap, UpdateDeadline,
 };
 
 use super::bindings::{adapter, dataset, router};
-use super::engine::EpochClock;
+use super::engine::Watchdog;
 use super::error::{FailureKind, PolicyError};
 use super::metrics::Counters;
 use super::types::{Limits, PolicyInfo, PolicyKind};
 
-/// Wall-clock budget for a fresh instance's `init`, in epoch ticks.
-const INIT_TICKS: u64 = 1_000;
+/// Wall-clock budget for a fresh instance's `init`.
+const INIT_DEADLINE: Duration = Duration::from_secs(1);
 
-/// Store data: only the resource limiter. Guests get no capabilities.
+/// Store data: the resource limiter and the running call's deadline. Guests
+/// get no capabilities.
 pub(crate) struct HostState {
     limiter: CapLimiter,
+    /// When the call now running must stop; checked each time the
+    /// [`Watchdog`] advances the epoch.
+    deadline: Instant,
 }
 
 /// `StoreLimits` (memory cap, trap on grow failure) plus a note that the cap
@@ -111,22 +115,18 @@ struct Warm {
 /// CPU budget of one call.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Budget {
-    pub(crate) ticks: u64,
+    pub(crate) time: Duration,
     pub(crate) fuel: u64,
 }
 
 impl Budget {
     /// `units` deadlines/fuel budgets of `limits` (1 for request-time calls,
     /// the record count for dataset batches).
-    pub(crate) fn of(limits: &Limits, tick: Duration, units: u64) -> Budget {
-        let tick_ms = u64::try_from(tick.as_millis()).unwrap_or(1).max(1);
-        let per = u64::from(limits.deadline_ms).div_ceil(tick_ms);
+    pub(crate) fn of(limits: &Limits, units: u64) -> Budget {
+        let units = units.max(1);
         Budget {
-            // +1: the first tick may come at once.
-            ticks: per.saturating_mul(units.max(1)).saturating_add(1),
-            fuel: limits
-                .fuel
-                .map_or(u64::MAX, |f| f.saturating_mul(units.max(1))),
+            time: Duration::from_millis(u64::from(limits.deadline_ms).saturating_mul(units)),
+            fuel: limits.fuel.map_or(u64::MAX, |f| f.saturating_mul(units)),
         }
     }
 }
@@ -138,7 +138,7 @@ pub(crate) type Failure = (FailureKind, String);
 pub(crate) struct LoadedPolicy {
     pub(crate) info: PolicyInfo,
     pub(crate) counters: Arc<Counters>,
-    pub(crate) clock: Arc<EpochClock>,
+    pub(crate) watchdog: Arc<Watchdog>,
     engine: Engine,
     pre: Pre,
     pool: Mutex<Vec<Warm>>,
@@ -154,7 +154,7 @@ impl LoadedPolicy {
         component: &Component,
         info: PolicyInfo,
         counters: Arc<Counters>,
-        clock: Arc<EpochClock>,
+        watchdog: Arc<Watchdog>,
         max_calls_per_instance: u64,
     ) -> Result<Self, PolicyError> {
         let instance_pre: InstancePre<HostState> = linker
@@ -175,7 +175,7 @@ impl LoadedPolicy {
         Ok(LoadedPolicy {
             info,
             counters,
-            clock,
+            watchdog,
             engine: engine.clone(),
             pre,
             pool: Mutex::new(Vec::new()),
@@ -190,12 +190,14 @@ impl LoadedPolicy {
         budget: Budget,
         f: impl FnOnce(&mut Store<HostState>, &Bound) -> wasmtime::Result<R>,
     ) -> Result<R, Failure> {
-        let _running = self.clock.enter();
         let mut warm = match self.checkout() {
             Some(w) => w,
             None => self.fresh()?,
         };
-        warm.store.set_epoch_deadline(budget.ticks);
+        let deadline = far_off(budget.time);
+        let _running = self.watchdog.enter(deadline);
+        warm.store.data_mut().deadline = deadline;
+        warm.store.set_epoch_deadline(1);
         warm.store
             .set_fuel(budget.fuel)
             .map_err(|e| (FailureKind::Trap, format!("{e:#}")))?;
@@ -255,10 +257,19 @@ impl LoadedPolicy {
                 hit: false,
                 peak: 0,
             },
+            deadline: far_off(INIT_DEADLINE),
         };
+        let _running = self.watchdog.enter(state.deadline);
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
-        store.set_epoch_deadline(INIT_TICKS);
+        store.epoch_deadline_callback(|cx| {
+            Ok(if Instant::now() >= cx.data().deadline {
+                UpdateDeadline::Interrupt
+            } else {
+                UpdateDeadline::Continue(1)
+            })
+        });
+        store.set_epoch_deadline(1);
         store
             .set_fuel(u64::MAX)
             .map_err(|e| (FailureKind::Trap, format!("{e:#}")))?;
@@ -289,6 +300,13 @@ impl LoadedPolicy {
             Err(e) => Err(classify(&store, &e)),
         }
     }
+}
+
+/// `budget` from now (a year when that overflows an `Instant`).
+fn far_off(budget: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(budget)
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 86_400))
 }
 
 /// Maps a wasmtime error to a failure kind; memory-cap hits win because the

@@ -109,7 +109,8 @@ impl std::str::FromStr for OnError {
 /// (a batch gets n times the budget) and `max_output_bytes` per record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
-    /// Wall-clock deadline, enforced by epoch interruption (1 ms ticks).
+    /// Wall-clock deadline, enforced by epoch interruption (the watchdog
+    /// advances the epoch when a deadline comes).
     pub deadline_ms: u32,
     /// Instruction budget (fuel); `None`: not metered beyond the deadline.
     pub fuel: Option<u64>,
