@@ -252,35 +252,56 @@ inline bool avx512_supported() {
 /// bound by them as much as by memory: Qwen2.5 decode +7% in 8 alternating
 /// pairs of runs). Other layouts gained nothing from AVX-512 (table lookups
 /// for 4/5-bit codes were tried), so they stay on AVX2.
-template <class L>
+template <class L, int kChunksPerGroup>
 AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
-  const int64_t chunks = p.k / 32;
-  const int64_t chunks_per_group = p.group_size / 32;
-  const bool power_of_two = (chunks_per_group & (chunks_per_group - 1)) == 0;
-  const int shift = __builtin_ctzll(static_cast<uint64_t>(chunks_per_group));
+  const int64_t groups = p.k / p.group_size;
+  // A compile-time 1 for groups of 32 (Q5_0/Q8_0), so the loop over a
+  // group's chunks disappears; no division by the group size anywhere.
+  const int64_t chunks_per_group = kChunksPerGroup > 0 ? kChunksPerGroup : p.group_size / 32;
+  // Sixteen of a row's scales at a time as f32 on the stack, so each group
+  // takes its scale as a broadcast memory operand of the FMA: one f16
+  // conversion per 16 groups instead of an insert, a conversion and a
+  // broadcast per group.
+  alignas(64) float block[16];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * p.k;
-    const RowGroups<L> groups(p, n);
+    const RowGroups<L> row(p, n);
     _mm_prefetch(reinterpret_cast<const char*>(w + p.k), _MM_HINT_T0);
     // Two sums, alternating chunk by chunk (swapped: register renames), so
     // consecutive chunks' FMAs overlap.
     __m512 acc = _mm512_setzero_ps();
     __m512 other = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g = power_of_two ? c >> shift : c / chunks_per_group;
-      const __m512 scale = _mm512_broadcastss_ps(
-          _mm256_castps256_ps128(RowGroups<L>::value(groups.scales, g)));
-      const uint8_t* codes = w + c * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(codes + 128), _MM_HINT_T0);
-      const __m512 q0 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-      const __m512 q1 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-      const float* x = p.x + c * 32;
-      const __m512 sum =
-          _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
-      acc = _mm512_fmadd_ps(sum, scale, acc);
-      std::swap(acc, other);
+    const uint8_t* codes = w;
+    const float* x = p.x;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      const float* scales;
+      if constexpr (L::kF16) {
+        const auto* halves = static_cast<const uint16_t*>(row.scales) + g0;
+        if (count == 16) {
+          _mm512_store_ps(block, _mm512_cvtph_ps(
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
+        } else {
+          for (int64_t j = 0; j < count; ++j) block[j] = _cvtsh_ss(halves[j]);
+        }
+        scales = block;
+      } else {
+        scales = static_cast<const float*>(row.scales) + g0;
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        const __m512 scale = _mm512_set1_ps(scales[j]);
+        for (int64_t i = 0; i < chunks_per_group; ++i, codes += 32, x += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(codes + 128), _MM_HINT_T0);
+          const __m512 q0 = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+          const __m512 q1 = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+          const __m512 sum = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16),
+                                             _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
+          acc = _mm512_fmadd_ps(sum, scale, acc);
+          std::swap(acc, other);
+        }
+      }
     }
     p.y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc, other));
   }
@@ -388,7 +409,8 @@ template <class L>
 void rows_for(const Product& p, int64_t n0, int64_t n1) {
   if constexpr (L::kSigned) {
     if (p.m == 1 && avx512_supported()) {
-      return signed_rows_wide<L>(p, n0, n1);
+      return p.group_size == 32 ? signed_rows_wide<L, 1>(p, n0, n1)
+                                : signed_rows_wide<L, 0>(p, n0, n1);
     }
   }
   switch (p.m) {

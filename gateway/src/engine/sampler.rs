@@ -15,7 +15,9 @@ use super::api::SamplingParams;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
     pub token: u32,
-    pub logprob: f32,
+    /// Only when logprobs were asked for: the normaliser is an `exp` over the
+    /// whole vocabulary, a few percent of a small model's decode step.
+    pub logprob: Option<f32>,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -42,27 +44,30 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from `logits` (modified in place), reporting the
-    /// `top_logprobs` most likely alternatives.
-    pub fn sample(&mut self, logits: &mut [f32], top_logprobs: usize) -> Choice {
+    /// Picks the next token from `logits` (modified in place). With
+    /// `logprobs = Some(n)` it also reports the token's log-probability and
+    /// the `n` most likely alternatives.
+    pub fn sample(&mut self, logits: &mut [f32], logprobs: Option<usize>) -> Choice {
         self.apply_penalties(logits);
-        let log_z = log_sum_exp(logits);
         let token = if self.params.temperature <= 0.0 {
             argmax(logits)
         } else {
             self.draw(logits)
         };
-        let top = if top_logprobs > 0 {
-            top_k_indices(logits, top_logprobs)
-                .into_iter()
-                .map(|i| (i as u32, logits[i] - log_z))
-                .collect()
-        } else {
-            Vec::new()
+        let (logprob, top) = match logprobs {
+            None => (None, Vec::new()),
+            Some(n) => {
+                let log_z = log_sum_exp(logits);
+                let top = top_k_indices(logits, n)
+                    .into_iter()
+                    .map(|i| (i as u32, logits[i] - log_z))
+                    .collect();
+                (Some(logits[token] - log_z), top)
+            }
         };
         let choice = Choice {
             token: token as u32,
-            logprob: logits[token] - log_z,
+            logprob,
             top,
         };
         *self.generated.entry(choice.token).or_default() += 1;
@@ -189,14 +194,17 @@ mod tests {
     fn greedy_takes_the_argmax_and_reports_normalised_logprobs() {
         let mut sampler = Sampler::new(params(0.0), &[]);
         let mut logits = vec![0.0, 3.0, 1.0, 2.0];
-        let choice = sampler.sample(&mut logits, 2);
+        let choice = sampler.sample(&mut logits, Some(2));
         assert_eq!(choice.token, 1);
+        let logprob = choice.logprob.expect("logprobs were asked for");
         assert_eq!(choice.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3]);
         let total: f32 = [0.0f32, 3.0, 1.0, 2.0]
             .iter()
-            .map(|l| (l - 3.0 + choice.logprob).exp())
+            .map(|l| (l - 3.0 + logprob).exp())
             .sum();
         assert!((total - 1.0).abs() < 1e-5, "probabilities sum to {total}");
+        let plain = Sampler::new(params(0.0), &[]).sample(&mut [0.0, 3.0, 1.0], None);
+        assert_eq!((plain.token, plain.logprob, plain.top.len()), (1, None, 0));
     }
 
     #[test]
@@ -210,7 +218,7 @@ mod tests {
                 &[],
             );
             (0..64)
-                .map(|_| sampler.sample(&mut [1.0; 50], 0).token)
+                .map(|_| sampler.sample(&mut [1.0; 50], None).token)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(7), draw(7));
@@ -226,7 +234,7 @@ mod tests {
             },
             &[],
         );
-        assert_eq!(biased.sample(&mut [0.0, 5.0, 1.0], 0).token, 0);
+        assert_eq!(biased.sample(&mut [0.0, 5.0, 1.0], None).token, 0);
         let mut top1 = Sampler::new(
             SamplingParams {
                 top_k: 1,
@@ -235,7 +243,7 @@ mod tests {
             &[],
         );
         for _ in 0..20 {
-            assert_eq!(top1.sample(&mut [0.0, 5.0, 4.9], 0).token, 1);
+            assert_eq!(top1.sample(&mut [0.0, 5.0, 4.9], None).token, 1);
         }
     }
 
@@ -248,9 +256,9 @@ mod tests {
             },
             &[],
         );
-        assert_eq!(sampler.sample(&mut [1.0, 0.5], 0).token, 0);
+        assert_eq!(sampler.sample(&mut [1.0, 0.5], None).token, 0);
         // Token 0 was generated once: 1.0 - 2.0 < 0.5.
-        assert_eq!(sampler.sample(&mut [1.0, 0.5], 0).token, 1);
+        assert_eq!(sampler.sample(&mut [1.0, 0.5], None).token, 1);
         let mut repetition = Sampler::new(
             SamplingParams {
                 repetition_penalty: 4.0,
@@ -258,6 +266,6 @@ mod tests {
             },
             &[0],
         );
-        assert_eq!(repetition.sample(&mut [1.0, 0.5], 0).token, 1);
+        assert_eq!(repetition.sample(&mut [1.0, 0.5], None).token, 1);
     }
 }

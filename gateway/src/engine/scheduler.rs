@@ -408,7 +408,7 @@ impl Scheduler {
     /// One token for every running sequence, as one batch.
     fn decode_step(&mut self, running: &mut Vec<Sequence>) -> Result<(), mlx_rs::error::Exception> {
         let tokens: Vec<u32> = running.iter().map(|seq| seq.last_token).collect();
-        let all = {
+        let mut all = {
             let (stacks, mut caches): (Vec<&AdapterStack>, Vec<&mut KvCache>) = running
                 .iter_mut()
                 .map(|seq| (&seq.adapters, &mut seq.cache))
@@ -420,8 +420,7 @@ impl Scheduler {
         let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {
             seq.history.push(seq.last_token);
-            let mut row = all[index * vocab..(index + 1) * vocab].to_vec();
-            if self.accept(&mut seq, &mut row) {
+            if self.accept(&mut seq, &mut all[index * vocab..(index + 1) * vocab]) {
                 keep.push(seq);
             } else {
                 finished.push(seq);
@@ -438,7 +437,7 @@ impl Scheduler {
 
     /// Samples from `logits`, emits what is safe to show; false when finished.
     fn accept(&self, seq: &mut Sequence, logits: &mut [f32]) -> bool {
-        let choice = seq.sampler.sample(logits, seq.logprobs.unwrap_or(0));
+        let choice = seq.sampler.sample(logits, seq.logprobs);
         seq.generated += 1;
         seq.last_token = choice.token;
         let context_full = seq.prompt_len + seq.generated >= self.model.config.context_length;
@@ -502,7 +501,7 @@ impl Scheduler {
         TokenOutput {
             id: choice.token,
             text: self.codec.token_text(choice.token),
-            logprob: Some(choice.logprob),
+            logprob: choice.logprob,
             top_logprobs: choice
                 .top
                 .iter()
