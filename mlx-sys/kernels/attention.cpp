@@ -51,17 +51,6 @@ struct Rows {
   }
 };
 
-struct DecodeAttention {
-  float* out;
-  const float* q;
-  int heads, kv_heads, head_dim;
-  const float* keys;
-  const float* values;
-  int64_t head_stride;
-  int64_t positions;
-  float scale;
-};
-
 /// Queries `[queries, heads, head_dim]` attending over keys and values
 /// `[kv_heads, keys, head_dim]`, all read through strides (rows of head_dim
 /// floats contiguous). Query i sits at key index `first_query + i`: it sees
@@ -81,63 +70,6 @@ constexpr int64_t kBlockRows = 16;
 
 #if defined(MLXGATE_X86)
 using mlxgate::horizontal_sum;
-
-AVX2 float dot(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  }
-  float sum = horizontal_sum(acc);
-  for (; i < n; ++i) {
-    sum += a[i] * b[i];
-  }
-  return sum;
-}
-
-/// out += w * v over n floats.
-AVX2 void axpy(float* out, float w, const float* v, int n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(
-        out + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-  }
-  for (; i < n; ++i) {
-    out[i] += w * v[i];
-  }
-}
-
-void attend_head(const void* ctx, int64_t head) {
-  const DecodeAttention& a = *static_cast<const DecodeAttention*>(ctx);
-  const int d = a.head_dim;
-  const int64_t group = a.heads / a.kv_heads;
-  const float* keys = a.keys + (head / group) * a.head_stride;
-  const float* values = a.values + (head / group) * a.head_stride;
-  thread_local std::vector<float> scaled;
-  thread_local std::vector<float> scores;
-  scaled.resize(d);
-  scores.resize(a.positions);
-  for (int i = 0; i < d; ++i) {
-    scaled[i] = a.q[head * d + i] * a.scale;
-  }
-  float max = -std::numeric_limits<float>::infinity();
-  for (int64_t p = 0; p < a.positions; ++p) {
-    scores[p] = dot(scaled.data(), keys + p * d, d);
-    max = std::max(max, scores[p]);
-  }
-  float sum = 0.0f;
-  for (int64_t p = 0; p < a.positions; ++p) {
-    scores[p] = std::exp(scores[p] - max);
-    sum += scores[p];
-  }
-  float* out = a.out + head * d;
-  std::fill(out, out + d, 0.0f);
-  const float inverse = 1.0f / sum;
-  for (int64_t p = 0; p < a.positions; ++p) {
-    axpy(out, scores[p] * inverse, values + p * d, d);
-  }
-}
 
 /// e^x for x <= 0 (scores minus their maximum), 8 at a time: x = n ln 2 + r
 /// with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (relative error about
@@ -200,6 +132,19 @@ AVX2 inline void weighted_rows(const float* weights, const float* v, int64_t row
   for (int t = 0; t < N; ++t) {
     _mm256_storeu_ps(out + 8 * t, _mm256_mul_ps(acc[t], inv));
   }
+}
+
+AVX2 float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
 }
 
 /// One query row of one head.
@@ -267,6 +212,11 @@ AVX2 void attend_row(const CausalAttention& a, int head, int64_t row) {
   }
 }
 
+/// Chunk c: head c of a single query row (a decode step).
+void attend_head(const void* ctx, int64_t head) {
+  attend_row(*static_cast<const CausalAttention*>(ctx), static_cast<int>(head), 0);
+}
+
 /// Chunk c: one head, one block of query rows; the last (longest) blocks
 /// first, so the pool's dynamic claiming evens out the causal triangle.
 void attend_block(const void* ctx, int64_t chunk) {
@@ -296,12 +246,17 @@ extern "C" int mlxgate_decode_attention(
     float scale) {
 #if defined(MLXGATE_X86)
   if (!mlxgate::cpu_supported() || heads <= 0 || kv_heads <= 0 ||
-      heads % kv_heads != 0 || head_dim <= 0 || positions <= 0 ||
+      heads % kv_heads != 0 || head_dim <= 0 || head_dim % 8 != 0 || positions <= 0 ||
       head_stride < positions * head_dim) {
     return 1;
   }
-  const DecodeAttention attention{out, q, heads, kv_heads, head_dim, keys,
-                                  values, head_stride, positions, scale};
+  // The last position's query over every cached key: prefill's row kernel
+  // (four keys per pass, vectorized exp, sums kept in registers).
+  const Rows keys_rows{keys, head_stride, head_dim};
+  const Rows values_rows{values, head_stride, head_dim};
+  const CausalAttention attention{out, Rows{q, head_dim, heads * int64_t{head_dim}},
+                                  keys_rows, values_rows, heads, kv_heads, head_dim,
+                                  1, positions, positions - 1, 0, scale};
   mlxgate::Pool::instance().run(attend_head, &attention, heads);
   return 0;
 #else

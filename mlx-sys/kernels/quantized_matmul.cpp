@@ -247,6 +247,20 @@ inline bool avx512_supported() {
   return ok;
 }
 
+/// `acc + scale * sum(codes[i] * x[i])` over one chunk of 32 signed 8-bit
+/// codes; the scale is a broadcast memory operand of the last FMA.
+AVX512 inline __m512 signed_chunk_wide(const uint8_t* codes, const float* x, const float& scale,
+                                       __m512 acc) {
+  _mm_prefetch(reinterpret_cast<const char*>(codes + 128), _MM_HINT_T0);
+  const __m512 q0 = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  const __m512 q1 = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+  const __m512 sum =
+      _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
+  return _mm512_fmadd_ps(sum, _mm512_set1_ps(scale), acc);
+}
+
 /// Batch-1 rows of a signed 8-bit matrix with AVX-512: `small_batch_rows`'
 /// signed path 16 weights per instruction, half the instructions (decode is
 /// bound by them as much as by memory: Qwen2.5 decode +7% in 8 alternating
@@ -288,18 +302,26 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
       } else {
         scales = static_cast<const float*>(row.scales) + g0;
       }
-      for (int64_t j = 0; j < count; ++j) {
-        const __m512 scale = _mm512_set1_ps(scales[j]);
-        for (int64_t i = 0; i < chunks_per_group; ++i, codes += 32, x += 32) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes + 128), _MM_HINT_T0);
-          const __m512 q0 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-          const __m512 q1 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-          const __m512 sum = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16),
-                                             _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
-          acc = _mm512_fmadd_ps(sum, scale, acc);
+      if constexpr (kChunksPerGroup == 1) {
+        // Even and odd groups into their own sums, unrolled by hand: no
+        // register moves for a swap in the loop.
+        int64_t j = 0;
+        for (; j + 2 <= count; j += 2, codes += 64, x += 64) {
+          acc = signed_chunk_wide(codes, x, scales[j], acc);
+          other = signed_chunk_wide(codes + 32, x + 32, scales[j + 1], other);
+        }
+        if (j < count) {
+          acc = signed_chunk_wide(codes, x, scales[j], acc);
           std::swap(acc, other);
+          codes += 32;
+          x += 32;
+        }
+      } else {
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t i = 0; i < chunks_per_group; ++i, codes += 32, x += 32) {
+            acc = signed_chunk_wide(codes, x, scales[j], acc);
+            std::swap(acc, other);
+          }
         }
       }
     }

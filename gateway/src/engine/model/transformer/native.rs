@@ -242,8 +242,12 @@ struct Scratch {
 }
 
 impl NativeDecoder {
-    /// `None` when some matrix is not in a layout the kernels read.
+    /// `None` when some matrix is not in a layout the kernels read, or the
+    /// heads are not a multiple of 8 floats wide (the attention kernel's unit).
     pub(super) fn new(model: &Transformer) -> MlxResult<Option<NativeDecoder>> {
+        if model.config.head_dim % 8 != 0 {
+            return Ok(None);
+        }
         // Tied to the output head, the table is a matrix like any other;
         // else it only serves one row per token, read in place.
         let lookup_only = model.lm_head.is_some();
