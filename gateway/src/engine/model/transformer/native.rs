@@ -245,7 +245,7 @@ impl NativeDecoder {
     /// `None` when some matrix is not in a layout the kernels read, or the
     /// heads are not a multiple of 8 floats wide (the attention kernel's unit).
     pub(super) fn new(model: &Transformer) -> MlxResult<Option<NativeDecoder>> {
-        if model.config.head_dim % 8 != 0 {
+        if !model.config.head_dim.is_multiple_of(8) {
             return Ok(None);
         }
         // Tied to the output head, the table is a matrix like any other;
