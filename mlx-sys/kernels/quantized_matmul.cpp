@@ -281,8 +281,8 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
     const uint8_t* w = p.w + n * p.k;
     const RowGroups<L> row(p, n);
     _mm_prefetch(reinterpret_cast<const char*>(w + p.k), _MM_HINT_T0);
-    // Two sums, alternating chunk by chunk (swapped: register renames), so
-    // consecutive chunks' FMAs overlap.
+    // Two sums, alternating chunk by chunk, so consecutive chunks' FMAs
+    // overlap.
     __m512 acc = _mm512_setzero_ps();
     __m512 other = _mm512_setzero_ps();
     const uint8_t* codes = w;
@@ -310,11 +310,8 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
           acc = signed_chunk_wide(codes, x, scales[j], acc);
           other = signed_chunk_wide(codes + 32, x + 32, scales[j + 1], other);
         }
-        if (j < count) {
+        if (j < count) {  // only a row's last block of groups can be odd
           acc = signed_chunk_wide(codes, x, scales[j], acc);
-          std::swap(acc, other);
-          codes += 32;
-          x += 32;
         }
       } else {
         for (int64_t j = 0; j < count; ++j) {

@@ -178,12 +178,18 @@ pub fn quantized_matmul(
     })
 }
 
+/// Whether the native attention kernels (prefill and decode) take heads this
+/// wide: they work 8 floats at a time.
+pub fn attention_takes_head_dim(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(8)
+}
+
 /// Whether this thread should run prefill attention natively (float32
-/// queries, head_dim a multiple of 8).
+/// queries, a head width the kernel takes).
 pub fn causal_attention_is_native(q: &Array, head_dim: usize) -> bool {
     thread_choice() == KernelChoice::Native
         && q.dtype() == Dtype::Float32
-        && head_dim.is_multiple_of(8)
+        && attention_takes_head_dim(head_dim)
 }
 
 /// Causal attention of `q` `[1, heads, queries, head_dim]` over `k`/`v`
@@ -608,6 +614,7 @@ pub struct AttentionShape {
 
 /// One query position over `positions` cached positions, every query head:
 /// `out[h] = softmax(scale * q[h] . K[g]^T) V[g]`, `g = h / (heads / kv_heads)`.
+/// Panics unless [`attention_takes_head_dim`].
 ///
 /// # Safety
 /// `keys` and `values` must be valid for reads of kv head g's positions

@@ -17,7 +17,7 @@ use super::{Attention, Block, Mlp, Transformer};
 use crate::engine::model::config::{Family, ModelConfig};
 use crate::engine::model::kv_cache::KvCache;
 use crate::engine::model::weights::{Linear, MlxResult};
-use crate::mlx::kernels::PackedMatrix;
+use crate::mlx::kernels::{self, PackedMatrix};
 
 /// A projection with its optional bias, as plain buffers.
 struct Projection {
@@ -243,9 +243,9 @@ struct Scratch {
 
 impl NativeDecoder {
     /// `None` when some matrix is not in a layout the kernels read, or the
-    /// heads are not a multiple of 8 floats wide (the attention kernel's unit).
+    /// attention kernel does not take the model's head width.
     pub(super) fn new(model: &Transformer) -> MlxResult<Option<NativeDecoder>> {
-        if !model.config.head_dim.is_multiple_of(8) {
+        if !kernels::attention_takes_head_dim(model.config.head_dim) {
             return Ok(None);
         }
         // Tied to the output head, the table is a matrix like any other;
