@@ -13,6 +13,7 @@ use mlx_rs::transforms::grad;
 use mlx_rs::{Array, Dtype};
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::model::Transformer;
+use mlxgate::engine::model::weights::dequantize_affine;
 use mlxgate::mlx::kernels::{self, KernelChoice, PackedMatrix};
 
 /// The kernels' thread pool is process-wide: tests that resize it run alone.
@@ -243,6 +244,23 @@ fn gradient_flows_to_x_as_through_mlx_kernel() {
     let expected = grad(loss_reference)(&x).expect("reference gradient");
     let error = relative_error(&ours, &expected);
     assert!(error < 1e-4, "gradient wrt x: {error:e}");
+
+    // Groups of 16 (MLX's kernel lacks them: the gradient dequantizes).
+    let q = q6_k_like(48, 64, 23);
+    let (w, s, b) = (q.w.clone(), q.scales.clone(), q.biases.clone());
+    let loss_native = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
+        kernels::quantized_matmul(x, &w, &s, &b, 16, 8)?
+            .square()?
+            .sum(None)
+    };
+    let dense = q.dense.clone();
+    let loss_reference = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
+        matmul(x, dense.t())?.square()?.sum(None)
+    };
+    let ours = grad(loss_native)(&x).expect("native gradient, groups of 16");
+    let expected = grad(loss_reference)(&x).expect("reference gradient");
+    let error = relative_error(&ours, &expected);
+    assert!(error < 1e-4, "gradient wrt x, groups of 16: {error:e}");
 }
 
 #[test]
@@ -300,9 +318,27 @@ fn assert_packed_matches_graph(q: &Quantized, packed: &PackedMatrix, what: &str,
     }
 }
 
-/// An 8-bit matrix from GGML-style symmetric blocks: codes below `levels`,
-/// f16 scales, each bias `-offset * scale` (as Q5_0 and Q8_0 load).
+/// An 8-bit matrix from GGML-style symmetric blocks of 32: codes below
+/// `levels`, f16 scales, each bias `-offset * scale` (as Q5_0 and Q8_0 load).
 fn symmetric(n: usize, k: usize, levels: u32, offset: f32, seed: u64) -> Quantized {
+    symmetric_groups(n, k, 32, levels, offset, seed)
+}
+
+/// Q6_K as it loads for the native kernels: 6-bit codes in 8 bits, a scale
+/// per 16 weights that is an f16 times a signed 8-bit factor (no f16 holds
+/// it), each bias `-32 * scale`.
+fn q6_k_like(n: usize, k: usize, seed: u64) -> Quantized {
+    symmetric_groups(n, k, 16, 64, 32.0, seed)
+}
+
+fn symmetric_groups(
+    n: usize,
+    k: usize,
+    group_size: usize,
+    levels: u32,
+    offset: f32,
+    seed: u64,
+) -> Quantized {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut next = move || {
         state ^= state << 13;
@@ -317,23 +353,63 @@ fn symmetric(n: usize, k: usize, levels: u32, offset: f32, seed: u64) -> Quantiz
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let groups = n * k / 32;
+    let groups = n * k / group_size;
     let scales: Vec<f32> = (0..groups)
-        .map(|_| half::f16::from_f32((next() % 1000) as f32 * 1e-5 + 1e-4).to_f32())
+        .map(|_| {
+            let d = half::f16::from_f32((next() % 1000) as f32 * 1e-5 + 1e-4).to_f32();
+            // Q6_K's per-16 factor, signed; 1 for the f16-scaled blocks of 32.
+            let factor = if group_size == 16 {
+                f32::from((next() % 255) as u8 as i8)
+            } else {
+                1.0
+            };
+            d * factor
+        })
         .collect();
     let biases: Vec<f32> = scales.iter().map(|s| s * -offset).collect();
+    let groups_per_row = (k / group_size) as i32;
     let w = Array::from_slice(&words, &[n as i32, (k / 4) as i32]);
-    let scales = Array::from_slice(&scales, &[n as i32, (k / 32) as i32]);
-    let biases = Array::from_slice(&biases, &[n as i32, (k / 32) as i32]);
-    let dense = dequantize(&w, &scales, &biases, 32, 8).expect("dequantize");
+    let scales = Array::from_slice(&scales, &[n as i32, groups_per_row]);
+    let biases = Array::from_slice(&biases, &[n as i32, groups_per_row]);
+    let group_size = group_size as i32;
+    let dense = dequantize_affine(&w, &scales, &biases, group_size, 8).expect("dequantize");
     Quantized {
         w,
         scales,
         biases,
         dense,
-        group_size: 32,
+        group_size,
         bits: 8,
     }
+}
+
+/// Q6_K's groups of 16 (which MLX's own kernels lack) on every model shape,
+/// batches 1 to 40 and odd thread counts, against the true weight values.
+#[test]
+fn groups_of_16_match_true_weight_values_on_every_model_shape() {
+    if !require_native() {
+        return;
+    }
+    let _pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut worst = 0f32;
+    for threads in [0, 3] {
+        kernels::set_threads(threads);
+        for (i, &(n, k)) in MODEL_SHAPES.iter().enumerate() {
+            let n = n.min(20_000);
+            let q = q6_k_like(n, k, 300 + i as u64);
+            for m in [1, 2, 4, 5, 9, 40] {
+                let x = random(&[m, k as i32], 9 + m as u64);
+                let error = relative_error(&native(&x, &q), &reference(&x, &q));
+                assert!(
+                    error < 1e-4,
+                    "{threads} threads, [{m}, {k}] x [{n}, {k}], groups of 16: {error:e}"
+                );
+                worst = worst.max(error);
+            }
+        }
+    }
+    kernels::set_threads(0);
+    eprintln!("groups of 16: max relative error vs true weight values {worst:e}");
 }
 
 #[test]
@@ -381,6 +457,13 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     let packed = pack(&q80);
     assert_eq!(packed.bits_per_weight(), 8.5);
     assert_packed_matches_graph(&q80, &packed, "Q8_0-like", false);
+    // Q6_K-like: signed 6-bit codes, an f32 scale per 16 weights, no biases
+    // (10 bits per weight, as MLX's 8-bit groups of 32 with f32 scales and
+    // biases would take).
+    let q6k = q6_k_like(72, 512, 48);
+    let packed = pack(&q6k);
+    assert_eq!(packed.bits_per_weight(), 10.0);
+    assert_packed_matches_graph(&q6k, &packed, "Q6_K-like", false);
 }
 
 /// MLX's own attention of `q` over `k`/`v` with a boolean `[queries, keys]`

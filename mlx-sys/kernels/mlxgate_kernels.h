@@ -33,7 +33,9 @@ int mlxgate_blas_set_threads(int threads);
  * `scales` and `biases` f32 [N, K / group_size]) and an f32 `x` [..., K]:
  * what `mlx_quantized_matmul(..., transpose = true, ...)` computes, with each
  * weight's true value `scale * q + bias` accumulated in f32. bits is 4 or 8,
- * group_size a multiple of 32. Returns 0, or 1 with a message in `error`. */
+ * group_size a multiple of 32, or 16 at 8 bits (Q6_K's scale blocks, which
+ * MLX's own kernels lack); K a multiple of 32. Returns 0, or 1 with a message
+ * in `error`. */
 int mlxgate_quantized_matmul(
     mlx_array* res,
     const mlx_array x,

@@ -49,11 +49,18 @@ struct Product {
   const void* biases;  // likewise, or null: each bias is -bias_offset * scale
   float* y;
   int64_t m, n, k;
-  int group_size, bits;
+  int group_size, bits;  // group_size: a multiple of 32, or 16 at 8 bits
   bool f16;  // scales and biases stored as f16 (exact copies; fewer bytes)
   float bias_offset;
   bool split;  // 4 bits: per 32 weights, byte l holds weights l and l + 16
 };
+
+/// Group sizes the kernels take: multiples of 32, and 16 (Q6_K's scale
+/// blocks) with 8-bit codes. Rows are always whole 32-weight chunks.
+bool takes_groups(int group_size, int bits, int64_t k) {
+  const bool groups = (group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8);
+  return groups && k % group_size == 0 && k % 32 == 0;
+}
 
 #if defined(MLXGATE_X86)
 using mlxgate::horizontal_sum;
@@ -70,6 +77,37 @@ struct Layout {
   /// 8-bit codes of a symmetric matrix are stored signed, `q - offset`, and
   /// each weight is `scale * code` (no bias).
   static constexpr bool kSigned = Bits == 8 && Derived;
+};
+
+/// The groups of chunk `c`'s two halves (16 weights each): the same group
+/// unless groups are 16 weights (Q6_K's sub-blocks).
+struct ChunkGroups {
+  int64_t first, second;
+};
+
+/// Maps chunks to groups, by shift for the usual power-of-two group sizes (a
+/// division per chunk costs as much as the chunk's arithmetic).
+class GroupOfChunk {
+ public:
+  explicit GroupOfChunk(int group_size)
+      : halves_(group_size == 16),
+        chunks_per_group_(std::max(group_size / 32, 1)),
+        power_of_two_((chunks_per_group_ & (chunks_per_group_ - 1)) == 0),
+        shift_(__builtin_ctzll(static_cast<uint64_t>(chunks_per_group_))) {}
+
+  ChunkGroups operator()(int64_t c) const {
+    if (halves_) {
+      return {2 * c, 2 * c + 1};
+    }
+    const int64_t g = power_of_two_ ? c >> shift_ : c / chunks_per_group_;
+    return {g, g};
+  }
+
+ private:
+  bool halves_;
+  int64_t chunks_per_group_;
+  bool power_of_two_;
+  int shift_;
 };
 
 /// One row's scales and biases.
@@ -101,6 +139,17 @@ struct RowGroups {
   AVX2 void at(int64_t g, __m256& scale, __m256& bias) const {
     scale = value(scales, g);
     bias = L::kDerived ? _mm256_mul_ps(scale, neg_offset) : value(biases, g);
+  }
+
+  /// Both halves' scales and biases of a chunk in groups `g`.
+  AVX2 void at(ChunkGroups g, __m256 (&scale)[2], __m256 (&bias)[2]) const {
+    at(g.first, scale[0], bias[0]);
+    if (g.second != g.first) {
+      at(g.second, scale[1], bias[1]);
+    } else {
+      scale[1] = scale[0];
+      bias[1] = bias[0];
+    }
   }
 };
 
@@ -146,7 +195,7 @@ AVX2 inline void load_signed_codes(const uint8_t* p, __m256 q[4]) {
   }
 }
 
-/// Chunk `c` (32 weights, in group `g`) of one row against every input,
+/// Chunk `c` (32 weights, in groups `g`) of one row against every input,
 /// into the four accumulators per input starting at `first`.
 template <class L, int M, int A>
 AVX2 inline void chunk_into(
@@ -154,7 +203,7 @@ AVX2 inline void chunk_into(
     const uint8_t* w,
     const RowGroups<L>& groups,
     int64_t c,
-    int64_t g,
+    ChunkGroups g,
     int first,
     __m256 (&acc)[M][A]) {
   constexpr int64_t kChunkBytes = 32 * L::kBits / 8;
@@ -165,8 +214,22 @@ AVX2 inline void chunk_into(
     // scale * sum(code * x) over the chunk: the weights `scale * code` are
     // exact products, and scaling once per chunk saves a multiply-add per
     // 8 weights (decode is bound by such instructions as much as by memory).
-    const __m256 scale = RowGroups<L>::value(groups.scales, g);
+    const __m256 scale = RowGroups<L>::value(groups.scales, g.first);
     load_signed_codes(codes, q);
+    if (g.second != g.first) {
+      // Groups of 16: each half scaled by its own group's scale.
+      const __m256 second = RowGroups<L>::value(groups.scales, g.second);
+      for (int m = 0; m < M; ++m) {
+        const float* x = p.x + m * p.k + c * 32;
+        const __m256 low =
+            _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(x)));
+        const __m256 high = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24),
+                                            _mm256_mul_ps(q[2], _mm256_loadu_ps(x + 16)));
+        acc[m][first] = _mm256_fmadd_ps(low, scale, acc[m][first]);
+        acc[m][first + 1] = _mm256_fmadd_ps(high, second, acc[m][first + 1]);
+      }
+      return;
+    }
     for (int m = 0; m < M; ++m) {
       const float* x = p.x + m * p.k + c * 32;
       __m256 even = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
@@ -177,11 +240,11 @@ AVX2 inline void chunk_into(
     }
     return;
   }
-  __m256 scale, bias;
+  __m256 scale[2], bias[2];
   groups.at(g, scale, bias);
   load_codes<L::kBits, L::kSplit>(codes, q);
   for (int i = 0; i < 4; ++i) {
-    const __m256 weight = _mm256_fmadd_ps(q[i], scale, bias);
+    const __m256 weight = _mm256_fmadd_ps(q[i], scale[i / 2], bias[i / 2]);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(p.x + m * p.k + c * 32 + 8 * i);
       acc[m][first + i] = _mm256_fmadd_ps(weight, xv, acc[m][first + i]);
@@ -198,14 +261,7 @@ AVX2 void small_batch_rows(const Product& p, int64_t n0, int64_t n1) {
   constexpr int kUnroll = M == 1 ? 2 : 1;  // chunks per step
   const int64_t row_bytes = p.k * L::kBits / 8;
   const int64_t chunks = p.k / 32;
-  const int64_t chunks_per_group = p.group_size / 32;
-  // The group of a chunk, by shift for the usual power-of-two group sizes
-  // (a division per chunk costs as much as the chunk's arithmetic).
-  const bool power_of_two = (chunks_per_group & (chunks_per_group - 1)) == 0;
-  const int shift = __builtin_ctzll(static_cast<uint64_t>(chunks_per_group));
-  auto group_of = [=](int64_t c) {
-    return power_of_two ? c >> shift : c / chunks_per_group;
-  };
+  const GroupOfChunk group_of(p.group_size);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * row_bytes;
     const RowGroups<L> groups(p, n);
@@ -261,17 +317,28 @@ AVX512 inline __m512 signed_chunk_wide(const uint8_t* codes, const float* x, con
   return _mm512_fmadd_ps(sum, _mm512_set1_ps(scale), acc);
 }
 
+/// `acc + scale * codes[i] * x[i]` over 16 signed 8-bit codes (groups of
+/// 16).
+AVX512 inline __m512 signed_half_wide(const uint8_t* codes, const float* x, const float& scale,
+                                      __m512 acc) {
+  _mm_prefetch(reinterpret_cast<const char*>(codes + 128), _MM_HINT_T0);
+  const __m512 q = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  return _mm512_fmadd_ps(_mm512_mul_ps(q, _mm512_loadu_ps(x)), _mm512_set1_ps(scale), acc);
+}
+
 /// Batch-1 rows of a signed 8-bit matrix with AVX-512: `small_batch_rows`'
 /// signed path 16 weights per instruction, half the instructions (decode is
 /// bound by them as much as by memory: Qwen2.5 decode +7% in 8 alternating
 /// pairs of runs). Other layouts gained nothing from AVX-512 (table lookups
 /// for 4/5-bit codes were tried), so they stay on AVX2.
-template <class L, int kChunksPerGroup>
+template <class L, int kGroup>
 AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
   const int64_t groups = p.k / p.group_size;
-  // A compile-time 1 for groups of 32 (Q5_0/Q8_0), so the loop over a
-  // group's chunks disappears; no division by the group size anywhere.
-  const int64_t chunks_per_group = kChunksPerGroup > 0 ? kChunksPerGroup : p.group_size / 32;
+  // kGroup: a compile-time 32 (Q5_0/Q8_0) or 16 (Q6_K), so the loop over a
+  // group's chunks disappears; 0 for other multiples of 32. No division by
+  // the group size anywhere.
+  const int64_t chunks_per_group = kGroup == 0 ? p.group_size / 32 : 1;
   // Sixteen of a row's scales at a time as f32 on the stack, so each group
   // takes its scale as a broadcast memory operand of the FMA: one f16
   // conversion per 16 groups instead of an insert, a conversion and a
@@ -302,7 +369,20 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
       } else {
         scales = static_cast<const float*>(row.scales) + g0;
       }
-      if constexpr (kChunksPerGroup == 1) {
+      if constexpr (kGroup == 16) {
+        // A scale per 16 weights: each product scaled on its own, groups
+        // alternating between the two sums.
+        int64_t j = 0;
+        for (; j + 2 <= count; j += 2, codes += 32, x += 32) {
+          acc = signed_half_wide(codes, x, scales[j], acc);
+          other = signed_half_wide(codes + 16, x + 16, scales[j + 1], other);
+        }
+        if (j < count) {
+          acc = signed_half_wide(codes, x, scales[j], acc);
+          codes += 16;
+          x += 16;
+        }
+      } else if constexpr (kGroup == 32) {
         // Even and odd groups into their own sums, unrolled by hand: no
         // register moves for a swap in the loop.
         int64_t j = 0;
@@ -331,29 +411,28 @@ template <class L>
 AVX2 void dequantize_rows(const Product& p, int64_t n, int rows, float* out) {
   constexpr int BITS = L::kBits;
   const int64_t row_bytes = p.k * BITS / 8;
-  const int64_t groups = p.k / p.group_size;
-  const int64_t chunks_per_group = p.group_size / 32;
+  const int64_t chunks = p.k / 32;
+  const GroupOfChunk group_of(p.group_size);
   for (int r = 0; r < rows; ++r) {
     const uint8_t* w = p.w + (n + r) * row_bytes;
     const RowGroups<L> row_groups(p, n + r);
     float* dst = out + r * p.k;
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 scale, bias;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const ChunkGroups g = group_of(c);
+      __m256 scale[2], bias[2];
       row_groups.at(g, scale, bias);
-      for (int64_t c = 0; c < chunks_per_group; ++c) {
-        const int64_t k = (g * chunks_per_group + c) * 32;
-        __m256 q[4];
-        if constexpr (L::kSigned) {
-          load_signed_codes(w + k, q);
-          for (int i = 0; i < 4; ++i) {
-            _mm256_store_ps(dst + k + 8 * i, _mm256_mul_ps(q[i], scale));
-          }
-          continue;
-        }
-        load_codes<BITS, L::kSplit>(w + k * BITS / 8, q);
+      const int64_t k = c * 32;
+      __m256 q[4];
+      if constexpr (L::kSigned) {
+        load_signed_codes(w + k, q);
         for (int i = 0; i < 4; ++i) {
-          _mm256_store_ps(dst + k + 8 * i, _mm256_fmadd_ps(q[i], scale, bias));
+          _mm256_store_ps(dst + k + 8 * i, _mm256_mul_ps(q[i], scale[i / 2]));
         }
+        continue;
+      }
+      load_codes<BITS, L::kSplit>(w + k * BITS / 8, q);
+      for (int i = 0; i < 4; ++i) {
+        _mm256_store_ps(dst + k + 8 * i, _mm256_fmadd_ps(q[i], scale[i / 2], bias[i / 2]));
       }
     }
   }
@@ -428,8 +507,14 @@ template <class L>
 void rows_for(const Product& p, int64_t n0, int64_t n1) {
   if constexpr (L::kSigned) {
     if (p.m == 1 && avx512_supported()) {
-      return p.group_size == 32 ? signed_rows_wide<L, 1>(p, n0, n1)
-                                : signed_rows_wide<L, 0>(p, n0, n1);
+      switch (p.group_size) {
+        case 16:
+          return signed_rows_wide<L, 16>(p, n0, n1);
+        case 32:
+          return signed_rows_wide<L, 32>(p, n0, n1);
+        default:
+          return signed_rows_wide<L, 0>(p, n0, n1);
+      }
     }
   }
   switch (p.m) {
@@ -636,11 +721,28 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
         throw std::invalid_argument(
             "[mlxgate quantized matmul] the quantized weights have no gradient");
       }
-      grads.push_back(mx::quantized_matmul(
-          cotangents[0], primals[1], primals[2], primals[3],
-          /*transpose=*/false, group_size_, bits_, "affine", stream()));
+      grads.push_back(group_size_ % 32 == 0
+                          ? mx::quantized_matmul(cotangents[0], primals[1], primals[2],
+                                                 primals[3], /*transpose=*/false, group_size_,
+                                                 bits_, "affine", stream())
+                          : mx::matmul(cotangents[0], dequantized(primals), stream()));
     }
     return grads;
+  }
+
+  /// W as floats for group sizes MLX's own kernels lack (16, 8 bits): each
+  /// byte a code, `scale * code + bias` per group.
+  mx::array dequantized(const std::vector<mx::array>& primals) {
+    const mx::Stream s = stream();
+    const mx::array& w = primals[1];
+    const int n = w.shape(0);
+    const int k = w.shape(1) * 32 / bits_;
+    const mx::array codes = mx::astype(
+        mx::reshape(mx::view(w, mx::uint8, s), {n, k / group_size_, group_size_}, s),
+        mx::float32, s);
+    const mx::array scales = mx::expand_dims(primals[2], -1, s);
+    const mx::array biases = mx::expand_dims(primals[3], -1, s);
+    return mx::reshape(mx::add(mx::multiply(codes, scales, s), biases, s), {n, k}, s);
   }
 
   const char* name() const override {
@@ -685,8 +787,9 @@ void check_operands(
   if (bits != 4 && bits != 8) {
     fail("bits must be 4 or 8, got " + std::to_string(bits));
   }
-  if (group_size <= 0 || group_size % 32 != 0) {
-    fail("group size must be a multiple of 32, got " + std::to_string(group_size));
+  if (!((group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8))) {
+    fail("group size must be a multiple of 32 (or 16 at 8 bits), got " +
+         std::to_string(group_size));
   }
   if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 ||
       biases.dtype() != mx::float32) {
@@ -700,7 +803,7 @@ void check_operands(
   }
   const int64_t k = x.shape(-1);
   const int64_t n = w.shape(0);
-  if (static_cast<int64_t>(w.shape(1)) * 32 / bits != k || k % group_size != 0) {
+  if (static_cast<int64_t>(w.shape(1)) * 32 / bits != k || !takes_groups(group_size, bits, k)) {
     fail("x " + shape_text(x) + " does not match w " + shape_text(w) + " at " +
          std::to_string(bits) + " bits, group size " + std::to_string(group_size));
   }
@@ -795,8 +898,8 @@ extern "C" int mlxgate_quantized_matmul_raw_many(
   const int threads = Pool::instance().threads();
   for (int i = 0; i < count; ++i) {
     const mlxgate_quantized_product& q = products[i];
-    if ((q.bits != 4 && q.bits != 8) || q.group_size <= 0 ||
-        q.group_size % 32 != 0 || k % q.group_size != 0 || q.n < 0 || !q.scales) {
+    if ((q.bits != 4 && q.bits != 8) || !takes_groups(q.group_size, q.bits, k) || q.n < 0 ||
+        !q.scales) {
       return 1;
     }
     const Product p{x, static_cast<const uint8_t*>(q.w), q.scales, q.biases,

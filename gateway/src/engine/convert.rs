@@ -18,7 +18,9 @@ use mlx_rs::{Array, Dtype};
 use serde_json::{Value, json};
 
 use super::model::weights::Kernel;
-use super::model::{Family, GgufReader, LoadError, ModelConfig, gguf_config, gguf_weights};
+use super::model::{
+    Family, GgufReader, LayoutTarget, LoadError, ModelConfig, gguf_config, gguf_weights,
+};
 use super::text::TextCodec;
 
 /// Requantization wanted by `--quantize` / `--group-size`.
@@ -66,7 +68,10 @@ pub fn convert_gguf(
         GgufReader::open(input).map_err(|e| LoadError::Io(input.to_owned(), e.to_string()))?;
     let config = gguf_config(&reader)?;
     let codec = TextCodec::for_gguf_file(input, &reader)?;
-    let (tensors, plain) = collect_tensors(gguf_weights(input, &reader)?.into_tensors(), &config)?;
+    let (tensors, plain) = collect_tensors(
+        gguf_weights(input, &reader, LayoutTarget::Mlx)?.into_tensors(),
+        &config,
+    )?;
 
     let mut arrays: BTreeMap<String, Array> = BTreeMap::new();
     for (name, array) in plain {

@@ -135,20 +135,30 @@ impl Drop for BlasThreads {
     }
 }
 
-/// Whether the kernels cover this quantization: 4 or 8 bits, groups of a
-/// multiple of 32, f32 scales (MLX keeps biases in the scales' dtype).
-fn covers(scales: &Array, group_size: i32, bits: i32) -> bool {
+/// Whether the kernels cover this quantization of rows `cols` wide: 4 or 8
+/// bits; groups of a multiple of 32, or of 16 at 8 bits (Q6_K's scale
+/// blocks, which MLX's own kernels lack); rows of whole 32-weight chunks;
+/// f32 scales (MLX keeps biases in the scales' dtype).
+fn covers(scales: &Array, group_size: i32, bits: i32, cols: i32) -> bool {
+    let groups = (group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8);
     (bits == 4 || bits == 8)
-        && group_size > 0
-        && group_size % 32 == 0
+        && groups
+        && cols % group_size == 0
+        && cols % 32 == 0
         && scales.dtype() == Dtype::Float32
+}
+
+/// Whether MLX's own quantized kernels take this group size.
+pub fn mlx_takes_group_size(group_size: i32) -> bool {
+    [32, 64, 128].contains(&group_size)
 }
 
 /// Whether this thread should run `x @ W^T` for a quantized W natively.
 pub fn quantized_matmul_is_native(x: &Array, scales: &Array, group_size: i32, bits: i32) -> bool {
+    let cols = x.shape().last().copied().unwrap_or(0);
     thread_choice() == KernelChoice::Native
         && x.dtype() == Dtype::Float32
-        && covers(scales, group_size, bits)
+        && covers(scales, group_size, bits, cols)
 }
 
 /// `x @ W^T` for an affine-quantized `W` (`transpose = true` in MLX terms),
@@ -406,8 +416,7 @@ fn signed_codes(bytes: &[u8], offset: f32) -> Option<Vec<u8>> {
 
 impl PackedMatrix {
     /// `None` unless the native kernels run here and cover this layout
-    /// (4 or 8 bits, groups of a multiple of 32, f32 scales and biases,
-    /// packed buffers).
+    /// (see `covers`; f32 scales and biases, packed buffers).
     pub fn new(
         weight: &Array,
         scales: &Array,
@@ -441,7 +450,7 @@ impl PackedMatrix {
         compact: bool,
     ) -> Option<PackedMatrix> {
         let supported = native_available()
-            && covers(scales, group_size, bits)
+            && (bits == 4 || bits == 8)
             && weight.dtype() == Dtype::Uint32
             && biases.dtype() == Dtype::Float32
             && weight.ndim() == 2;
@@ -450,6 +459,9 @@ impl PackedMatrix {
         }
         let rows = weight.shape()[0] as usize;
         let cols = weight.shape()[1] as usize * 32 / bits as usize;
+        if !covers(scales, group_size, bits, cols as i32) {
+            return None;
+        }
         let groups = cols / group_size as usize;
         let group_shape = [rows as i32, groups as i32];
         if scales.shape() != group_shape || biases.shape() != group_shape {

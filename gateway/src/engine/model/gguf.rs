@@ -564,27 +564,40 @@ fn decode_q5_k(b: &[u8], out: &mut [f32]) {
 /// byte l (k even) or l + 32 (k odd), low half for k < 2, and bits 2k..2k+2 of
 /// high byte l.
 fn decode_q6_k(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 208);
-    let scales = &b[192..208];
+    let mut codes = [0u8; 256];
+    q6_k_codes(b, &mut codes);
+    for (g, (out, codes)) in out
+        .chunks_exact_mut(16)
+        .zip(codes.chunks_exact(16))
+        .enumerate()
+    {
+        let scale = q6_k_scale(b, g);
+        for (value, &code) in out.iter_mut().zip(codes) {
+            *value = scale * (i32::from(code) - 32) as f32;
+        }
+    }
+}
+
+/// A Q6_K block's 256 six-bit codes (`q`, the value being `scale * (q - 32)`).
+fn q6_k_codes(b: &[u8], codes: &mut [u8]) {
     for half in 0..2 {
         let low = &b[64 * half..64 * half + 64];
         let high = &b[128 + 32 * half..128 + 32 * half + 32];
-        let scales = &scales[8 * half..8 * half + 8];
-        let out = &mut out[128 * half..128 * half + 128];
+        let codes = &mut codes[128 * half..128 * half + 128];
         for l in 0..32 {
             let h = high[l];
-            let codes = [
-                (low[l] & 0xf) | ((h & 3) << 4),
-                (low[l + 32] & 0xf) | (((h >> 2) & 3) << 4),
-                (low[l] >> 4) | (((h >> 4) & 3) << 4),
-                (low[l + 32] >> 4) | (((h >> 6) & 3) << 4),
-            ];
-            for (k, &code) in codes.iter().enumerate() {
-                let scale = f32::from(scales[l / 16 + 2 * k] as i8);
-                out[l + 32 * k] = d * scale * (i32::from(code) - 32) as f32;
-            }
+            codes[l] = (low[l] & 0xf) | ((h & 3) << 4);
+            codes[l + 32] = (low[l + 32] & 0xf) | (((h >> 2) & 3) << 4);
+            codes[l + 64] = (low[l] >> 4) | (((h >> 4) & 3) << 4);
+            codes[l + 96] = (low[l + 32] >> 4) | (((h >> 6) & 3) << 4);
         }
     }
+}
+
+/// The scale of sub-block `g` (16 values) of a Q6_K block: `d * scale_g`,
+/// an exact f32 product (11 by 8 significant bits).
+fn q6_k_scale(b: &[u8], g: usize) -> f32 {
+    f16_at(b, 208) * f32::from(b[192 + g] as i8)
 }
 
 struct Parsed {
@@ -990,23 +1003,47 @@ fn mlx_meta(e: mlx_rs::io::GgufError) -> LoadError {
     LoadError::Mlx(e.to_string())
 }
 
-/// How a quantized GGUF type is stored for MLX: affine `bits` with one scale
-/// and bias per `group_size` values, and whether that is exact.
+/// Whose kernels will multiply converted weights: it decides how Q6_K is
+/// stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutTarget {
+    /// mlxgate's CPU kernels, which also take groups of 16.
+    NativeKernels,
+    /// MLX's own kernels and mlx-lm: groups of 32, 64 or 128.
+    Mlx,
+}
+
+impl LayoutTarget {
+    /// The kernels this process multiplies with: native where they run.
+    pub fn for_this_process() -> LayoutTarget {
+        if crate::mlx::kernels::native_available() {
+            LayoutTarget::NativeKernels
+        } else {
+            LayoutTarget::Mlx
+        }
+    }
+}
+
+/// How a quantized GGUF type is stored in MLX's affine layout: `bits` with
+/// one scale and bias per `group_size` values, and whether that is exact.
 ///
 /// Every GGML type whose scales cover 32 values (Q4_0, Q4_1, Q5_0, Q5_1,
 /// Q8_0, and the 32-value sub-blocks of Q4_K / Q5_K) is an affine code
 /// `scale * q + bias` per 32 values already, so it is carried over exactly:
-/// 4-bit codes into 4 bits, 5- and 8-bit codes into 8 bits (MLX's CPU kernels
+/// 4-bit codes into 4 bits, 5- and 8-bit codes into 8 bits (the kernels
 /// handle 4 and 8 bits; 5 bits would pack tighter). Requantizing the decoded
 /// values with MLX's `quantize` instead was measured on the Gemma 3 and Qwen2.5
 /// files (relative Frobenius error): ~8% at 4 bits / group 32 even for Q4_K
 /// data (MLX shifts its grid to hold zero exactly), ~0.5% at 8 bits. Q6_K has
-/// a scale per 16 values, which MLX's groups of 32 (the smallest it supports)
-/// cannot hold: it is requantized to 8 bits / group 32 (0.5%; 4 bits: 8.5%).
-pub fn mlx_quantization(kind: GgmlType) -> Option<MlxLayout> {
+/// a scale per 16 values: mlxgate's kernels take groups of 16, so for them it
+/// is carried over exactly too (8-bit codes); MLX's groups of 32 (its
+/// smallest) cannot hold it, so for MLX it is requantized to 8 bits / group
+/// 32 (0.5%; 4 bits: 8.5%).
+pub fn mlx_quantization(kind: GgmlType, target: LayoutTarget) -> Option<MlxLayout> {
     let (group_size, bits, exact) = match kind {
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K => (32, 4, true),
         GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K | GgmlType::Q8_0 => (32, 8, true),
+        GgmlType::Q6K if target == LayoutTarget::NativeKernels => (16, 8, true),
         GgmlType::Q6K => (32, 8, false),
         _ => return None,
     };
@@ -1026,12 +1063,27 @@ pub struct MlxLayout {
     pub exact: bool,
 }
 
-/// One block -> its codes, and a scale and bias per 32 codes.
+/// One block -> its codes, and a scale and bias per group of codes.
 type AffineSplit = fn(&[u8], &mut [u8], &mut [f32], &mut [f32]);
 
-/// Splits blocks of a 32-value-group type into integer codes and a scale and
-/// bias per 32 values (`value = scale * code + bias`). `None` for types
-/// without such groups (Q6_K, floats) or mismatched lengths.
+/// Values per scale of a quantized type whose blocks are affine codes.
+fn affine_group_size(kind: GgmlType) -> Option<usize> {
+    match kind {
+        GgmlType::Q6K => Some(16),
+        GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::Q4K
+        | GgmlType::Q5K => Some(32),
+        _ => None,
+    }
+}
+
+/// Splits blocks into integer codes and a scale and bias per group (32
+/// values; 16 for Q6_K) with `value = scale * code + bias`. `None` for
+/// floats or mismatched lengths.
 pub fn affine_blocks(
     kind: GgmlType,
     bytes: &[u8],
@@ -1041,7 +1093,7 @@ pub fn affine_blocks(
 ) -> Option<()> {
     let (values, size) = kind.block()?;
     let blocks = bytes.len() / size;
-    let groups = values / 32;
+    let groups = values / affine_group_size(kind)?;
     if !bytes.len().is_multiple_of(size)
         || codes.len() != blocks * values
         || scales.len() != blocks * groups
@@ -1079,6 +1131,13 @@ pub fn affine_blocks(
         },
         GgmlType::Q4K => |b, c, s, m| k_quant_affine(b, &b[16..144], None, c, s, m),
         GgmlType::Q5K => |b, c, s, m| k_quant_affine(b, &b[48..176], Some(&b[16..48]), c, s, m),
+        GgmlType::Q6K => |b, c, s, m| {
+            q6_k_codes(b, c);
+            for (g, (s, m)) in s.iter_mut().zip(m).enumerate() {
+                *s = q6_k_scale(b, g);
+                *m = -32.0 * *s;
+            }
+        },
         _ => return None,
     };
     for (((block, c), s), m) in bytes
@@ -1160,27 +1219,34 @@ const CHUNK_VALUES: usize = 1 << 22;
 /// names, as [`WeightMap::from_gguf`] does through MLX: quantized 2-D weights
 /// become MLX affine (`weight` u32, `scales`, `biases`), the rest dense
 /// `float_dtype`.
-pub fn weight_map(reader: &GgufReader, float_dtype: Dtype) -> Result<WeightMap, LoadError> {
-    read_weights(reader, float_dtype, true)
+/// `target` decides how Q6_K is stored (see [`mlx_quantization`]).
+pub fn weight_map(
+    reader: &GgufReader,
+    float_dtype: Dtype,
+    target: LayoutTarget,
+) -> Result<WeightMap, LoadError> {
+    read_weights(reader, float_dtype, Some(target))
 }
 
 /// Every tensor dense (no requantization): the exact decoded values, for
 /// measuring what requantization changes. Needs 4 bytes per parameter.
 pub fn dense_weight_map(reader: &GgufReader, float_dtype: Dtype) -> Result<WeightMap, LoadError> {
-    read_weights(reader, float_dtype, false)
+    read_weights(reader, float_dtype, None)
 }
 
+/// `quantized`: the target of 2-D quantized tensors, or `None` to decode
+/// every tensor to floats.
 fn read_weights(
     reader: &GgufReader,
     float_dtype: Dtype,
-    requantize_2d: bool,
+    quantized: Option<LayoutTarget>,
 ) -> Result<WeightMap, LoadError> {
     let mut tensors = HashMap::with_capacity(reader.tensors().len() * 3);
     for info in reader.tensors() {
         let name = gguf_to_hf_name(&info.name).unwrap_or_else(|| info.name.clone());
         let shape = info.shape();
-        let plan = mlx_quantization(info.kind)
-            .filter(|_| requantize_2d)
+        let plan = quantized
+            .and_then(|target| mlx_quantization(info.kind, target))
             .filter(|layout| {
                 shape.len() == 2
                     && shape.iter().all(|&d| d > 0)

@@ -14,7 +14,7 @@ use mlx_rs::Dtype;
 use mlx_rs::io::GgufFile;
 
 pub use config::{Family, ModelConfig};
-pub use gguf::{GgufMetadata, GgufReader};
+pub use gguf::{GgufMetadata, GgufReader, LayoutTarget};
 pub use kv_cache::KvCache;
 pub use transformer::Transformer;
 use weights::WeightMap;
@@ -54,21 +54,27 @@ pub fn compute_dtype() -> Dtype {
 /// (K-quants, Q5_x, BF16) through our reader, which requantizes.
 pub fn load_gguf(path: &Path, reader: &GgufReader) -> Result<Transformer, LoadError> {
     let config = gguf_config(reader)?;
-    let mut weights = gguf_weights(path, reader)?;
+    let mut weights = gguf_weights(path, reader, LayoutTarget::for_this_process())?;
     let model = Transformer::build(config, &mut weights, true)?;
     report_leftovers(path, &weights);
     Ok(model)
 }
 
 /// A GGUF file's tensors under HF names: through MLX's loader when it reads
-/// every tensor type natively, else through our reader (which requantizes).
-pub fn gguf_weights(path: &Path, reader: &GgufReader) -> Result<WeightMap, LoadError> {
+/// every tensor type natively, else through our reader (which carries
+/// quantized blocks over exactly where `target` takes them, else
+/// requantizes).
+pub fn gguf_weights(
+    path: &Path,
+    reader: &GgufReader,
+    target: LayoutTarget,
+) -> Result<WeightMap, LoadError> {
     if reader.mlx_can_load() {
         let file =
             GgufFile::load(path).map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
         WeightMap::from_gguf(&file, compute_dtype())
     } else {
-        gguf::weight_map(reader, compute_dtype())
+        gguf::weight_map(reader, compute_dtype(), target)
     }
 }
 

@@ -262,8 +262,10 @@ impl Kernel {
             } => {
                 if kernels::quantized_matmul_is_native(x, scales, *group_size, *bits) {
                     kernels::quantized_matmul(x, weight, scales, biases, *group_size, *bits)
-                } else {
+                } else if kernels::mlx_takes_group_size(*group_size) {
                     quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)
+                } else {
+                    matmul(x, self.dense()?.t())
                 }
             }
         }
@@ -346,9 +348,38 @@ impl Kernel {
                 biases,
                 group_size,
                 bits,
-            } => dequantize(weight, scales, biases, *group_size, *bits),
+            } => dequantize_affine(weight, scales, biases, *group_size, *bits),
         }
     }
+}
+
+/// `scale * code + bias` per group as floats: MLX's `dequantize` where it
+/// takes the group size, else (groups of 16, 8-bit codes: exact Q6_K, which
+/// only mlxgate's kernels multiply) one code per byte, scaled with plain ops
+/// (a product and a sum, each rounded: within an ulp of the true value).
+pub fn dequantize_affine(
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> MlxResult<Array> {
+    if kernels::mlx_takes_group_size(group_size) || bits != 8 {
+        return dequantize(weight, scales, biases, group_size, bits);
+    }
+    let mut grouped = scales.shape().to_vec();
+    grouped.push(group_size);
+    let mut dense = weight.shape().to_vec();
+    if let Some(cols) = dense.last_mut() {
+        *cols *= 4;
+    }
+    let codes = weight
+        .view::<u8>()?
+        .reshape(&grouped)?
+        .as_dtype(scales.dtype())?;
+    let scales = scales.expand_dims(-1)?;
+    let biases = biases.expand_dims(-1)?;
+    codes.multiply(&scales)?.add(&biases)?.reshape(&dense)
 }
 
 /// `y = x W^T + b`.
@@ -387,7 +418,7 @@ impl Embedding {
                 let rows = weight.take_axis(ids, 0)?;
                 let row_scales = scales.take_axis(ids, 0)?;
                 let row_biases = biases.take_axis(ids, 0)?;
-                dequantize(&rows, &row_scales, &row_biases, *group_size, *bits)
+                dequantize_affine(&rows, &row_scales, &row_biases, *group_size, *bits)
             }
         }
     }
