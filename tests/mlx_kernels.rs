@@ -420,12 +420,14 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     let pack = |q: &Quantized| {
         PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
     };
-    // MLX's own quantization: f32 scales and biases, kept as they are.
+    // MLX's own quantization: f32 scales and biases, kept as they are. 4-bit
+    // codes are stored split, whose batch-1 kernel on AVX-512 sums
+    // `scale * sum(q * x) + bias * sum(x)` per group: equal within rounding.
     for bits in [4, 8] {
         let q = quantized(200, 256, 32, bits, 41 + bits as u64);
         let packed = pack(&q);
         assert_eq!(packed.bits_per_weight(), bits as f64 + 2.0, "{bits} bits");
-        assert_packed_matches_graph(&q, &packed, &format!("MLX {bits}-bit"), true);
+        assert_packed_matches_graph(&q, &packed, &format!("MLX {bits}-bit"), bits == 8);
     }
     // Q4_1-like: f16 scales and biases, read as f16 (5 bits per weight).
     let to_f16_values = |a: &Array| {
@@ -439,7 +441,7 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     q41.dense = dequantize(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("dequantize");
     let packed = pack(&q41);
     assert_eq!(packed.bits_per_weight(), 5.0);
-    assert_packed_matches_graph(&q41, &packed, "Q4_1-like", true);
+    assert_packed_matches_graph(&q41, &packed, "Q4_1-like", false);
     // In place (lookup-only tables): MLX's buffers as they are.
     let in_place =
         PackedMatrix::in_place(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("packable");
