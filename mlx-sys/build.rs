@@ -192,6 +192,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .flag(prelude.to_str().expect("utf-8 prelude path"))
         .file(kernels.join("quantized_matmul.cpp"))
         .file(kernels.join("attention.cpp"))
+        .file(kernels.join("activation.cpp"))
         .compile("mlxgate_kernels");
 }
 

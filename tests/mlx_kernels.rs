@@ -285,6 +285,36 @@ fn bad_operands_are_refused_with_a_reason() {
     ));
 }
 
+/// SwiGLU's gated activation by the native kernel against MLX's ops: odd
+/// sizes (vector tails), a strided view, large and tiny gate values.
+#[test]
+fn silu_multiply_matches_mlx_ops() {
+    if !require_native() {
+        return;
+    }
+    let mlx = |gate: &Array, up: &Array| {
+        mlx_rs::ops::multiply(mlx_rs::nn::silu(gate).expect("silu"), up).expect("multiply")
+    };
+    for shape in [&[1, 1, 7][..], &[1, 128, 4864], &[3, 5, 97], &[2, 16_411]] {
+        // Gates over [-40, 40): exp's whole useful range and both signs.
+        let gate = mlx_rs::ops::multiply(random(shape, 61), Array::from_f32(40.0)).expect("scale");
+        let up = random(shape, 62);
+        let error = relative_error(
+            &kernels::silu_multiply(&gate, &up).expect("native"),
+            &mlx(&gate, &up),
+        );
+        assert!(error < 1e-6, "{shape:?}: {error:e}");
+    }
+    // A transposed (strided) gate is packed first.
+    let gate = random(&[64, 40], 63).t();
+    let up = random(&[40, 64], 64);
+    let error = relative_error(
+        &kernels::silu_multiply(&gate, &up).expect("native"),
+        &mlx(&gate, &up),
+    );
+    assert!(error < 1e-6, "transposed gate: {error:e}");
+}
+
 /// A packed matrix's product against the graph kernel's on the same MLX
 /// arrays, batches 1, 3 and 6, and one dequantized row against MLX's:
 /// bitwise equal where the kernels sum the same products in the same order,

@@ -69,31 +69,8 @@ struct CausalAttention {
 constexpr int64_t kBlockRows = 16;
 
 #if defined(MLXGATE_X86)
+using mlxgate::exp_nonpositive;
 using mlxgate::horizontal_sum;
-
-/// e^x for x <= 0 (scores minus their maximum), 8 at a time: x = n ln 2 + r
-/// with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (relative error about
-/// 1e-7, like MLX's own vectorized exp), times 2^n built in the exponent.
-AVX2 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below: e^x is ~0 in f32
-  const __m256 n = _mm256_round_ps(
-      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln 2 in two parts, so r keeps its low bits.
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
 
 /// Four dot products of `q` with the rows at `k` (d a multiple of 8), into
 /// scores[0..4).

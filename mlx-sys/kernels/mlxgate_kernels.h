@@ -121,6 +121,17 @@ int mlxgate_causal_attention(
     char* error,
     size_t error_len);
 
+/* `silu(gate) * up` element-wise (float32, one shape; SwiGLU's gated
+ * activation), as an MLX primitive on CPU stream `s`. Returns 0, or 1 with a
+ * message in `error`. */
+int mlxgate_silu_multiply(
+    mlx_array* res,
+    const mlx_array gate,
+    const mlx_array up,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
 #ifdef __cplusplus
 }
 #endif

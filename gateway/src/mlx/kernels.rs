@@ -232,6 +232,30 @@ pub fn causal_attention(
     })
 }
 
+/// `silu(gate) * up`, SwiGLU's gated activation, by the native kernel on
+/// this thread's stream where this thread runs native kernels on float32;
+/// else by MLX's ops.
+pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    let native = thread_choice() == KernelChoice::Native
+        && gate.dtype() == Dtype::Float32
+        && up.dtype() == Dtype::Float32
+        && gate.shape() == up.shape();
+    if !native {
+        return mlx_rs::ops::multiply(mlx_rs::nn::silu(gate)?, up);
+    }
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_silu_multiply(
+            res,
+            gate.as_ptr(),
+            up.as_ptr(),
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
 /// Runs a kernel constructor of the form `f(&mut res, error, error_len)`:
 /// on 0, the new array in `res`; else the message it wrote into `error`.
 fn new_array(

@@ -492,12 +492,9 @@ impl Transformer {
             let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
             let m = &block.mlp;
             let gate = project(&m.gate_proj, Projection::Gate, &normed)?;
-            let activated = match c.family {
-                Family::Gemma3 => gelu_approximate(&gate)?,
-                _ => silu(&gate)?,
-            };
             let up = project(&m.up_proj, Projection::Up, &normed)?;
-            let mut mlp = project(&m.down_proj, Projection::Down, &multiply(&activated, &up)?)?;
+            let gated = gated_activation(c.family, &gate, &up, Gradients::Needed)?;
+            let mut mlp = project(&m.down_proj, Projection::Down, &gated)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
@@ -535,16 +532,9 @@ impl Transformer {
             lora::apply(linear.forward(x)?, x, layer, projection, adapters)
         };
         let gate = project(&mlp.gate_proj, Projection::Gate, x)?;
-        let activated = match self.config.family {
-            Family::Gemma3 => gelu_approximate(&gate)?,
-            _ => silu(&gate)?,
-        };
         let up = project(&mlp.up_proj, Projection::Up, x)?;
-        project(
-            &mlp.down_proj,
-            Projection::Down,
-            &multiply(&activated, &up)?,
-        )
+        let gated = gated_activation(self.config.family, &gate, &up, Gradients::NotNeeded)?;
+        project(&mlp.down_proj, Projection::Down, &gated)
     }
 
     fn attention(
@@ -641,6 +631,29 @@ impl Transformer {
 }
 
 /// B sequences of equal length as a `[B, L]` array of token ids.
+/// Whether autograd will differentiate through an op (training), which the
+/// native kernels without a gradient must stay out of.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Gradients {
+    Needed,
+    NotNeeded,
+}
+
+/// The MLP's gated activation, `act(gate) * up`: GELU (tanh form) for Gemma,
+/// SiLU for the rest, the latter by the native kernel where it may run.
+fn gated_activation(
+    family: Family,
+    gate: &Array,
+    up: &Array,
+    gradients: Gradients,
+) -> MlxResult<Array> {
+    match family {
+        Family::Gemma3 => multiply(&gelu_approximate(gate)?, up),
+        _ if gradients == Gradients::NotNeeded => kernels::silu_multiply(gate, up),
+        _ => multiply(&silu(gate)?, up),
+    }
+}
+
 fn token_ids(tokens: &[&[u32]]) -> Array {
     let length = tokens.first().map_or(0, |t| t.len()) as i32;
     let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
