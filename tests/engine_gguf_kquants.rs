@@ -115,8 +115,9 @@ fn values(array: &Array) -> Vec<f32> {
     array.as_slice::<f32>().to_vec()
 }
 
-/// MLX's dequantization of the affine triple it (or we) produced.
-fn mlx_dequantized(w: &Array, s: &Array, b: &Array, group_size: i32, bits: i32) -> Vec<f32> {
+/// The values of an affine triple MLX (or we) produced: MLX's `dequantize`,
+/// or our own ops for the groups of 16 MLX lacks.
+fn affine_values(w: &Array, s: &Array, b: &Array, group_size: i32, bits: i32) -> Vec<f32> {
     let s = s.as_dtype(mlx_rs::Dtype::Float32).unwrap();
     let b = b.as_dtype(mlx_rs::Dtype::Float32).unwrap();
     values(&dequantize_affine(w, &s, &b, group_size, bits).unwrap())
@@ -175,7 +176,7 @@ fn native_types_decode_exactly_as_mlx_decodes_them() {
                         .unwrap()
                 };
                 let bits = if info.kind == GgmlType::Q8_0 { 8 } else { 4 };
-                mlx_dequantized(
+                affine_values(
                     &array("weight"),
                     &array("scales"),
                     &array("biases"),
@@ -217,7 +218,7 @@ fn smollm2_tensors_decode_as_mlx_decodes_them() {
                 .unwrap()
         };
         let bits = if info.kind == GgmlType::Q8_0 { 8 } else { 4 };
-        let theirs = mlx_dequantized(
+        let theirs = affine_values(
             &array("weight"),
             &array("scales"),
             &array("biases"),
@@ -427,7 +428,7 @@ fn exact_types_reach_mlx_affine_layout_without_error() {
             let (w, s, b) = to_mlx_affine(&reader, info, layout).unwrap();
             let diff = max_relative_diff(
                 &reader.dequantize(info).unwrap(),
-                &mlx_dequantized(&w, &s, &b, layout.group_size, layout.bits),
+                &affine_values(&w, &s, &b, layout.group_size, layout.bits),
             );
             let bound = if layout.exact { 1e-6 } else { 1e-2 };
             assert!(diff < bound, "{}: {layout:?} differs by {diff}", info.kind);
@@ -887,7 +888,7 @@ fn requantization_error_per_type_is_measured() {
             let (w, s, b) = to_mlx_affine(&reader, info, layout).unwrap();
             sums[0].add(
                 &exact,
-                &mlx_dequantized(&w, &s, &b, layout.group_size, layout.bits),
+                &affine_values(&w, &s, &b, layout.group_size, layout.bits),
             );
             let shape: Vec<i32> = info.shape().iter().map(|&d| d as i32).collect();
             let dense = Array::from_slice(&exact, &shape);

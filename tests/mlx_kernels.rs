@@ -228,28 +228,19 @@ fn gradient_flows_to_x_as_through_mlx_kernel() {
     if !require_native() {
         return;
     }
-    let q = quantized(48, 64, 32, 4, 21);
     let x = random(&[3, 64], 22);
-    let (w, s, b) = (q.w.clone(), q.scales.clone(), q.biases.clone());
-    let loss_native = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
-        kernels::quantized_matmul(x, &w, &s, &b, 32, 4)?
-            .square()?
-            .sum(None)
-    };
-    let dense = q.dense.clone();
-    let loss_reference = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
-        matmul(x, dense.t())?.square()?.sum(None)
-    };
-    let ours = grad(loss_native)(&x).expect("native gradient");
-    let expected = grad(loss_reference)(&x).expect("reference gradient");
-    let error = relative_error(&ours, &expected);
-    assert!(error < 1e-4, "gradient wrt x: {error:e}");
-
+    assert_gradient_matches_dense(&quantized(48, 64, 32, 4, 21), &x, "4 bits / group 32");
     // Groups of 16 (MLX's kernel lacks them: the gradient dequantizes).
-    let q = q6_k_like(48, 64, 23);
+    assert_gradient_matches_dense(&q6_k_like(48, 64, 23), &x, "groups of 16");
+}
+
+/// d/dx of sum((x @ W^T)^2) through the native kernel against the same
+/// through a dense matmul of W's true values.
+fn assert_gradient_matches_dense(q: &Quantized, x: &Array, what: &str) {
     let (w, s, b) = (q.w.clone(), q.scales.clone(), q.biases.clone());
+    let (group_size, bits) = (q.group_size, q.bits);
     let loss_native = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
-        kernels::quantized_matmul(x, &w, &s, &b, 16, 8)?
+        kernels::quantized_matmul(x, &w, &s, &b, group_size, bits)?
             .square()?
             .sum(None)
     };
@@ -257,10 +248,10 @@ fn gradient_flows_to_x_as_through_mlx_kernel() {
     let loss_reference = |x: &Array| -> Result<Array, mlx_rs::error::Exception> {
         matmul(x, dense.t())?.square()?.sum(None)
     };
-    let ours = grad(loss_native)(&x).expect("native gradient, groups of 16");
-    let expected = grad(loss_reference)(&x).expect("reference gradient");
+    let ours = grad(loss_native)(x).expect("native gradient");
+    let expected = grad(loss_reference)(x).expect("reference gradient");
     let error = relative_error(&ours, &expected);
-    assert!(error < 1e-4, "gradient wrt x, groups of 16: {error:e}");
+    assert!(error < 1e-4, "gradient wrt x, {what}: {error:e}");
 }
 
 #[test]
@@ -295,10 +286,14 @@ fn silu_multiply_matches_mlx_ops() {
     let mlx = |gate: &Array, up: &Array| {
         mlx_rs::ops::multiply(mlx_rs::nn::silu(gate).expect("silu"), up).expect("multiply")
     };
+    // The chooser sends other dtypes to MLX's ops.
+    let half = random(&[2, 8], 60).as_dtype(Dtype::Float16).expect("cast");
+    assert!(!kernels::silu_multiply_is_native(&half, &half));
     for shape in [&[1, 1, 7][..], &[1, 128, 4864], &[3, 5, 97], &[2, 16_411]] {
         // Gates over [-40, 40): exp's whole useful range and both signs.
         let gate = mlx_rs::ops::multiply(random(shape, 61), Array::from_f32(40.0)).expect("scale");
         let up = random(shape, 62);
+        assert!(kernels::silu_multiply_is_native(&gate, &up));
         let error = relative_error(
             &kernels::silu_multiply(&gate, &up).expect("native"),
             &mlx(&gate, &up),

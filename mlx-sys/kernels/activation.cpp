@@ -2,8 +2,9 @@
 // primitive for prefill.
 //
 // Why: MLX's CPU graph evaluates it as a compiled element-wise kernel whose
-// exp calls scalar `fmaf` from libm; on Qwen2.5's 128-token prefill that was
-// ~14% of the time (a sigmoid, an exp and libm's fmaf in the profile). Here
+// exp calls scalar `fmaf` from libm; in Qwen2.5's prefill profile (128- and
+// 512-token prompts) that was ~14% of the time (a sigmoid, an exp and libm's
+// fmaf). Here
 // exp is vectorized and the elements spread over the kernel pool.
 
 #include <cmath>
@@ -15,14 +16,11 @@
 #include <vector>
 
 #include "kernels_common.h"
-#include "mlx/allocator.h"
-#include "mlx/array.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/c/private/array.h"
-#include "mlx/c/private/stream.h"
 #include "mlxgate_kernels.h"
+#include "primitive_support.h"
 
 namespace mx = mlx::core;
 
@@ -73,12 +71,7 @@ class SiluMultiplyOp : public mx::UnaryPrimitive {
   explicit SiluMultiplyOp(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const mx::array& input : inputs) {
-      encoder.set_input_array(input);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = mlxgate::begin_eval(stream(), inputs, out);
     const SiluMultiply a{inputs[0].data<float>(), inputs[1].data<float>(), out.data<float>(),
                          static_cast<int64_t>(out.size())};
     encoder.dispatch([a]() {
@@ -128,19 +121,13 @@ extern "C" int mlxgate_silu_multiply(
       throw std::invalid_argument(
           "[mlxgate silu multiply] gate and up must be float32 arrays of one shape");
     }
-    const mx::Stream& stream = mlx_stream_get_(s);
-    if (stream.device != mx::Device::cpu) {
-      throw std::invalid_argument("[mlxgate silu multiply] runs on CPU streams only");
-    }
+    const mx::Stream& stream = mlxgate::cpu_stream(s, "[mlxgate silu multiply]");
     // Packed operands: `contiguous` shares a buffer that already is.
     mlx_array_set_(*res, mx::array(g.shape(), mx::float32, std::make_shared<SiluMultiplyOp>(stream),
                                    {mx::contiguous(g, false, stream),
                                     mx::contiguous(u, false, stream)}));
     return 0;
   } catch (std::exception& e) {
-    if (error && error_len) {
-      std::snprintf(error, error_len, "%s", e.what());
-    }
-    return 1;
+    return mlxgate::failed(e, error, error_len);
   }
 }

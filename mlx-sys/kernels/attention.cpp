@@ -34,6 +34,7 @@
 #include "mlx/c/private/array.h"
 #include "mlx/c/private/stream.h"
 #include "mlxgate_kernels.h"
+#include "primitive_support.h"
 
 namespace mx = mlx::core;
 
@@ -293,12 +294,7 @@ class CausalAttentionOp : public mx::UnaryPrimitive {
         window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const mx::array& input : inputs) {
-      encoder.set_input_array(input);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = mlxgate::begin_eval(stream(), inputs, out);
     const mx::array& q = inputs[0];
     const mx::array& k = inputs[1];
     Operand q_in(q, encoder), k_in(k, encoder), v_in(inputs[2], encoder);
@@ -384,10 +380,7 @@ extern "C" int mlxgate_causal_attention(
     if (window < 0) {
       fail("window must be >= 0");
     }
-    const mx::Stream& stream = mlx_stream_get_(s);
-    if (stream.device != mx::Device::cpu) {
-      fail("runs on CPU streams only");
-    }
+    const mx::Stream& stream = mlxgate::cpu_stream(s, "[mlxgate causal attention]");
     mx::Shape shape{1, qa.shape(2), qa.shape(1), qa.shape(3)};
     mlx_array_set_(
         *res,
@@ -398,9 +391,6 @@ extern "C" int mlxgate_causal_attention(
             {qa, ka, va}));
     return 0;
   } catch (std::exception& e) {
-    if (error && error_len) {
-      std::snprintf(error, error_len, "%s", e.what());
-    }
-    return 1;
+    return mlxgate::failed(e, error, error_len);
   }
 }

@@ -31,6 +31,7 @@
 #include "mlx/primitives.h"
 #include "mlx/c/private/array.h"
 #include "mlx/c/private/stream.h"
+#include "primitive_support.h"
 
 namespace mx = mlx::core;
 using mlxgate::cpu_supported;
@@ -56,10 +57,19 @@ struct Product {
 };
 
 /// Group sizes the kernels take: multiples of 32, and 16 (Q6_K's scale
-/// blocks) with 8-bit codes. Rows are always whole 32-weight chunks.
+/// blocks) with 8-bit codes.
+bool takes_group_size(int group_size, int bits) {
+  return (group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8);
+}
+
+/// Whether MLX's own quantized kernels take this group size.
+bool mlx_takes_group_size(int group_size) {
+  return group_size == 32 || group_size == 64 || group_size == 128;
+}
+
+/// Rows of `k` weights in such groups; rows are always whole 32-weight chunks.
 bool takes_groups(int group_size, int bits, int64_t k) {
-  const bool groups = (group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8);
-  return groups && k % group_size == 0 && k % 32 == 0;
+  return takes_group_size(group_size, bits) && k % group_size == 0 && k % 32 == 0;
 }
 
 #if defined(MLXGATE_X86)
@@ -306,6 +316,24 @@ inline bool avx512_supported() {
   return ok;
 }
 
+/// Sixteen groups' scales (or biases) from `values` + g0 as f32 vector
+/// lanes; lanes from `count` on are zero.
+template <bool F16>
+AVX512 inline __m512 sixteen_values(const void* values, int64_t g0, int64_t count) {
+  if constexpr (F16) {
+    const auto* halves = static_cast<const uint16_t*>(values) + g0;
+    if (count >= 16) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+    }
+    alignas(32) uint16_t part[16] = {};
+    std::memcpy(part, halves, sizeof(uint16_t) * count);
+    return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(part)));
+  } else {
+    const __mmask16 live = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+    return _mm512_maskz_loadu_ps(live, static_cast<const float*>(values) + g0);
+  }
+}
+
 /// `acc + scale * sum(codes[i] * x[i])` over one chunk of 32 signed 8-bit
 /// codes; the scale is a broadcast memory operand of the last FMA.
 AVX512 inline __m512 signed_chunk_wide(const uint8_t* codes, const float* x, const float& scale,
@@ -333,8 +361,9 @@ AVX512 inline __m512 signed_half_wide(const uint8_t* codes, const float* x, cons
 /// Batch-1 rows of a signed 8-bit matrix with AVX-512: `small_batch_rows`'
 /// signed path 16 weights per instruction, half the instructions (decode is
 /// bound by them as much as by memory: Qwen2.5 decode +7% in 8 alternating
-/// pairs of runs). Other layouts gained nothing from AVX-512 (table lookups
-/// for 4/5-bit codes were tried), so they stay on AVX2.
+/// pairs of runs). Split 4-bit codes have their own AVX-512 loop
+/// (`split_rows_wide`); the other layouts stay on AVX2 (table lookups for
+/// 4/5-bit codes were tried and gained nothing).
 template <class L, int kGroup>
 AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
   const int64_t groups = p.k / p.group_size;
@@ -361,13 +390,7 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
       const int64_t count = std::min<int64_t>(16, groups - g0);
       const float* scales;
       if constexpr (L::kF16) {
-        const auto* halves = static_cast<const uint16_t*>(row.scales) + g0;
-        if (count == 16) {
-          _mm512_store_ps(block, _mm512_cvtph_ps(
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
-        } else {
-          for (int64_t j = 0; j < count; ++j) block[j] = _cvtsh_ss(halves[j]);
-        }
+        _mm512_store_ps(block, sixteen_values<true>(row.scales, g0, count));
         scales = block;
       } else {
         scales = static_cast<const float*>(row.scales) + g0;
@@ -413,24 +436,6 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
 /// sums live on the stack): K up to 32,768.
 constexpr int64_t kMaxWideGroups = 1024;
 
-/// Sixteen groups' scales (or biases) from `values` + g0 as f32 vector
-/// lanes; lanes from `count` on are zero.
-template <bool F16>
-AVX512 inline __m512 sixteen_values(const void* values, int64_t g0, int64_t count) {
-  if constexpr (F16) {
-    const auto* halves = static_cast<const uint16_t*>(values) + g0;
-    if (count >= 16) {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
-    }
-    alignas(32) uint16_t part[16] = {};
-    std::memcpy(part, halves, sizeof(uint16_t) * count);
-    return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(part)));
-  } else {
-    const __mmask16 live = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
-    return _mm512_maskz_loadu_ps(live, static_cast<const float*>(values) + g0);
-  }
-}
-
 /// `acc + scale * sum(q[i] * x[i])` over one split group of 32 4-bit codes
 /// (16 bytes: byte l holds weight l in its low nibble, l + 16 in its high).
 AVX512 inline __m512 split_group_wide(const uint8_t* codes, const float* x, const float& scale,
@@ -454,11 +459,14 @@ AVX512 inline __m512 split_group_wide(const uint8_t* codes, const float* x, cons
 template <class L>
 AVX512 void split_rows_wide(const Product& p, int64_t n0, int64_t n1) {
   const int64_t groups = p.k / 32;
-  alignas(64) float sums[kMaxWideGroups] = {};  // zero past the last group
+  alignas(64) float sums[kMaxWideGroups];
   for (int64_t g = 0; g < groups; ++g) {
     const float* x = p.x + 32 * g;
     sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
   }
+  // The last block of 16 groups reads whole vectors: its unused lanes are 0
+  // (their biases are masked to 0 too, but 0 * garbage can be NaN).
+  std::fill(sums + groups, sums + (groups + 15) / 16 * 16, 0.0f);
   const __m512i low_nibble = _mm512_set1_epi32(0x0f);
   const __m512 neg_offset = _mm512_set1_ps(-p.bias_offset);
   alignas(64) float block[16];
@@ -761,14 +769,11 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto& encoder = mlxgate::begin_eval(stream(), inputs, out);
     Packed packed[4];
     for (int i = 0; i < 4; ++i) {
       packed[i] = pack(inputs[i], encoder);
-      encoder.set_input_array(inputs[i]);
     }
-    encoder.set_output_array(out);
     const int64_t k = x.shape(-1);
     const int64_t m = k == 0 ? 0 : static_cast<int64_t>(x.size()) / k;
     const int64_t n = w.shape(0);
@@ -812,7 +817,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
         throw std::invalid_argument(
             "[mlxgate quantized matmul] the quantized weights have no gradient");
       }
-      grads.push_back(group_size_ % 32 == 0
+      grads.push_back(mlx_takes_group_size(group_size_)
                           ? mx::quantized_matmul(cotangents[0], primals[1], primals[2],
                                                  primals[3], /*transpose=*/false, group_size_,
                                                  bits_, "affine", stream())
@@ -821,9 +826,14 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     return grads;
   }
 
-  /// W as floats for group sizes MLX's own kernels lack (16, 8 bits): each
-  /// byte a code, `scale * code + bias` per group.
+  /// W as floats for group sizes MLX's own kernels lack (16 at 8 bits, the
+  /// only such layout the loader makes): each byte a code, `scale * code +
+  /// bias` per group.
   mx::array dequantized(const std::vector<mx::array>& primals) {
+    if (bits_ != 8) {
+      throw std::invalid_argument(
+          "[mlxgate quantized matmul] no gradient for 4-bit groups MLX lacks");
+    }
     const mx::Stream s = stream();
     const mx::array& w = primals[1];
     const int n = w.shape(0);
@@ -878,7 +888,7 @@ void check_operands(
   if (bits != 4 && bits != 8) {
     fail("bits must be 4 or 8, got " + std::to_string(bits));
   }
-  if (!((group_size > 0 && group_size % 32 == 0) || (group_size == 16 && bits == 8))) {
+  if (!takes_group_size(group_size, bits)) {
     fail("group size must be a multiple of 32 (or 16 at 8 bits), got " +
          std::to_string(group_size));
   }
@@ -952,11 +962,7 @@ extern "C" int mlxgate_quantized_matmul(
     const mx::array& sa = mlx_array_get_(scales);
     const mx::array& ba = mlx_array_get_(biases);
     check_operands(xa, wa, sa, ba, group_size, bits);
-    const mx::Stream& stream = mlx_stream_get_(s);
-    if (stream.device != mx::Device::cpu) {
-      throw std::invalid_argument(
-          "[mlxgate quantized matmul] runs on CPU streams only");
-    }
+    const mx::Stream& stream = mlxgate::cpu_stream(s, "[mlxgate quantized matmul]");
     mx::Shape shape = xa.shape();
     shape.back() = wa.shape(0);
     mlx_array_set_(
@@ -968,10 +974,7 @@ extern "C" int mlxgate_quantized_matmul(
             {xa, wa, sa, ba}));
     return 0;
   } catch (std::exception& e) {
-    if (error && error_len) {
-      std::snprintf(error, error_len, "%s", e.what());
-    }
-    return 1;
+    return mlxgate::failed(e, error, error_len);
   }
 }
 

@@ -232,17 +232,18 @@ pub fn causal_attention(
     })
 }
 
-/// `silu(gate) * up`, SwiGLU's gated activation, by the native kernel on
-/// this thread's stream where this thread runs native kernels on float32;
-/// else by MLX's ops.
-pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
-    let native = thread_choice() == KernelChoice::Native
+/// Whether this thread should run SwiGLU's `silu(gate) * up` natively
+/// (float32 operands of one shape).
+pub fn silu_multiply_is_native(gate: &Array, up: &Array) -> bool {
+    thread_choice() == KernelChoice::Native
         && gate.dtype() == Dtype::Float32
         && up.dtype() == Dtype::Float32
-        && gate.shape() == up.shape();
-    if !native {
-        return mlx_rs::ops::multiply(mlx_rs::nn::silu(gate)?, up);
-    }
+        && gate.shape() == up.shape()
+}
+
+/// `silu(gate) * up`, SwiGLU's gated activation, by the native kernel on
+/// this thread's stream. It has no gradient: training uses MLX's ops.
+pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
     // SAFETY: the operands are live arrays and the stream outlives the call.
     new_array(|res, error, len| unsafe {
         mlx_sys::mlxgate_silu_multiply(

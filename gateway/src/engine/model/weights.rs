@@ -265,6 +265,9 @@ impl Kernel {
                 } else if kernels::mlx_takes_group_size(*group_size) {
                     quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)
                 } else {
+                    // Groups MLX's kernels lack (exact Q6_K), on a thread not
+                    // running ours (`MLXGATE_KERNELS=mlx`, non-f32 inputs):
+                    // correct but slow, the matrix is dequantized per call.
                     matmul(x, self.dense()?.t())
                 }
             }

@@ -630,7 +630,6 @@ impl Transformer {
     }
 }
 
-/// B sequences of equal length as a `[B, L]` array of token ids.
 /// Whether autograd will differentiate through an op (training), which the
 /// native kernels without a gradient must stay out of.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -649,11 +648,14 @@ fn gated_activation(
 ) -> MlxResult<Array> {
     match family {
         Family::Gemma3 => multiply(&gelu_approximate(gate)?, up),
-        _ if gradients == Gradients::NotNeeded => kernels::silu_multiply(gate, up),
+        _ if gradients == Gradients::NotNeeded && kernels::silu_multiply_is_native(gate, up) => {
+            kernels::silu_multiply(gate, up)
+        }
         _ => multiply(&silu(gate)?, up),
     }
 }
 
+/// B sequences of equal length as a `[B, L]` array of token ids.
 fn token_ids(tokens: &[&[u32]]) -> Array {
     let length = tokens.first().map_or(0, |t| t.len()) as i32;
     let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
