@@ -21,9 +21,11 @@ use mlxgate::policy::{
 
 const CALLS: usize = 20_000;
 
-fn component() -> Vec<u8> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../policies/target/wasm32-unknown-unknown/release/alias_router.wasm");
+/// A built example policy (`alias_router`, `tenant_router`).
+fn component(crate_name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!(
+        "../policies/target/wasm32-unknown-unknown/release/{crate_name}.wasm"
+    ));
     std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
             "{} missing ({e}): run scripts/build-policies.sh",
@@ -32,14 +34,14 @@ fn component() -> Vec<u8> {
     })
 }
 
-fn facts() -> RequestFacts {
+fn facts() -> RequestFacts<'static> {
     RequestFacts {
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        model: "gpt-4o".into(),
-        headers: vec![("x-tenant".into(), "acme".into())],
-        api_key_id: Some("web".into()),
-        tenant: Some("acme".into()),
+        method: "POST",
+        path: "/v1/chat/completions",
+        model: "gpt-4o",
+        headers: vec![("x-tenant", "acme")],
+        api_key_id: Some("web"),
+        tenant: Some("acme"),
         prompt_tokens: 812,
         max_tokens: Some(256),
         streaming: true,
@@ -70,13 +72,13 @@ fn native_route(
     facts: &RequestFacts,
     backends: &[BackendState],
 ) -> RouteDecision {
-    let target = aliases.get(&facts.model).unwrap_or(&facts.model);
+    let target = aliases.get(facts.model).map_or(facts.model, String::as_str);
     if backends
         .iter()
-        .any(|b| b.kind == BackendKind::Local && &b.name == target)
+        .any(|b| b.kind == BackendKind::Local && b.name == target)
     {
         RouteDecision::Local {
-            model: target.clone(),
+            model: target.to_string(),
         }
     } else {
         RouteDecision::Reject {
@@ -114,7 +116,7 @@ fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let host = PolicyHost::open(HostConfig::new(dir.path())).expect("policy host");
     let config = r#"{"aliases": {"gpt-4o": "llama-3-8b"}}"#;
-    let bytes = component();
+    let bytes = component("alias_router");
     let upload = |name: &str, warm: u32| {
         let limits = Limits {
             warm_instances: warm,
@@ -210,4 +212,24 @@ fn main() {
             .collect()
     };
     stats("wasm router, fresh instance per call (+init)", fresh);
+
+    // The tenant router declares its decision inputs (tenant, headers,
+    // model): after the first call its decision is reused.
+    host.upload(
+        "reused",
+        PolicyKind::Router,
+        &component("tenant_router"),
+        PolicyOptions {
+            config: Some(r#"{"tenants": {"acme": {"local": "llama-3-8b"}}}"#.into()),
+            ..PolicyOptions::default()
+        },
+    )
+    .expect("upload tenant_router");
+    assert_eq!(host.route_with("reused", &f, &b).expect("route"), expected);
+    stats(
+        "wasm router, decision reused (tenant-router)",
+        time_calls(|| {
+            black_box(host.route_with("reused", black_box(&f), black_box(&b)).ok());
+        }),
+    );
 }

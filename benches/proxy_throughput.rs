@@ -1,15 +1,18 @@
 //! Proxy throughput on loopback: the gateway (release binary, as its own
 //! process) forwarding `POST /v1/chat/completions` to a trivial upstream (a
-//! hyper server answering a fixed small JSON), with no router policy bound
-//! (static route from `[[upstreams]] models`) vs the `tenant-router` Wasm
-//! policy bound, vs nginx proxying the same upstream in the same run.
+//! hyper server answering a fixed small JSON) with no router policy bound
+//! (static route from `[[upstreams]] models`); with the `tenant-router` Wasm
+//! policy bound (it declares its decision inputs, so its decisions are
+//! reused); with the `least-loaded` policy bound (it reads the backends'
+//! load, so the guest is called for every request); and nginx proxying the
+//! same upstream in the same run.
 //!
 //! Run: `scripts/bench-proxy.sh` (installs `wrk` and `nginx-light` when
 //! missing, builds the policies, then `cargo bench -p mlxgate --bench
 //! proxy_throughput`). Load: `wrk`, keep-alive connections, fixed duration;
-//! the three targets are measured in interleaved rounds so machine noise
-//! hits each alike; the medians are reported. `PROXY_THROUGHPUT_PROFILE=none`,
-//! `=policy` or `=nginx` only loads that target, for a profiler.
+//! the targets are measured in interleaved rounds so machine noise hits each
+//! alike; the medians are reported. `PROXY_THROUGHPUT_PROFILE=none`,
+//! `=policy`, `=called` or `=nginx` only loads that target, for a profiler.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -23,6 +26,10 @@ const CONNECTIONS: u32 = 32;
 const KEY: &str = "bench-infer-key";
 const ADMIN: &str = "bench-admin-key";
 const ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+/// Router policies uploaded to the gateway: one whose decisions are reused,
+/// one called for every request.
+const REUSED: &str = "tenants";
+const CALLED: &str = "least-loaded";
 const REQUEST: &str =
     r#"{"model":"bench-model","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
 
@@ -50,17 +57,23 @@ fn main() {
     let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
 
     // Warm-up: connections, pools, warm policy instances.
-    gateway.bind(true);
-    load(&wrk, &script, &url(gateway.addr), 1);
+    for router in [REUSED, CALLED] {
+        gateway.bind(Some(router));
+        load(&wrk, &script, &url(gateway.addr), 1);
+    }
     load(&wrk, &script, &url(nginx.addr), 1);
 
-    // `PROXY_THROUGHPUT_PROFILE=none|policy|nginx`: only load that target,
-    // for 30 s, printing its pids, for a profiler to attach to.
+    // `PROXY_THROUGHPUT_PROFILE=none|policy|called|nginx`: only load that
+    // target, for 30 s, printing its pids, for a profiler to attach to.
     if let Ok(mode) = std::env::var("PROXY_THROUGHPUT_PROFILE") {
         let (addr, pids) = if mode == "nginx" {
             (nginx.addr, nginx.pids())
         } else {
-            gateway.bind(mode == "policy");
+            gateway.bind(match mode.as_str() {
+                "policy" => Some(REUSED),
+                "called" => Some(CALLED),
+                _ => None,
+            });
             (gateway.addr, vec![gateway.child.id()])
         };
         println!("pids {pids:?}, mode {mode}");
@@ -70,18 +83,21 @@ fn main() {
     }
     let gw_pids = || vec![gateway.child.id()];
     let nginx_pids = || nginx.pids();
-    let (mut none, mut policy, mut reference) = (vec![], vec![], vec![]);
+    let (mut none, mut policy, mut called, mut reference) = (vec![], vec![], vec![], vec![]);
     for round in 1..=ROUNDS {
-        gateway.bind(false);
+        gateway.bind(None);
         none.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
-        gateway.bind(true);
+        gateway.bind(Some(REUSED));
         policy.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
+        gateway.bind(Some(CALLED));
+        called.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
         reference.push(measure(&wrk, &script, &url(nginx.addr), &nginx_pids));
         let last = |v: &[Sample]| v[round - 1];
         println!(
-            "round {round}: gateway, no policy {}; gateway + tenant-router {}; nginx {}",
+            "round {round}: gateway, no policy {}; + tenant-router {}; + least-loaded {}; nginx {}",
             last(&none),
             last(&policy),
+            last(&called),
             last(&reference)
         );
     }
@@ -91,8 +107,8 @@ fn main() {
     };
     let rps = |v: &[Sample]| med(v, |s| s.rps);
     let cpu = |v: &[Sample]| med(v, |s| s.cpu_us);
-    let (n, p, x) = (rps(&none), rps(&policy), rps(&reference));
-    let (cn, cp, cx) = (cpu(&none), cpu(&policy), cpu(&reference));
+    let (n, p, c, x) = (rps(&none), rps(&policy), rps(&called), rps(&reference));
+    let (cn, cp, cc, cx) = (cpu(&none), cpu(&policy), cpu(&called), cpu(&reference));
     println!(
         "\n{ROUNDS} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
     );
@@ -105,15 +121,23 @@ fn main() {
         cn / cx
     );
     println!(
-        "| gateway, tenant-router policy bound | {p:.0} | {:.2}x | {cp:.1} us | {:.2}x |",
+        "| gateway, tenant-router bound (decisions reused) | {p:.0} | {:.2}x | {cp:.1} us | {:.2}x |",
         p / x,
         cp / cx
     );
     println!(
-        "\npolicy vs none: throughput {:+.1}%, CPU per request {:+.1}% (target: loss <= 5%)\n\
-         gateway (policy) vs nginx: throughput {:.2}x (target >= 0.8x), CPU per request {:.2}x",
+        "| gateway, least-loaded bound (guest called per request) | {c:.0} | {:.2}x | {cc:.1} us | {:.2}x |",
+        c / x,
+        cc / cx
+    );
+    println!(
+        "\ntenant-router vs none: throughput {:+.1}%, CPU per request {:+.1}% (target: loss <= 5%)\n\
+         least-loaded vs none: throughput {:+.1}%, CPU per request {:+.1}%\n\
+         gateway (tenant-router) vs nginx: throughput {:.2}x (target >= 0.8x), CPU per request {:.2}x",
         (p / n - 1.0) * 100.0,
         (cp / cn - 1.0) * 100.0,
+        (c / n - 1.0) * 100.0,
+        (cc / cn - 1.0) * 100.0,
         p / x,
         cp / cx
     );
@@ -353,37 +377,40 @@ impl Gateway {
             .expect("start mlxgate");
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         wait_listening(addr, "mlxgate");
-        let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../policies/target/wasm32-unknown-unknown/release/tenant_router.wasm");
-        let bytes = std::fs::read(&wasm).unwrap_or_else(|e| {
-            panic!(
-                "{} missing ({e}): run scripts/build-policies.sh",
-                wasm.display()
-            )
-        });
-        let config = "%7B%22tenants%22%3A%7B%22bench%22%3A%7B%22upstream%22%3A%22up%22%7D%7D%7D";
-        let (status, body) = request(
-            addr,
-            "PUT",
-            // 50 ms, not the default 5 ms: saturating 2 cores stalls threads
-            // for milliseconds, and the deadline is wall-clock.
-            &format!(
-                "/admin/policies/tenants?kind=router&on_error=fail_closed&deadline_ms=50&config={config}"
-            ),
-            &bytes,
-        );
-        assert!(status == 200 || status == 201, "upload: {status} {body}");
+        // Both routers send the bench's tenant/model to upstream `up`.
+        let tenants = "%7B%22tenants%22%3A%7B%22bench%22%3A%7B%22upstream%22%3A%22up%22%7D%7D%7D";
+        for (name, crate_name, config) in [
+            (REUSED, "tenant_router", tenants),
+            (CALLED, "least_loaded", ""),
+        ] {
+            let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!(
+                "../policies/target/wasm32-unknown-unknown/release/{crate_name}.wasm"
+            ));
+            let bytes = std::fs::read(&wasm).unwrap_or_else(|e| {
+                panic!(
+                    "{} missing ({e}): run scripts/build-policies.sh",
+                    wasm.display()
+                )
+            });
+            let (status, body) = request(
+                addr,
+                "PUT",
+                // 50 ms, not the default 5 ms: saturating 2 cores stalls
+                // threads for milliseconds, and the deadline is wall-clock.
+                &format!(
+                    "/admin/policies/{name}?kind=router&on_error=fail_closed&deadline_ms=50&config={config}"
+                ),
+                &bytes,
+            );
+            assert!(status == 200 || status == 201, "upload: {status} {body}");
+        }
         Gateway { child, addr }
     }
 
-    /// Binds the tenant router (`true`) or unbinds it.
-    fn bind(&self, on: bool) {
-        let body: &[u8] = if on {
-            br#"{"policy":"tenants"}"#
-        } else {
-            br#"{"policy":null}"#
-        };
-        let (status, text) = request(self.addr, "PUT", "/admin/bindings/router", body);
+    /// Binds the router policy `name`, or unbinds the router (`None`).
+    fn bind(&self, name: Option<&str>) {
+        let body = serde_json::json!({ "policy": name }).to_string();
+        let (status, text) = request(self.addr, "PUT", "/admin/bindings/router", body.as_bytes());
         assert_eq!(status, 200, "bind: {text}");
     }
 }

@@ -44,6 +44,97 @@ fn alias_router_maps_aliases_and_rejects_unknown_models() {
     }
 }
 
+/// Calls and reused decisions of the policy `name` so far.
+fn calls_and_reuses(host: &mlxgate::policy::PolicyHost, name: &str) -> (u64, u64) {
+    let m = host.metrics().into_iter().find(|m| m.name == name).unwrap();
+    (m.calls, m.decisions_reused)
+}
+
+#[test]
+fn declared_decision_inputs_let_the_host_reuse_decisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = json!({"tenants": {"acme": {"local": "llama-3-8b"}, "globex": {"local": "qwen"}}});
+    let host = host(dir.path());
+    upload(
+        &host,
+        "tenants",
+        PolicyKind::Router,
+        "tenant-router",
+        &cfg.to_string(),
+    );
+    // The tenant router declares tenant, headers and model; the alias
+    // router reads the backends, so it declares nothing.
+    let info = host.get("tenants").unwrap();
+    assert_eq!(
+        info.decision_inputs.as_deref(),
+        Some(&["model".to_string(), "headers".into(), "tenant".into()][..])
+    );
+    upload(
+        &host,
+        "alias",
+        PolicyKind::Router,
+        "alias-router",
+        &json!({"aliases": {}}).to_string(),
+    );
+    assert_eq!(host.get("alias").unwrap().decision_inputs, None);
+
+    host.bind(PolicyKind::Router, "tenants").unwrap();
+    let acme = tenant_facts("m", Some("acme"), &[]);
+    for _ in 0..50 {
+        assert_eq!(host.route(&acme, &[]).unwrap(), local_route("llama-3-8b"));
+    }
+    assert_eq!(calls_and_reuses(&host, "tenants"), (1, 49));
+    // Facts outside the declared set do not matter...
+    let mut other_counts = acme.clone();
+    other_counts.max_tokens = None;
+    other_counts.prompt_tokens = 7;
+    other_counts.streaming = true;
+    assert_eq!(
+        host.route(&other_counts, &[]).unwrap(),
+        local_route("llama-3-8b")
+    );
+    assert_eq!(calls_and_reuses(&host, "tenants"), (1, 50));
+    // ...declared ones each get their own call, then their own reuse.
+    let globex = tenant_facts("m", Some("globex"), &[]);
+    for _ in 0..3 {
+        assert_eq!(host.route(&globex, &[]).unwrap(), local_route("qwen"));
+    }
+    assert_eq!(calls_and_reuses(&host, "tenants"), (2, 52));
+
+    // A new upload replaces the decisions along with the code and config.
+    let cfg = json!({"tenants": {"acme": {"local": "mistral"}}});
+    upload(
+        &host,
+        "tenants",
+        PolicyKind::Router,
+        "tenant-router",
+        &cfg.to_string(),
+    );
+    assert_eq!(host.route(&acme, &[]).unwrap(), local_route("mistral"));
+    assert_eq!(calls_and_reuses(&host, "tenants"), (3, 52));
+
+    // The declaration is stored with the policy: after a restart the
+    // decisions are reused without asking the guest again.
+    drop(host);
+    let host = common::host(dir.path());
+    assert_eq!(
+        host.get("tenants").unwrap().decision_inputs,
+        info.decision_inputs
+    );
+    for _ in 0..3 {
+        assert_eq!(host.route(&acme, &[]).unwrap(), local_route("mistral"));
+    }
+    assert_eq!(calls_and_reuses(&host, "tenants"), (1, 2));
+
+    // A router that declares nothing is called for every request.
+    host.bind(PolicyKind::Router, "alias").unwrap();
+    let backends = [local("m", 0, 0)];
+    for _ in 0..3 {
+        assert_eq!(host.route(&acme, &backends).unwrap(), local_route("m"));
+    }
+    assert_eq!(calls_and_reuses(&host, "alias"), (3, 0));
+}
+
 #[test]
 fn alias_router_bad_config_is_refused_at_upload() {
     let dir = tempfile::tempdir().unwrap();

@@ -335,8 +335,8 @@ fn upload_validation_errors_are_distinct() {
                 ..PolicyOptions::default()
             },
         )
-        .expect("0.2.1 accepted");
-    assert_eq!(info.interface, "mlxgate:policy/router@0.2.1");
+        .expect("0.3.1 accepted");
+    assert_eq!(info.interface, "mlxgate:policy/router@0.3.1");
     assert_eq!(
         host.route_with("patch", &facts("m"), &[]).unwrap(),
         RouteDecision::Local { model: "m".into() }

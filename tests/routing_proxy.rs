@@ -132,6 +132,16 @@ fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["path"], "/v1/completions");
+    // The tenant router declares its decision inputs (tenant, headers,
+    // model), so the second request, on another path, reused the first's
+    // decision instead of calling the guest.
+    let metrics = s.get("/metrics").text();
+    for line in [
+        r#"mlxgate_policy_calls_total{policy="tenants",kind="router"} 1"#,
+        r#"mlxgate_policy_decisions_reused_total{policy="tenants",kind="router"} 1"#,
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
+    }
 
     // Routing fields of the wrong type: left to the local validation (400).
     let mut bad = chat("gpt-4o");

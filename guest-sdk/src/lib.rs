@@ -2,7 +2,7 @@
 //!
 //! Each guest kind (router, adapter selector, dataset transform) is a WIT world
 //! in `wit/policy.wit` that exports one versioned interface of the package
-//! `mlxgate:policy@0.2.0`. This crate turns each world into a Rust trait with
+//! `mlxgate:policy@0.3.0`. This crate turns each world into a Rust trait with
 //! state created once per instance from the operator's configuration string,
 //! plus an export macro that wires the trait to the component exports:
 //!
@@ -51,7 +51,7 @@ pub mod bindings {
             export_macro_name: "__export_adapter_world",
             default_bindings_module: "mlxgate_guest::bindings::adapter",
             with: {
-                "mlxgate:policy/types@0.2.0": crate::bindings::router::mlxgate::policy::types,
+                "mlxgate:policy/types@0.3.0": crate::bindings::router::mlxgate::policy::types,
             },
         });
     }
@@ -208,6 +208,7 @@ pub mod router {
     pub use crate::bindings::router::exports::mlxgate::policy::router::{
         Rejection, RouteDecision, UpstreamTarget,
     };
+    pub use crate::bindings::router::mlxgate::policy::types::FactSet;
     pub use crate::types::{BackendKind, BackendState, RequestFacts};
 
     /// A routing policy. `init` runs once per fresh instance with the operator's
@@ -216,6 +217,17 @@ pub mod router {
     pub trait Router: Sized + Send + Sync + 'static {
         fn init(config: &str) -> Result<Self, String>;
         fn route(&self, facts: &RequestFacts, backends: &[BackendState]) -> RouteDecision;
+
+        /// The facts `route`'s decisions depend on, when they depend on
+        /// nothing else (not the backends' state, not earlier calls): the
+        /// gateway then calls `route` once per distinct combination of them
+        /// and reuses the decision for requests that agree on them, e.g.
+        /// `Some(FactSet::TENANT | FactSet::MODEL)`. The default, `None`,
+        /// calls `route` for every request; keep it for policies that
+        /// balance load, count or rotate.
+        fn decision_inputs(&self) -> Option<FactSet> {
+            None
+        }
     }
 
     impl RouteDecision {
@@ -303,7 +315,7 @@ pub mod __private {
 }
 
 /// Exports a [`router::Router`] implementation as the component's
-/// `mlxgate:policy/router@0.2.0` interface. Use once per guest crate.
+/// `mlxgate:policy/router@0.3.0` interface. Use once per guest crate.
 #[macro_export]
 macro_rules! export_router {
     ($ty:ty) => {
@@ -328,6 +340,11 @@ macro_rules! export_router {
                     let facts = $crate::router::RequestFacts::from_wit(&facts);
                     <$ty as $crate::router::Router>::route(state, &facts, &backends)
                 }
+                fn decision_inputs() -> Option<$crate::router::FactSet> {
+                    let state =
+                        $crate::__private::state(&STATE, <$ty as $crate::router::Router>::init);
+                    <$ty as $crate::router::Router>::decision_inputs(state)
+                }
             }
             $crate::bindings::router::__export_router_world!(
                 MlxgateRouterExport with_types_in $crate::bindings::router
@@ -337,7 +354,7 @@ macro_rules! export_router {
 }
 
 /// Exports an [`adapter::AdapterSelector`] implementation as the component's
-/// `mlxgate:policy/adapter-selector@0.2.0` interface.
+/// `mlxgate:policy/adapter-selector@0.3.0` interface.
 #[macro_export]
 macro_rules! export_adapter_selector {
     ($ty:ty) => {
@@ -373,7 +390,7 @@ macro_rules! export_adapter_selector {
 }
 
 /// Exports a [`dataset::DatasetTransform`] implementation as the component's
-/// `mlxgate:policy/dataset-transform@0.2.0` interface.
+/// `mlxgate:policy/dataset-transform@0.3.0` interface.
 #[macro_export]
 macro_rules! export_dataset_transform {
     ($ty:ty) => {

@@ -60,11 +60,11 @@ pub fn upload(host: &PolicyHost, name: &str, kind: PolicyKind, crate_name: &str,
         .unwrap_or_else(|e| panic!("upload {name}: {e}"));
 }
 
-pub fn facts(model: &str) -> RequestFacts {
+pub fn facts(model: &str) -> RequestFacts<'_> {
     RequestFacts {
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        model: model.into(),
+        method: "POST",
+        path: "/v1/chat/completions",
+        model,
         headers: vec![],
         api_key_id: None,
         tenant: None,
@@ -74,13 +74,14 @@ pub fn facts(model: &str) -> RequestFacts {
     }
 }
 
-pub fn tenant_facts(model: &str, tenant: Option<&str>, headers: &[(&str, &str)]) -> RequestFacts {
+pub fn tenant_facts<'a>(
+    model: &'a str,
+    tenant: Option<&'a str>,
+    headers: &[(&'a str, &'a str)],
+) -> RequestFacts<'a> {
     RequestFacts {
-        tenant: tenant.map(str::to_string),
-        headers: headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
+        tenant,
+        headers: headers.to_vec(),
         ..facts(model)
     }
 }

@@ -135,18 +135,18 @@ impl From<UpstreamError> for ApiError {
 }
 
 /// The facts a router sees, from the request head and what the handler
-/// knows. `prompt_tokens` is 0 when not counted yet.
+/// knows, borrowed from them. `prompt_tokens` is 0 when not counted yet.
 #[allow(clippy::too_many_arguments)]
-pub fn request_facts(
-    method: &Method,
-    path: &str,
-    headers: &HeaderMap,
-    caller: Option<&Caller>,
-    model: &str,
+pub fn request_facts<'a>(
+    method: &'a Method,
+    path: &'a str,
+    headers: &'a HeaderMap,
+    caller: Option<&'a Caller>,
+    model: &'a str,
     prompt_tokens: u32,
     max_tokens: Option<u32>,
     streaming: bool,
-) -> RequestFacts {
+) -> RequestFacts<'a> {
     let mut selected = Vec::new();
     for n in POLICY_HEADERS {
         let Some(v) = headers.get(n).and_then(|v| v.to_str().ok()) else {
@@ -156,15 +156,15 @@ pub fn request_facts(
         while !v.is_char_boundary(end) {
             end -= 1;
         }
-        selected.push((n.to_owned(), v[..end].to_owned()));
+        selected.push((n, &v[..end]));
     }
     RequestFacts {
-        method: method.as_str().to_owned(),
-        path: path.to_owned(),
-        model: model.to_owned(),
+        method: method.as_str(),
+        path,
+        model,
         headers: selected,
-        api_key_id: caller.map(|c| c.key_id.clone()),
-        tenant: caller.map(|c| c.tenant.clone()),
+        api_key_id: caller.map(|c| c.key_id.as_str()),
+        tenant: caller.map(|c| c.tenant.as_str()),
         prompt_tokens,
         max_tokens,
         streaming,
@@ -247,10 +247,10 @@ fn default_route(state: &AppState, model: &str) -> Destination {
 
 /// Decides where a request goes. No router bound: [`default_route`]; the
 /// facts and backend states are only gathered when a router is bound.
-pub async fn route_request(
+pub async fn route_request<'a>(
     state: &AppState,
     model: &str,
-    facts: impl FnOnce() -> RequestFacts,
+    facts: impl FnOnce() -> RequestFacts<'a>,
 ) -> Result<Destination, ApiError> {
     let Some(host) = policy_host(state).await? else {
         return Ok(default_route(state, model));
@@ -421,9 +421,9 @@ mod tests {
             Some(5),
             true,
         );
-        assert_eq!(f.headers[0], ("x-tenant".into(), "acme".into()));
+        assert_eq!(f.headers[0], ("x-tenant", "acme"));
         assert_eq!(f.headers.len(), 2);
-        assert!(f.headers.iter().all(|(k, _)| k != "authorization"));
+        assert!(f.headers.iter().all(|(k, _)| *k != "authorization"));
         assert!(f.headers[1].1.len() <= MAX_HEADER_VALUE);
         assert_eq!((f.max_tokens, f.streaming), (Some(5), true));
     }

@@ -73,9 +73,9 @@ impl<T> Packed<T> {
         let mut text = Text(String::with_capacity(256));
         let mut facts = wit::RequestFacts {
             text: String::new(),
-            method: text.span(&f.method),
-            path: text.span(&f.path),
-            model: text.span(&f.model),
+            method: text.span(f.method),
+            path: text.span(f.path),
+            model: text.span(f.model),
             headers: f
                 .headers
                 .iter()
@@ -84,8 +84,8 @@ impl<T> Packed<T> {
                     value: text.span(value),
                 })
                 .collect(),
-            api_key_id: text.span(f.api_key_id.as_deref().unwrap_or_default()),
-            tenant: text.span(f.tenant.as_deref().unwrap_or_default()),
+            api_key_id: text.span(f.api_key_id.unwrap_or_default()),
+            tenant: text.span(f.tenant.unwrap_or_default()),
             prompt_tokens: f.prompt_tokens,
             max_tokens: f.max_tokens,
             streaming: f.streaming,

@@ -273,6 +273,16 @@ fn push(a: PushArgs) -> anyhow::Result<()> {
         info.size_bytes,
         info.interface
     );
+    if let Some(inputs) = &info.decision_inputs {
+        if inputs.is_empty() {
+            println!("its one decision is reused for every request (it declared no inputs)");
+        } else {
+            println!(
+                "its decisions are reused for requests with the same {}",
+                inputs.join(", ")
+            );
+        }
+    }
     Ok(())
 }
 

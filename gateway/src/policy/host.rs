@@ -16,6 +16,7 @@ use super::bindings::{Packed, dataset, router};
 use super::engine::{HostConfig, PolicyEngine};
 use super::error::{FailureKind, PolicyError};
 use super::metrics::{Counters, PolicyMetrics};
+use super::reuse::fact_names;
 use super::runtime::{Bound, Budget, Failure, HostState, LoadedPolicy, truncate};
 use super::storage::{Bindings, Storage, StoredMeta, sha256_hex};
 use super::types::{
@@ -197,7 +198,7 @@ impl PolicyHost {
             }
         }
         let sha = sha256_hex(bytes);
-        let info = PolicyInfo {
+        let mut info = PolicyInfo {
             name: name.to_string(),
             kind,
             sha256: sha.clone(),
@@ -212,6 +213,7 @@ impl PolicyHost {
             version: previous.map_or(1, |p| p.info.version + 1),
             origin: LoadOrigin::Uploaded,
             bound_as: vec![],
+            decision_inputs: None,
         };
         // Fresh counters for validation so probe calls do not count; the
         // name's real counters are attached once the policy is accepted.
@@ -224,7 +226,7 @@ impl PolicyHost {
             Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )?;
-        synthetic_call(&probe)?;
+        info.decision_inputs = synthetic_call(&probe)?;
 
         self.storage.save_blob(&sha, bytes)?;
         self.storage
@@ -369,22 +371,22 @@ impl PolicyHost {
         backends: &[BackendState],
     ) -> Result<RouteDecision, PolicyError> {
         let p = self.bound(PolicyKind::Router)?;
-        route_on(&p, facts, backends)
+        decide(&p, facts, || backends)
     }
 
-    /// [`PolicyHost::route`] for the request path: the facts and backend
-    /// states are only gathered when a router is bound (else
-    /// `Err(NotBound)`, which is fail-open).
-    pub fn route_if_bound(
+    /// [`PolicyHost::route`] for the request path: the facts are only
+    /// gathered when a router is bound (else `Err(NotBound)`, which is
+    /// fail-open), and the backend states only when the guest is called.
+    pub fn route_if_bound<'a>(
         &self,
-        facts: impl FnOnce() -> RequestFacts,
+        facts: impl FnOnce() -> RequestFacts<'a>,
         backends: impl FnOnce() -> Vec<BackendState>,
     ) -> Result<RouteDecision, PolicyError> {
         let p = self.bound(PolicyKind::Router)?;
-        route_on(&p, &facts(), &backends())
+        decide(&p, &facts(), backends)
     }
 
-    /// Calls the router policy `name` directly (dry runs, tests).
+    /// Asks the router policy `name` directly (dry runs, tests).
     pub fn route_with(
         &self,
         name: &str,
@@ -392,7 +394,7 @@ impl PolicyHost {
         backends: &[BackendState],
     ) -> Result<RouteDecision, PolicyError> {
         let p = self.policy(name, PolicyKind::Router)?;
-        route_on(&p, facts, backends)
+        decide(&p, facts, || backends)
     }
 
     /// Asks the bound adapter selector which mounted adapters apply, in
@@ -547,6 +549,7 @@ impl PolicyHost {
             version: meta.version,
             origin,
             bound_as: vec![],
+            decision_inputs: meta.decision_inputs,
         };
         LoadedPolicy::new(
             engine,
@@ -579,6 +582,7 @@ fn to_meta(info: &PolicyInfo) -> StoredMeta {
         config: info.config.clone(),
         uploaded_at: info.uploaded_at,
         version: info.version,
+        decision_inputs: info.decision_inputs.clone(),
     }
 }
 
@@ -671,6 +675,38 @@ fn guest_error(p: &LoadedPolicy, (kind, detail): Failure) -> PolicyError {
 
 fn bad_output(msg: impl Into<String>) -> Failure {
     (FailureKind::BadOutput, msg.into())
+}
+
+/// The router `p`'s decision for `facts`: a reused one when `p` declared its
+/// decision inputs and a request agreeing on them was decided before (see
+/// `policy/reuse.rs`), else a call, whose decision is then kept.
+fn decide<B: AsRef<[BackendState]>>(
+    p: &LoadedPolicy,
+    facts: &RequestFacts,
+    backends: impl FnOnce() -> B,
+) -> Result<RouteDecision, PolicyError> {
+    let Some(table) = &p.decisions else {
+        return route_on(p, facts, backends().as_ref());
+    };
+    let key = table.key(facts);
+    if let Some(decision) = table.get(&key) {
+        p.counters.decision_reused();
+        return Ok(decision);
+    }
+    let decision = route_on(p, facts, backends().as_ref())?;
+    table.insert(key, decision.clone());
+    Ok(decision)
+}
+
+/// The facts a router declares its decisions depend on (WIT names), asked
+/// once at upload.
+fn declared_inputs(p: &LoadedPolicy) -> Result<Option<Vec<String>>, PolicyError> {
+    p.call(Budget::of(&p.info.limits, 1), |store, b| match b {
+        Bound::Router(r) => r.mlxgate_policy_router().call_decision_inputs(store),
+        _ => wasmtime::bail!("not a router"),
+    })
+    .map(|inputs| inputs.map(fact_names))
+    .map_err(|f| guest_error(p, f))
 }
 
 fn route_on(
@@ -826,11 +862,11 @@ fn transform_on(p: &LoadedPolicy, records: &[String]) -> Result<Vec<RecordOutcom
 }
 
 /// Facts of the upload probe call. Policies see model `mlxgate-probe`.
-pub fn probe_facts() -> RequestFacts {
+pub fn probe_facts() -> RequestFacts<'static> {
     RequestFacts {
-        method: "POST".to_string(),
-        path: "/v1/chat/completions".to_string(),
-        model: "mlxgate-probe".to_string(),
+        method: "POST",
+        path: "/v1/chat/completions",
+        model: "mlxgate-probe",
         headers: vec![],
         api_key_id: None,
         tenant: None,
@@ -840,10 +876,11 @@ pub fn probe_facts() -> RequestFacts {
     }
 }
 
-/// One call on the freshly loaded policy, within its limits, at upload. A
-/// timeout is retried once: a guest that loops fails twice, while a thread
-/// stalled by the OS for a few milliseconds should not fail an upload.
-fn synthetic_call(p: &LoadedPolicy) -> Result<(), PolicyError> {
+/// One call on the freshly loaded policy, within its limits, at upload; for
+/// a router, also its declared decision inputs. A timeout is retried once:
+/// a guest that loops fails twice, while a thread stalled by the OS for a
+/// few milliseconds should not fail an upload.
+fn synthetic_call(p: &LoadedPolicy) -> Result<Option<Vec<String>>, PolicyError> {
     match probe_once(p) {
         Err(PolicyError::ValidationFailed {
             kind: FailureKind::Timeout,
@@ -853,7 +890,7 @@ fn synthetic_call(p: &LoadedPolicy) -> Result<(), PolicyError> {
     }
 }
 
-fn probe_once(p: &LoadedPolicy) -> Result<(), PolicyError> {
+fn probe_once(p: &LoadedPolicy) -> Result<Option<Vec<String>>, PolicyError> {
     let facts = probe_facts();
     let outcome = match p.info.kind {
         PolicyKind::Router => {
@@ -864,7 +901,7 @@ fn probe_once(p: &LoadedPolicy) -> Result<(), PolicyError> {
                 in_flight: 0,
                 queue_depth: 0,
             }];
-            route_on(p, &facts, &backends).map(drop)
+            route_on(p, &facts, &backends).and_then(|_| declared_inputs(p))
         }
         PolicyKind::AdapterSelector => {
             let adapters = [AdapterInfo {
@@ -873,14 +910,14 @@ fn probe_once(p: &LoadedPolicy) -> Result<(), PolicyError> {
                 scale: 1.0,
                 base_model: "mlxgate-probe".to_string(),
             }];
-            select_on(p, &facts, &adapters).map(drop)
+            select_on(p, &facts, &adapters).map(|_| None)
         }
         PolicyKind::DatasetTransform => transform_on(p, &["{}".to_string()])
             .map_err(|f| guest_error(p, f))
-            .map(drop),
+            .map(|_| None),
     };
     match outcome {
-        Ok(()) => Ok(()),
+        Ok(inputs) => Ok(inputs),
         Err(PolicyError::Guest {
             kind: FailureKind::InitFailed,
             detail,

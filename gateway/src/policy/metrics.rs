@@ -23,6 +23,7 @@ pub(crate) struct Counters {
     buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
     latency_sum_ns: AtomicU64,
     instances_created: AtomicU64,
+    decisions_reused: AtomicU64,
 }
 
 impl Counters {
@@ -41,6 +42,11 @@ impl Counters {
 
     pub(crate) fn instance_created(&self) {
         self.instances_created.fetch_add(1, Relaxed);
+    }
+
+    /// A request answered by a reused decision, without a call.
+    pub(crate) fn decision_reused(&self) {
+        self.decisions_reused.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn snapshot(&self, name: &str, kind: PolicyKind) -> PolicyMetrics {
@@ -64,6 +70,7 @@ impl Counters {
             latency_buckets: buckets,
             latency_sum_seconds: self.latency_sum_ns.load(Relaxed) as f64 / 1e9,
             instances_created: self.instances_created.load(Relaxed),
+            decisions_reused: self.decisions_reused.load(Relaxed),
         }
     }
 }
@@ -83,6 +90,9 @@ pub struct PolicyMetrics {
     pub latency_sum_seconds: f64,
     /// Fresh instances made (first use, after traps, after reuse limits).
     pub instances_created: u64,
+    /// Requests a router answered with a reused decision, not counted in
+    /// `calls` (see `decision-inputs` in the WIT).
+    pub decisions_reused: u64,
 }
 
 impl PolicyMetrics {
@@ -96,7 +106,8 @@ impl PolicyMetrics {
 
 /// Renders metrics in the Prometheus text format (families
 /// `mlxgate_policy_calls_total`, `mlxgate_policy_failures_total`,
-/// `mlxgate_policy_call_duration_seconds`, `mlxgate_policy_instances_created_total`).
+/// `mlxgate_policy_call_duration_seconds`, `mlxgate_policy_instances_created_total`,
+/// `mlxgate_policy_decisions_reused_total`).
 pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
     let mut out = String::new();
     let esc = |s: &str| {
@@ -166,6 +177,19 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
             esc(&m.name),
             m.kind,
             m.instances_created
+        );
+    }
+    out.push_str(
+        "# HELP mlxgate_policy_decisions_reused_total Requests answered with a reused router decision, without a call.\n",
+    );
+    out.push_str("# TYPE mlxgate_policy_decisions_reused_total counter\n");
+    for m in metrics {
+        let _ = writeln!(
+            out,
+            "mlxgate_policy_decisions_reused_total{{policy=\"{}\",kind=\"{}\"}} {}",
+            esc(&m.name),
+            m.kind,
+            m.decisions_reused
         );
     }
     out

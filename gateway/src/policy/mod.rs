@@ -1,7 +1,7 @@
 //! The Wasm policy host: one engine, linker and instance pools for all guests.
 //!
 //! Operators upload WebAssembly components implementing one of the worlds in
-//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.2.0`): a router, an
+//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.3.0`): a router, an
 //! adapter selector or a dataset transform. [`PolicyHost`] validates and
 //! precompiles them, stores them durably under the data dir, and calls them
 //! under strict limits (deadline, fuel, memory, stack; no capabilities at all:
@@ -15,6 +15,7 @@ mod error;
 mod host;
 pub mod jsonl;
 mod metrics;
+mod reuse;
 mod runtime;
 mod storage;
 mod types;

@@ -20,6 +20,7 @@ use super::bindings::{adapter, dataset, router};
 use super::engine::Watchdog;
 use super::error::{FailureKind, PolicyError};
 use super::metrics::Counters;
+use super::reuse::DecisionTable;
 use super::types::{Limits, PolicyInfo, PolicyKind};
 
 /// Wall-clock budget for a fresh instance's `init`.
@@ -139,6 +140,8 @@ pub(crate) struct LoadedPolicy {
     pub(crate) info: PolicyInfo,
     pub(crate) counters: Arc<Counters>,
     pub(crate) watchdog: Arc<Watchdog>,
+    /// Reusable decisions, for a router that declared its decision inputs.
+    pub(crate) decisions: Option<DecisionTable>,
     engine: Engine,
     pre: Pre,
     pool: Mutex<Vec<Warm>>,
@@ -173,6 +176,7 @@ impl LoadedPolicy {
             ),
         };
         Ok(LoadedPolicy {
+            decisions: info.decision_inputs.as_deref().map(DecisionTable::new),
             info,
             counters,
             watchdog,

@@ -34,6 +34,9 @@ pub(crate) struct StoredMeta {
     pub(crate) config: Option<String>,
     pub(crate) uploaded_at: u64,
     pub(crate) version: u64,
+    /// A router's declared decision inputs (see `PolicyInfo`).
+    #[serde(default)]
+    pub(crate) decision_inputs: Option<Vec<String>>,
 }
 
 /// Bound policy names, by kind.

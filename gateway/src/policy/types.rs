@@ -6,7 +6,7 @@ pub use super::bindings::BackendKind;
 
 /// Major.minor of `mlxgate:policy` (`guest-sdk/wit/policy.wit`) this host
 /// speaks; components exporting any patch version of it are accepted.
-pub(crate) const API_VERSION: &str = "0.2";
+pub(crate) const API_VERSION: &str = "0.3";
 
 /// The guest kinds; each is one WIT world exporting one interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -152,7 +152,7 @@ pub struct PolicyInfo {
     /// sha256 of the component bytes, hex.
     pub sha256: String,
     pub size_bytes: u64,
-    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.2.0`.
+    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.0`.
     pub interface: String,
     pub limits: Limits,
     pub on_error: OnError,
@@ -164,25 +164,31 @@ pub struct PolicyInfo {
     pub origin: LoadOrigin,
     /// Kinds this policy is currently bound for.
     pub bound_as: Vec<PolicyKind>,
+    /// For a router that declared them at upload (`decision-inputs`): the
+    /// request facts its decisions depend on, by WIT name (`tenant`,
+    /// `model`, ...). Its decisions are reused for requests that agree on
+    /// them. `None`: every request calls the guest.
+    #[serde(default)]
+    pub decision_inputs: Option<Vec<String>>,
 }
 
 /// What the gateway knows about a request before it is scheduled, as the
-/// host's callers give it; the call packs every string into one text (see
-/// `request-facts` in the WIT).
+/// host's callers give it, borrowed from the request; the call packs every
+/// string into one text (see `request-facts` in the WIT).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RequestFacts {
+pub struct RequestFacts<'a> {
     /// HTTP method, upper case.
-    pub method: String,
-    pub path: String,
+    pub method: &'a str,
+    pub path: &'a str,
     /// The model the client asked for, verbatim.
-    pub model: String,
+    pub model: &'a str,
     /// The headers selected for policies, (lower-case name, value).
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<(&'a str, &'a str)>,
     /// `None` and `Some("")` reach guests alike, as an empty span (the SDK
     /// gives `None`): the spans are plain `u64`s to keep a call's arguments
     /// in registers.
-    pub api_key_id: Option<String>,
-    pub tenant: Option<String>,
+    pub api_key_id: Option<&'a str>,
+    pub tenant: Option<&'a str>,
     /// 0 when not counted yet.
     pub prompt_tokens: u32,
     pub max_tokens: Option<u32>,

@@ -91,6 +91,12 @@ impl Router for TenantRouter {
             (None, None) => RouteDecision::Local(facts.model.to_string()),
         }
     }
+
+    /// Decisions follow from the tenant (key or header) and the model
+    /// alone, so the gateway may reuse them.
+    fn decision_inputs(&self) -> Option<FactSet> {
+        Some(FactSet::TENANT | FactSet::HEADERS | FactSet::MODEL)
+    }
 }
 
 mlxgate_guest::export_router!(TenantRouter);

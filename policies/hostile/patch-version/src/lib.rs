@@ -1,13 +1,13 @@
-//! A router built against `mlxgate:policy@0.2.1`, without the SDK: patch versions of the
+//! A router built against `mlxgate:policy@0.3.1`, without the SDK: patch versions of the
 //! interface are compatible, so upload must succeed and calls must work.
 
 wit_bindgen::generate!({ path: "wit", world: "router-policy" });
 
-use exports::mlxgate::policy::router::{BackendState, Guest, RequestFacts, RouteDecision};
+use exports::mlxgate::policy::router::{BackendState, FactSet, Guest, RequestFacts, RouteDecision};
 
-struct V021;
+struct V031;
 
-impl Guest for V021 {
+impl Guest for V031 {
     fn init(_config: String) -> Result<(), String> {
         Ok(())
     }
@@ -18,6 +18,10 @@ impl Guest for V021 {
         let model = &facts.text[start..start + len];
         RouteDecision::Local(model.to_string())
     }
+
+    fn decision_inputs() -> Option<FactSet> {
+        None
+    }
 }
 
-export!(V021);
+export!(V031);

@@ -1,0 +1,229 @@
+//! Reused routing decisions. A router may declare, once after `init`, which
+//! request facts its decisions depend on (`decision-inputs` in the WIT),
+//! promising that `route` ignores the backends' state and keeps no state
+//! between calls. Its decisions are then pure functions of those facts, so
+//! the host calls the guest once per distinct combination of them and
+//! answers later requests that agree on them from a table: a lookup instead
+//! of a guest call of several microseconds (most of a proxied request's
+//! routing cost). The table lives with one loaded version of the policy, so
+//! an upload starts it empty.
+
+use std::collections::HashMap;
+use std::sync::{PoisonError, RwLock};
+
+use super::bindings::router::mlxgate::policy::types::FactSet;
+use super::types::{RequestFacts, RouteDecision};
+
+/// Most decisions kept per policy. Past it the table starts over: distinct
+/// combinations beyond this many (say, a policy keyed on a header clients
+/// choose freely) cost a guest call each, as without reuse, and never more
+/// memory.
+const MAX_DECISIONS: usize = 4096;
+
+/// Each fact with its WIT name, in WIT order.
+const FACTS: [(FactSet, &str); 9] = [
+    (FactSet::METHOD, "method"),
+    (FactSet::PATH, "path"),
+    (FactSet::MODEL, "model"),
+    (FactSet::HEADERS, "headers"),
+    (FactSet::API_KEY_ID, "api-key-id"),
+    (FactSet::TENANT, "tenant"),
+    (FactSet::PROMPT_TOKENS, "prompt-tokens"),
+    (FactSet::MAX_TOKENS, "max-tokens"),
+    (FactSet::STREAMING, "streaming"),
+];
+
+/// The WIT names of the facts in `set`, in WIT order.
+pub(crate) fn fact_names(set: FactSet) -> Vec<String> {
+    FACTS
+        .iter()
+        .filter(|(f, _)| set.contains(*f))
+        .map(|(_, name)| (*name).to_string())
+        .collect()
+}
+
+/// The set named by `names` (unknown names are ignored: they can only come
+/// from metadata written by a newer gateway).
+fn fact_set(names: &[String]) -> FactSet {
+    FACTS
+        .iter()
+        .filter(|(_, name)| names.iter().any(|n| n == name))
+        .fold(FactSet::empty(), |set, (f, _)| set | *f)
+}
+
+/// The decisions of one loaded router version, keyed by the facts it
+/// declared.
+pub(crate) struct DecisionTable {
+    inputs: FactSet,
+    decisions: RwLock<HashMap<Box<[u8]>, RouteDecision>>,
+}
+
+impl DecisionTable {
+    /// A table for a router whose decisions depend on the facts `names`.
+    pub(crate) fn new(names: &[String]) -> Self {
+        DecisionTable {
+            inputs: fact_set(names),
+            decisions: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The facts of `facts` that decisions depend on, encoded without
+    /// ambiguity (strings length-prefixed; a missing key id or tenant reads
+    /// as "", as guests see it).
+    pub(crate) fn key(&self, facts: &RequestFacts) -> Vec<u8> {
+        let mut key = Vec::with_capacity(64);
+        let text = |key: &mut Vec<u8>, s: &str| {
+            key.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            key.extend_from_slice(s.as_bytes());
+        };
+        let has = |f: FactSet| self.inputs.contains(f);
+        if has(FactSet::METHOD) {
+            text(&mut key, facts.method);
+        }
+        if has(FactSet::PATH) {
+            text(&mut key, facts.path);
+        }
+        if has(FactSet::MODEL) {
+            text(&mut key, facts.model);
+        }
+        if has(FactSet::HEADERS) {
+            key.extend_from_slice(&(facts.headers.len() as u64).to_le_bytes());
+            for (name, value) in &facts.headers {
+                text(&mut key, name);
+                text(&mut key, value);
+            }
+        }
+        if has(FactSet::API_KEY_ID) {
+            text(&mut key, facts.api_key_id.unwrap_or_default());
+        }
+        if has(FactSet::TENANT) {
+            text(&mut key, facts.tenant.unwrap_or_default());
+        }
+        if has(FactSet::PROMPT_TOKENS) {
+            key.extend_from_slice(&facts.prompt_tokens.to_le_bytes());
+        }
+        if has(FactSet::MAX_TOKENS) {
+            match facts.max_tokens {
+                Some(n) => {
+                    key.push(1);
+                    key.extend_from_slice(&n.to_le_bytes());
+                }
+                None => key.push(0),
+            }
+        }
+        if has(FactSet::STREAMING) {
+            key.push(u8::from(facts.streaming));
+        }
+        key
+    }
+
+    /// The decision made for `key`, if any.
+    pub(crate) fn get(&self, key: &[u8]) -> Option<RouteDecision> {
+        self.decisions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .cloned()
+    }
+
+    /// Keeps `decision` for `key`; a full table starts over first.
+    pub(crate) fn insert(&self, key: Vec<u8>, decision: RouteDecision) {
+        let mut decisions = self
+            .decisions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if decisions.len() >= MAX_DECISIONS {
+            decisions.clear();
+        }
+        decisions.insert(key.into_boxed_slice(), decision);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.decisions.read().unwrap().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts<'a>(model: &'a str, tenant: Option<&'a str>, max: Option<u32>) -> RequestFacts<'a> {
+        RequestFacts {
+            method: "POST",
+            path: "/v1/chat/completions",
+            model,
+            tenant,
+            max_tokens: max,
+            ..RequestFacts::default()
+        }
+    }
+
+    fn local(model: &str) -> RouteDecision {
+        RouteDecision::Local {
+            model: model.to_string(),
+        }
+    }
+
+    #[test]
+    fn names_round_trip_in_wit_order() {
+        let set = FactSet::TENANT | FactSet::MODEL | FactSet::STREAMING;
+        let names = fact_names(set);
+        assert_eq!(names, ["model", "tenant", "streaming"]);
+        assert_eq!(fact_set(&names).as_array(), set.as_array());
+        assert_eq!(fact_set(&["nonsense".to_string()]).as_array(), [0]);
+    }
+
+    #[test]
+    fn keys_see_only_the_declared_facts() {
+        let table = DecisionTable::new(&fact_names(FactSet::TENANT | FactSet::MODEL));
+        let a = table.key(&facts("m", Some("acme"), Some(5)));
+        // Facts outside the declared set do not change the key...
+        assert_eq!(a, table.key(&facts("m", Some("acme"), None)));
+        // ...declared ones do.
+        assert_ne!(a, table.key(&facts("m2", Some("acme"), Some(5))));
+        assert_ne!(a, table.key(&facts("m", Some("globex"), Some(5))));
+        // A missing tenant is "", as guests see it.
+        assert_eq!(
+            table.key(&facts("m", None, None)),
+            table.key(&facts("m", Some(""), None))
+        );
+    }
+
+    #[test]
+    fn keys_are_unambiguous_across_field_boundaries() {
+        let table = DecisionTable::new(&fact_names(FactSet::TENANT | FactSet::MODEL));
+        assert_ne!(
+            table.key(&facts("ab", Some("c"), None)),
+            table.key(&facts("a", Some("bc"), None))
+        );
+        let headers = DecisionTable::new(&fact_names(FactSet::HEADERS));
+        let with = |h: Vec<(&'static str, &'static str)>| RequestFacts {
+            headers: h,
+            ..RequestFacts::default()
+        };
+        assert_ne!(
+            headers.key(&with(vec![("x-tenant", "a")])),
+            headers.key(&with(vec![("x-tenant", ""), ("a", "")]))
+        );
+        let max = DecisionTable::new(&fact_names(FactSet::MAX_TOKENS));
+        assert_ne!(
+            max.key(&facts("m", None, None)),
+            max.key(&facts("m", None, Some(0)))
+        );
+    }
+
+    #[test]
+    fn a_full_table_starts_over() {
+        let table = DecisionTable::new(&fact_names(FactSet::MODEL));
+        for i in 0..MAX_DECISIONS {
+            let model = i.to_string();
+            table.insert(table.key(&facts(&model, None, None)), local(&model));
+        }
+        assert_eq!(table.len(), MAX_DECISIONS);
+        let key = table.key(&facts("one more", None, None));
+        table.insert(key.clone(), local("x"));
+        assert_eq!(table.len(), 1);
+        assert_eq!(table.get(&key), Some(local("x")));
+    }
+}
