@@ -11,7 +11,8 @@
 //! missing, builds the policies, then `cargo bench -p mlxgate --bench
 //! proxy_throughput`). Load: `wrk`, keep-alive connections, fixed duration;
 //! the targets are measured in interleaved rounds so machine noise hits each
-//! alike; the medians are reported. `PROXY_THROUGHPUT_PROFILE=none`,
+//! alike; the medians are reported (`PROXY_THROUGHPUT_ROUNDS`, default 5).
+//! `PROXY_THROUGHPUT_PROFILE=none`,
 //! `=policy`, `=called` or `=nginx` only loads that target, for a profiler.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -20,6 +21,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Rounds unless `PROXY_THROUGHPUT_ROUNDS` says otherwise (more rounds give
+/// steadier medians on a noisy machine).
 const ROUNDS: usize = 5;
 const SECS: u32 = 5;
 const CONNECTIONS: u32 = 32;
@@ -83,34 +86,47 @@ fn main() {
     }
     let gw_pids = || vec![gateway.child.id()];
     let nginx_pids = || nginx.pids();
-    let (mut none, mut policy, mut called, mut reference) = (vec![], vec![], vec![], vec![]);
-    for round in 1..=ROUNDS {
-        gateway.bind(None);
-        none.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
-        gateway.bind(Some(REUSED));
-        policy.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
-        gateway.bind(Some(CALLED));
-        called.push(measure(&wrk, &script, &url(gateway.addr), &gw_pids));
-        reference.push(measure(&wrk, &script, &url(nginx.addr), &nginx_pids));
+    // Samples per target: no router, REUSED bound, CALLED bound, nginx.
+    let mut samples: [Vec<Sample>; 4] = Default::default();
+    let rounds = std::env::var("PROXY_THROUGHPUT_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|r| *r > 0)
+        .unwrap_or(ROUNDS);
+    for round in 1..=rounds {
+        // Each round starts with another target, so that no target always
+        // follows the same one.
+        for t in (0..4).map(|i| (i + round - 1) % 4) {
+            let sample = match t {
+                3 => measure(&wrk, &script, &url(nginx.addr), &nginx_pids),
+                _ => {
+                    gateway.bind([None, Some(REUSED), Some(CALLED)][t]);
+                    measure(&wrk, &script, &url(gateway.addr), &gw_pids)
+                }
+            };
+            samples[t].push(sample);
+        }
+        let [none, policy, called, reference] = &samples;
         let last = |v: &[Sample]| v[round - 1];
         println!(
             "round {round}: gateway, no policy {}; + tenant-router {}; + least-loaded {}; nginx {}",
-            last(&none),
-            last(&policy),
-            last(&called),
-            last(&reference)
+            last(none),
+            last(policy),
+            last(called),
+            last(reference)
         );
     }
     let med = |v: &[Sample], f: fn(&Sample) -> f64| {
         let mut x: Vec<f64> = v.iter().map(f).collect();
         median(&mut x)
     };
+    let [none, policy, called, reference] = &samples;
     let rps = |v: &[Sample]| med(v, |s| s.rps);
     let cpu = |v: &[Sample]| med(v, |s| s.cpu_us);
-    let (n, p, c, x) = (rps(&none), rps(&policy), rps(&called), rps(&reference));
-    let (cn, cp, cc, cx) = (cpu(&none), cpu(&policy), cpu(&called), cpu(&reference));
+    let (n, p, c, x) = (rps(none), rps(policy), rps(called), rps(reference));
+    let (cn, cp, cc, cx) = (cpu(none), cpu(policy), cpu(called), cpu(reference));
     println!(
-        "\n{ROUNDS} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
+        "\n{rounds} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
     );
     println!("| target | requests/s | vs nginx | proxy CPU per request | vs nginx |");
     println!("| --- | --- | --- | --- | --- |");

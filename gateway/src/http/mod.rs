@@ -443,6 +443,13 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    // Answers go out as soon as they are written, as
+                    // nginx's `tcp_nodelay on` does for keep-alive clients;
+                    // without it a small answer can wait for the client's
+                    // delayed ACK.
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+                    }
                     let state = Arc::clone(&state);
                     let service = service_fn(move |req| handle(Arc::clone(&state), req, peer));
                     let conn = hyper::server::conn::http1::Builder::new()
