@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -49,8 +49,13 @@ pub fn routes() -> Vec<Route> {
     })]
 }
 
-/// Request headers a router policy sees (lower-case), when present.
-pub const POLICY_HEADERS: [&str; 3] = ["x-tenant", "x-priority", "x-user"];
+/// Request headers a router policy sees (lower-case), when present. Typed
+/// names: looking a header up by `&str` parses and checks the name first.
+pub static POLICY_HEADERS: [HeaderName; 3] = [
+    HeaderName::from_static("x-tenant"),
+    HeaderName::from_static("x-priority"),
+    HeaderName::from_static("x-user"),
+];
 
 /// Longest header value passed to a policy; longer ones are cut.
 const MAX_HEADER_VALUE: usize = 256;
@@ -148,7 +153,7 @@ pub fn request_facts<'a>(
     streaming: bool,
 ) -> RequestFacts<'a> {
     let mut selected = Vec::new();
-    for n in POLICY_HEADERS {
+    for n in &POLICY_HEADERS {
         let Some(v) = headers.get(n).and_then(|v| v.to_str().ok()) else {
             continue;
         };
@@ -156,7 +161,7 @@ pub fn request_facts<'a>(
         while !v.is_char_boundary(end) {
             end -= 1;
         }
-        selected.push((n, &v[..end]));
+        selected.push((n.as_str(), &v[..end]));
     }
     RequestFacts {
         method: method.as_str(),
