@@ -184,18 +184,20 @@ fn hostile_behaviour_at_upload_is_refused() {
         )
         .unwrap_err()
     };
-    let err = up("loop-always");
-    assert!(
-        matches!(
-            err,
-            PolicyError::ValidationFailed {
-                kind: FailureKind::Timeout,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert_eq!(err.status(), 422);
+    for config in ["loop-always", "loop-inputs"] {
+        let err = up(config);
+        assert!(
+            matches!(
+                err,
+                PolicyError::ValidationFailed {
+                    kind: FailureKind::Timeout,
+                    ..
+                }
+            ),
+            "{config}: {err}"
+        );
+        assert_eq!(err.status(), 422);
+    }
     let err = up("fail-init");
     assert!(
         matches!(err, PolicyError::InitRejected(ref m) if m.contains("fail-init")),

@@ -2,8 +2,9 @@
 //! picks the misbehaviour: `loop`, `oom`, `recurse`, `panic`, `huge` (a 1 MiB
 //! reject message), `grow` (answers after growing memory by 10 MiB); any
 //! other model is served locally as asked. Config `loop-always` makes every
-//! call loop (so upload validation must time out); `fail-init` makes `init`
-//! fail; `oom-init` exhausts memory in `init`.
+//! call loop (so upload validation must time out); `loop-inputs` makes
+//! `decision_inputs` loop (asked at upload, so that must time out too);
+//! `fail-init` makes `init` fail; `oom-init` exhausts memory in `init`.
 
 use std::hint::black_box;
 
@@ -11,6 +12,7 @@ use mlxgate_guest::router::*;
 
 struct Hostile {
     loop_always: bool,
+    loop_inputs: bool,
 }
 
 fn spin() -> ! {
@@ -49,9 +51,11 @@ impl Router for Hostile {
             "fail-init" => Err("refusing to start: fail-init".to_string()),
             "oom-init" => Ok(Hostile {
                 loop_always: hog() == 0,
+                loop_inputs: false,
             }),
             other => Ok(Hostile {
                 loop_always: other == "loop-always",
+                loop_inputs: other == "loop-inputs",
             }),
         }
     }
@@ -75,6 +79,13 @@ impl Router for Hostile {
             }
             _ => RouteDecision::Local(facts.model.to_string()),
         }
+    }
+
+    fn decision_inputs(&self) -> Option<FactSet> {
+        if self.loop_inputs {
+            spin();
+        }
+        None
     }
 }
 
