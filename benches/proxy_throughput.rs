@@ -157,6 +157,21 @@ fn main() {
         p / x,
         cp / cx
     );
+    // Ratios within each round: the targets of one round share its machine
+    // load, so these move less than ratios of medians.
+    let paired = |a: &[Sample], b: &[Sample]| {
+        let mut r: Vec<f64> = a.iter().zip(b).map(|(a, b)| a.rps / b.rps).collect();
+        let m = median(&mut r);
+        format!("{m:.3} ({:.3}-{:.3})", r[0], r[r.len() - 1])
+    };
+    println!(
+        "per-round throughput ratios, median (range): tenant-router / none {}; least-loaded / none {}; \
+         tenant-router / nginx {}; none / nginx {}",
+        paired(policy, none),
+        paired(called, none),
+        paired(policy, reference),
+        paired(none, reference)
+    );
     drop(gateway);
     drop(nginx);
 }
