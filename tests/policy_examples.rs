@@ -53,14 +53,19 @@ fn calls_and_reuses(host: &mlxgate::policy::PolicyHost, name: &str) -> (u64, u64
 #[test]
 fn declared_decision_inputs_let_the_host_reuse_decisions() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = json!({"tenants": {"acme": {"local": "llama-3-8b"}, "globex": {"local": "qwen"}}});
     let host = host(dir.path());
-    upload(
+    let upload_tenants = |host: &mlxgate::policy::PolicyHost, cfg: Value| {
+        upload(
+            host,
+            "tenants",
+            PolicyKind::Router,
+            "tenant-router",
+            &cfg.to_string(),
+        )
+    };
+    upload_tenants(
         &host,
-        "tenants",
-        PolicyKind::Router,
-        "tenant-router",
-        &cfg.to_string(),
+        json!({"tenants": {"acme": {"local": "llama-3-8b"}, "globex": {"local": "qwen"}}}),
     );
     // The tenant router declares tenant, headers and model; the alias
     // router reads the backends, so it declares nothing.
@@ -102,14 +107,7 @@ fn declared_decision_inputs_let_the_host_reuse_decisions() {
     assert_eq!(calls_and_reuses(&host, "tenants"), (2, 52));
 
     // A new upload replaces the decisions along with the code and config.
-    let cfg = json!({"tenants": {"acme": {"local": "mistral"}}});
-    upload(
-        &host,
-        "tenants",
-        PolicyKind::Router,
-        "tenant-router",
-        &cfg.to_string(),
-    );
+    upload_tenants(&host, json!({"tenants": {"acme": {"local": "mistral"}}}));
     assert_eq!(host.route(&acme, &[]).unwrap(), local_route("mistral"));
     assert_eq!(calls_and_reuses(&host, "tenants"), (3, 52));
 

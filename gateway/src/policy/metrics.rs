@@ -115,17 +115,25 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
             .replace('"', "\\\"")
             .replace('\n', "\\n")
     };
-    out.push_str("# HELP mlxgate_policy_calls_total Wasm policy calls.\n");
-    out.push_str("# TYPE mlxgate_policy_calls_total counter\n");
-    for m in metrics {
-        let _ = writeln!(
-            out,
-            "mlxgate_policy_calls_total{{policy=\"{}\",kind=\"{}\"}} {}",
-            esc(&m.name),
-            m.kind,
-            m.calls
-        );
-    }
+    // A counter family with one series per policy.
+    let counter = |out: &mut String, name: &str, help: &str, value: fn(&PolicyMetrics) -> u64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for m in metrics {
+            let _ = writeln!(
+                out,
+                "{name}{{policy=\"{}\",kind=\"{}\"}} {}",
+                esc(&m.name),
+                m.kind,
+                value(m)
+            );
+        }
+    };
+    counter(
+        &mut out,
+        "mlxgate_policy_calls_total",
+        "Wasm policy calls.",
+        |m| m.calls,
+    );
     out.push_str(
         "# HELP mlxgate_policy_failures_total Failed Wasm policy calls by failure kind.\n",
     );
@@ -168,29 +176,17 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
             m.calls
         );
     }
-    out.push_str("# HELP mlxgate_policy_instances_created_total Fresh Wasm instances made.\n");
-    out.push_str("# TYPE mlxgate_policy_instances_created_total counter\n");
-    for m in metrics {
-        let _ = writeln!(
-            out,
-            "mlxgate_policy_instances_created_total{{policy=\"{}\",kind=\"{}\"}} {}",
-            esc(&m.name),
-            m.kind,
-            m.instances_created
-        );
-    }
-    out.push_str(
-        "# HELP mlxgate_policy_decisions_reused_total Requests answered with a reused router decision, without a call.\n",
+    counter(
+        &mut out,
+        "mlxgate_policy_instances_created_total",
+        "Fresh Wasm instances made.",
+        |m| m.instances_created,
     );
-    out.push_str("# TYPE mlxgate_policy_decisions_reused_total counter\n");
-    for m in metrics {
-        let _ = writeln!(
-            out,
-            "mlxgate_policy_decisions_reused_total{{policy=\"{}\",kind=\"{}\"}} {}",
-            esc(&m.name),
-            m.kind,
-            m.decisions_reused
-        );
-    }
+    counter(
+        &mut out,
+        "mlxgate_policy_decisions_reused_total",
+        "Requests answered with a reused router decision, without a call.",
+        |m| m.decisions_reused,
+    );
     out
 }
