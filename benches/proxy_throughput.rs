@@ -11,7 +11,8 @@
 //! missing, builds the policies, then `cargo bench -p mlxgate --bench
 //! proxy_throughput`). Load: `wrk`, keep-alive connections, fixed duration;
 //! the targets are measured in interleaved rounds so machine noise hits each
-//! alike; the medians are reported (`PROXY_THROUGHPUT_ROUNDS`, default 5).
+//! alike; the medians are reported (`PROXY_THROUGHPUT_ROUNDS`, default 5;
+//! `PROXY_THROUGHPUT_GATEWAY` runs another `mlxgate` binary).
 //! `PROXY_THROUGHPUT_PROFILE=none`,
 //! `=policy`, `=called` or `=nginx` only loads that target, for a profiler.
 
@@ -389,7 +390,13 @@ impl Gateway {
             ),
         )
         .expect("write config");
-        let child = Command::new(env!("CARGO_BIN_EXE_mlxgate"))
+        // `PROXY_THROUGHPUT_GATEWAY`: another `mlxgate` binary (an A/B of
+        // two builds against the same nginx).
+        let bin = std::env::var_os("PROXY_THROUGHPUT_GATEWAY").map_or_else(
+            || PathBuf::from(env!("CARGO_BIN_EXE_mlxgate")),
+            PathBuf::from,
+        );
+        let child = Command::new(bin)
             .arg("serve")
             .arg("--config")
             .arg(&config)
