@@ -35,6 +35,18 @@ struct Snapshot {
     bindings: Bindings,
 }
 
+impl Snapshot {
+    /// The policy bound for `kind`, borrowed: a call holds the snapshot, so
+    /// a swap during it leaves this version alive until the call ends.
+    fn bound(&self, kind: PolicyKind) -> Result<&LoadedPolicy, PolicyError> {
+        self.bindings
+            .get(kind)
+            .and_then(|n| self.policies.get(n))
+            .map(Arc::as_ref)
+            .ok_or(PolicyError::NotBound(kind))
+    }
+}
+
 /// The policy platform of one gateway process. Knows nothing of HTTP.
 pub struct PolicyHost {
     cfg: HostConfig,
@@ -370,8 +382,8 @@ impl PolicyHost {
         facts: &RequestFacts,
         backends: &[BackendState],
     ) -> Result<RouteDecision, PolicyError> {
-        let p = self.bound(PolicyKind::Router)?;
-        decide(&p, facts, || backends)
+        let snap = self.snap();
+        decide(snap.bound(PolicyKind::Router)?, facts, || backends)
     }
 
     /// [`PolicyHost::route`] for the request path: the facts are only
@@ -382,8 +394,8 @@ impl PolicyHost {
         facts: impl FnOnce() -> RequestFacts<'a>,
         backends: impl FnOnce() -> Vec<BackendState>,
     ) -> Result<RouteDecision, PolicyError> {
-        let p = self.bound(PolicyKind::Router)?;
-        decide(&p, &facts(), backends)
+        let snap = self.snap();
+        decide(snap.bound(PolicyKind::Router)?, &facts(), backends)
     }
 
     /// Asks the router policy `name` directly (dry runs, tests).
@@ -404,8 +416,8 @@ impl PolicyHost {
         facts: &RequestFacts,
         adapters: &[AdapterInfo],
     ) -> Result<Option<Vec<String>>, PolicyError> {
-        let p = self.bound(PolicyKind::AdapterSelector)?;
-        select_on(&p, facts, adapters)
+        let snap = self.snap();
+        select_on(snap.bound(PolicyKind::AdapterSelector)?, facts, adapters)
     }
 
     /// Calls the adapter-selector policy `name` directly.
@@ -450,15 +462,6 @@ impl PolicyHost {
                 })
                 .collect()),
         }
-    }
-
-    fn bound(&self, kind: PolicyKind) -> Result<Arc<LoadedPolicy>, PolicyError> {
-        let snap = self.snap();
-        snap.bindings
-            .get(kind)
-            .and_then(|n| snap.policies.get(n))
-            .cloned()
-            .ok_or(PolicyError::NotBound(kind))
     }
 
     fn policy(&self, name: &str, kind: PolicyKind) -> Result<Arc<LoadedPolicy>, PolicyError> {

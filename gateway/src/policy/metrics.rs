@@ -23,7 +23,25 @@ pub(crate) struct Counters {
     buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
     latency_sum_ns: AtomicU64,
     instances_created: AtomicU64,
-    decisions_reused: AtomicU64,
+    /// Sharded by thread: every proxied request may count here, and one
+    /// counter would bounce between the worker threads' caches.
+    decisions_reused: [PaddedCounter; REUSE_SHARDS],
+}
+
+const REUSE_SHARDS: usize = 8;
+
+/// A counter alone on its cache line.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct PaddedCounter(AtomicU64);
+
+/// This thread's shard of a sharded counter.
+fn shard() -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static SHARD: usize = (NEXT.fetch_add(1, Relaxed) as usize) % REUSE_SHARDS;
+    }
+    SHARD.with(|s| *s)
 }
 
 impl Counters {
@@ -46,7 +64,7 @@ impl Counters {
 
     /// A request answered by a reused decision, without a call.
     pub(crate) fn decision_reused(&self) {
-        self.decisions_reused.fetch_add(1, Relaxed);
+        self.decisions_reused[shard()].0.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn snapshot(&self, name: &str, kind: PolicyKind) -> PolicyMetrics {
@@ -70,7 +88,11 @@ impl Counters {
             latency_buckets: buckets,
             latency_sum_seconds: self.latency_sum_ns.load(Relaxed) as f64 / 1e9,
             instances_created: self.instances_created.load(Relaxed),
-            decisions_reused: self.decisions_reused.load(Relaxed),
+            decisions_reused: self
+                .decisions_reused
+                .iter()
+                .map(|c| c.0.load(Relaxed))
+                .sum(),
         }
     }
 }

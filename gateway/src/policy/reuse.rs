@@ -8,7 +8,9 @@
 //! routing cost). The table lives with one loaded version of the policy, so
 //! an upload starts it empty.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{PoisonError, RwLock};
 
 use super::bindings::router::mlxgate::policy::types::FactSet;
@@ -54,14 +56,51 @@ fn fact_set(names: &[String]) -> FactSet {
 /// The decisions of one loaded router version, keyed by the facts it
 /// declared.
 pub(crate) struct DecisionTable {
+    /// Unique for the process's life (an address could be reused by a
+    /// later table), so a thread's memo never answers for another table.
+    id: u64,
     inputs: FactSet,
     decisions: RwLock<HashMap<Box<[u8]>, RouteDecision>>,
+}
+
+/// The last decision each thread took from a table: its table id, key and
+/// decision. Most requests on a worker repeat the facts of the one before,
+/// and answering those here touches nothing another thread writes (the
+/// table's lock is shared by every worker).
+struct Memo {
+    table: u64,
+    key: Vec<u8>,
+    decision: RouteDecision,
+}
+
+thread_local! {
+    static MEMO: RefCell<Option<Memo>> = const { RefCell::new(None) };
+}
+
+fn remember(table: u64, key: &[u8], decision: &RouteDecision) {
+    MEMO.with_borrow_mut(|memo| match memo {
+        Some(m) => {
+            m.table = table;
+            m.key.clear();
+            m.key.extend_from_slice(key);
+            m.decision.clone_from(decision);
+        }
+        None => {
+            *memo = Some(Memo {
+                table,
+                key: key.to_vec(),
+                decision: decision.clone(),
+            })
+        }
+    });
 }
 
 impl DecisionTable {
     /// A table for a router whose decisions depend on the facts `names`.
     pub(crate) fn new(names: &[String]) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         DecisionTable {
+            id: NEXT_ID.fetch_add(1, Relaxed),
             inputs: fact_set(names),
             decisions: RwLock::new(HashMap::new()),
         }
@@ -117,17 +156,32 @@ impl DecisionTable {
         key
     }
 
-    /// The decision made for `key`, if any.
+    /// The decision made for `key`, if any: this thread's last one when it
+    /// matches, else the table's.
     pub(crate) fn get(&self, key: &[u8]) -> Option<RouteDecision> {
-        self.decisions
+        let memo = MEMO.with_borrow(|memo| {
+            memo.as_ref()
+                .filter(|m| m.table == self.id && m.key == key)
+                .map(|m| m.decision.clone())
+        });
+        if memo.is_some() {
+            return memo;
+        }
+        let found = self
+            .decisions
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(key)
-            .cloned()
+            .cloned();
+        if let Some(d) = &found {
+            remember(self.id, key, d);
+        }
+        found
     }
 
     /// Keeps `decision` for `key`; a full table starts over first.
     pub(crate) fn insert(&self, key: Vec<u8>, decision: RouteDecision) {
+        remember(self.id, &key, &decision);
         let mut decisions = self
             .decisions
             .write()
@@ -211,6 +265,22 @@ mod tests {
             max.key(&facts("m", None, None)),
             max.key(&facts("m", None, Some(0)))
         );
+    }
+
+    #[test]
+    fn a_threads_memo_answers_only_for_its_own_table() {
+        let names = fact_names(FactSet::MODEL);
+        let (a, b) = (DecisionTable::new(&names), DecisionTable::new(&names));
+        let key = a.key(&facts("m", None, None));
+        a.insert(key.clone(), local("from a"));
+        assert_eq!(a.get(&key), Some(local("from a")));
+        // Same key, other table: not the memo's answer.
+        assert_eq!(b.get(&key), None);
+        b.insert(key.clone(), local("from b"));
+        assert_eq!(b.get(&key), Some(local("from b")));
+        assert_eq!(a.get(&key), Some(local("from a")));
+        // Another key on the same table misses the memo.
+        assert_eq!(a.get(&a.key(&facts("other", None, None))), None);
     }
 
     #[test]
