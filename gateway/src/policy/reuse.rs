@@ -44,13 +44,13 @@ pub(crate) fn fact_names(set: FactSet) -> Vec<String> {
         .collect()
 }
 
-/// The set named by `names` (unknown names are ignored: they can only come
-/// from metadata written by a newer gateway).
-fn fact_set(names: &[String]) -> FactSet {
-    FACTS
-        .iter()
-        .filter(|(_, name)| names.iter().any(|n| n == name))
-        .fold(FactSet::empty(), |set, (f, _)| set | *f)
+/// The set named by `names`; `None` if one is unknown (metadata written by
+/// a newer gateway). Dropping an unknown fact from the key would reuse
+/// decisions across requests that differ in it.
+fn fact_set(names: &[String]) -> Option<FactSet> {
+    names.iter().try_fold(FactSet::empty(), |set, name| {
+        FACTS.iter().find(|(_, n)| n == name).map(|(f, _)| set | *f)
+    })
 }
 
 /// The decisions of one loaded router version, keyed by the facts it
@@ -96,14 +96,15 @@ fn remember(table: u64, key: &[u8], decision: &RouteDecision) {
 }
 
 impl DecisionTable {
-    /// A table for a router whose decisions depend on the facts `names`.
-    pub(crate) fn new(names: &[String]) -> Self {
+    /// A table for a router whose decisions depend on the facts `names`;
+    /// `None` (every request calls the guest) if a name is unknown.
+    pub(crate) fn new(names: &[String]) -> Option<Self> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-        DecisionTable {
+        Some(DecisionTable {
             id: NEXT_ID.fetch_add(1, Relaxed),
-            inputs: fact_set(names),
+            inputs: fact_set(names)?,
             decisions: RwLock::new(HashMap::new()),
-        }
+        })
     }
 
     /// The facts of `facts` that decisions depend on, encoded without
@@ -213,6 +214,10 @@ mod tests {
         }
     }
 
+    fn known(names: &[String]) -> DecisionTable {
+        DecisionTable::new(names).expect("known facts")
+    }
+
     fn local(model: &str) -> RouteDecision {
         RouteDecision::Local {
             model: model.to_string(),
@@ -224,13 +229,16 @@ mod tests {
         let set = FactSet::TENANT | FactSet::MODEL | FactSet::STREAMING;
         let names = fact_names(set);
         assert_eq!(names, ["model", "tenant", "streaming"]);
-        assert_eq!(fact_set(&names).as_array(), set.as_array());
-        assert_eq!(fact_set(&["nonsense".to_string()]).as_array(), [0]);
+        assert_eq!(fact_set(&names).unwrap().as_array(), set.as_array());
+        // An unknown fact turns reuse off rather than leaving the key.
+        let newer = ["model".to_string(), "client-ip".to_string()];
+        assert!(fact_set(&newer).is_none());
+        assert!(DecisionTable::new(&newer).is_none());
     }
 
     #[test]
     fn keys_see_only_the_declared_facts() {
-        let table = DecisionTable::new(&fact_names(FactSet::TENANT | FactSet::MODEL));
+        let table = known(&fact_names(FactSet::TENANT | FactSet::MODEL));
         let a = table.key(&facts("m", Some("acme"), Some(5)));
         // Facts outside the declared set do not change the key...
         assert_eq!(a, table.key(&facts("m", Some("acme"), None)));
@@ -246,12 +254,12 @@ mod tests {
 
     #[test]
     fn keys_are_unambiguous_across_field_boundaries() {
-        let table = DecisionTable::new(&fact_names(FactSet::TENANT | FactSet::MODEL));
+        let table = known(&fact_names(FactSet::TENANT | FactSet::MODEL));
         assert_ne!(
             table.key(&facts("ab", Some("c"), None)),
             table.key(&facts("a", Some("bc"), None))
         );
-        let headers = DecisionTable::new(&fact_names(FactSet::HEADERS));
+        let headers = known(&fact_names(FactSet::HEADERS));
         let with = |h: Vec<(&'static str, &'static str)>| RequestFacts {
             headers: h,
             ..RequestFacts::default()
@@ -260,7 +268,7 @@ mod tests {
             headers.key(&with(vec![("x-tenant", "a")])),
             headers.key(&with(vec![("x-tenant", ""), ("a", "")]))
         );
-        let max = DecisionTable::new(&fact_names(FactSet::MAX_TOKENS));
+        let max = known(&fact_names(FactSet::MAX_TOKENS));
         assert_ne!(
             max.key(&facts("m", None, None)),
             max.key(&facts("m", None, Some(0)))
@@ -270,7 +278,7 @@ mod tests {
     #[test]
     fn a_threads_memo_answers_only_for_its_own_table() {
         let names = fact_names(FactSet::MODEL);
-        let (a, b) = (DecisionTable::new(&names), DecisionTable::new(&names));
+        let (a, b) = (known(&names), known(&names));
         let key = a.key(&facts("m", None, None));
         a.insert(key.clone(), local("from a"));
         assert_eq!(a.get(&key), Some(local("from a")));
@@ -285,7 +293,7 @@ mod tests {
 
     #[test]
     fn a_full_table_starts_over() {
-        let table = DecisionTable::new(&fact_names(FactSet::MODEL));
+        let table = known(&fact_names(FactSet::MODEL));
         for i in 0..MAX_DECISIONS {
             let model = i.to_string();
             table.insert(table.key(&facts(&model, None, None)), local(&model));

@@ -176,7 +176,7 @@ impl LoadedPolicy {
             ),
         };
         Ok(LoadedPolicy {
-            decisions: info.decision_inputs.as_deref().map(DecisionTable::new),
+            decisions: info.decision_inputs.as_deref().and_then(DecisionTable::new),
             info,
             counters,
             watchdog,
