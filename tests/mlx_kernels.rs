@@ -472,13 +472,26 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
         PackedMatrix::in_place(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("packable");
     assert_eq!(in_place.bits_per_weight(), 6.0);
     assert_packed_matches_graph(&q41, &in_place, "Q4_1-like in place", true);
-    // Q5_0-like: 5-bit codes in 8 bits, signed, f16 scales, no biases (8.5
-    // bits per weight instead of 10); summed as scale * sum(code * x) per
-    // 32 weights, so equal within rounding.
-    let q50 = symmetric(136, 512, 32, 16.0, 46);
-    let packed = pack(&q50);
-    assert_eq!(packed.bits_per_weight(), 8.5);
-    assert_packed_matches_graph(&q50, &packed, "Q5_0-like", false);
+    // Q5_0-like: 5-bit codes, signed, f16 scales, no biases; summed as
+    // scale * sum(code * x) per 32 weights, so equal within rounding. With
+    // AVX-512 the codes are packed six to a 32-bit lane (each 96 weights in
+    // 64 bytes, a row's last 32 in 32 bytes, its last 64 in 64); else they
+    // stay bytes (8.5 bits per weight instead of 10). Every tail, and
+    // Qwen2.5's widths.
+    for (k, five_bit_row_bytes) in [(576, 384), (512, 352), (544, 384), (896, 608), (4864, 3264)] {
+        let q50 = symmetric(136, k, 32, 16.0, 46 + k as u64);
+        let packed = pack(&q50);
+        let code_bits = if kernels::five_bit_available() {
+            8.0 * five_bit_row_bytes as f64 / k as f64
+        } else {
+            8.0
+        };
+        assert_eq!(packed.bits_per_weight(), code_bits + 0.5, "k = {k}");
+        assert_packed_matches_graph(&q50, &packed, &format!("Q5_0-like, k = {k}"), false);
+    }
+    // Codes that do not fit 5 bits stay bytes.
+    let wide = symmetric(40, 512, 32, 15.0, 49);
+    assert_eq!(pack(&wide).bits_per_weight(), 8.5);
     // Q8_0-like: likewise with 8-bit codes.
     let q80 = symmetric(72, 256, 256, 128.0, 47);
     let packed = pack(&q80);
