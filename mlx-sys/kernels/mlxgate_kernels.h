@@ -75,7 +75,7 @@ typedef struct mlxgate_quantized_product {
 
 /* 1 when products with `bits` 5 run here (AVX-512), else 0. */
 int mlxgate_kernels_five_bit_supported(void);
-/* Products of one input `x` [m, k] on raw, packed buffers (each `w`
+/* Products of one input `x` [m, k] on raw, packed buffers (each `w` (bits 4, 8)
  * [n, k * bits / 8] bytes, `scales`/`biases` [n, k / group_size]), run now on
  * the calling thread and the kernel pool as one job: for the native decode
  * step, which runs outside MLX's graph. Several at once (a layer's q, k and
