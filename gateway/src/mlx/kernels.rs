@@ -329,7 +329,7 @@ enum Codes {
     /// Signed codes in [-16, 15] (groups of 32), `code + 16` packed per
     /// row: each 96 weights in 64 bytes whose 32-bit lane i holds weight
     /// 16j + i at bits 5j (j = 0..5); a last 32 weights as 16 u16 lanes, a
-    /// last 64 as 16 u32 lanes. A code leaves its lane by a shift, a mask
+    /// last 64 as 16 u32 lanes. A code leaves its lane exactly by a mask
     /// into a float's mantissa and a subtraction (no shuffles, no
     /// conversions), and each lane's 16 weights meet 16 consecutive inputs.
     FiveBit(Vec<u8>),
