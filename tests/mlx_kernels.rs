@@ -481,7 +481,7 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     for (k, five_bit_row_bytes) in [(576, 384), (512, 352), (544, 384), (896, 608), (4864, 3264)] {
         let q50 = symmetric(136, k, 32, 16.0, 46 + k as u64);
         let packed = pack(&q50);
-        let code_bits = if kernels::five_bit_available() {
+        let code_bits = if kernels::five_bit_takes(k, 32) {
             8.0 * five_bit_row_bytes as f64 / k as f64
         } else {
             8.0
@@ -489,9 +489,14 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
         assert_eq!(packed.bits_per_weight(), code_bits + 0.5, "k = {k}");
         assert_packed_matches_graph(&q50, &packed, &format!("Q5_0-like, k = {k}"), false);
     }
-    // Codes that do not fit 5 bits stay bytes.
+    // Codes that do not fit 5 bits stay bytes, and so do rows longer than
+    // the five-bit loop takes (1,024 groups).
     let wide = symmetric(40, 512, 32, 15.0, 49);
     assert_eq!(pack(&wide).bits_per_weight(), 8.5);
+    let long = symmetric(8, 32 * 1025, 32, 16.0, 50);
+    assert!(!kernels::five_bit_takes(32 * 1025, 32));
+    assert_eq!(pack(&long).bits_per_weight(), 8.5);
+    assert_packed_matches_graph(&long, &pack(&long), "Q5_0-like, k = 32,800", false);
     // Q8_0-like: likewise with 8-bit codes.
     let q80 = symmetric(72, 256, 256, 128.0, 47);
     let packed = pack(&q80);

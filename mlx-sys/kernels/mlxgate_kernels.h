@@ -55,7 +55,7 @@ int mlxgate_quantized_matmul(
  * `scales_f16` is 1; biases likewise, or null when every bias is
  * `-bias_offset * scale` (computed in f32); 8-bit codes without biases are
  * signed, `q - bias_offset`, and each weight is `scale * code`.
- * `bits` 5 (only where `mlxgate_kernels_five_bit_supported`): signed codes in
+ * `bits` 5 (only where `mlxgate_kernels_five_bit_takes`): signed codes in
  * [-16, 15], no biases, groups of 32, each weight `scale * code`; per row,
  * each 96 weights in 64 bytes whose 32-bit lane i holds `code + 16` of
  * weight 16j + i at bits 5j (j = 0..5), then a last 32 weights as 16 u16
@@ -73,8 +73,9 @@ typedef struct mlxgate_quantized_product {
   int split;
 } mlxgate_quantized_product;
 
-/* 1 when products with `bits` 5 run here (AVX-512), else 0. */
-int mlxgate_kernels_five_bit_supported(void);
+/* 1 when products with `bits` 5 of rows of `k` weights in groups of
+ * `group_size` run here (AVX-512, groups of 32, k up to 32,768), else 0. */
+int mlxgate_kernels_five_bit_takes(int64_t k, int group_size);
 /* Products of one input `x` [m, k] on raw, packed buffers (each `w` (bits 4, 8)
  * [n, k * bits / 8] bytes, `scales`/`biases` [n, k / group_size]), run now on
  * the calling thread and the kernel pool as one job: for the native decode

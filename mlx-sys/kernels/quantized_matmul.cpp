@@ -1116,24 +1116,21 @@ extern "C" int mlxgate_quantized_matmul(
   }
 }
 
-/// Five-bit products: signed codes (no biases), groups of 32, on a CPU with
-/// AVX-512.
-bool takes_five_bit(const mlxgate_quantized_product& q, int64_t k) {
+/// Five-bit products: groups of 32, rows of `k` weights (the wide loops
+/// keep a row's scales on the stack), on a CPU with AVX-512.
+bool takes_five_bit(int64_t k, int group_size) {
 #if defined(MLXGATE_X86)
-  return avx512_supported() && q.group_size == 32 && !q.biases && k / 32 <= kMaxWideGroups;
+  return cpu_supported() && avx512_supported() && group_size == 32 && k > 0 && k % 32 == 0 &&
+         k / 32 <= kMaxWideGroups;
 #else
-  (void)q;
   (void)k;
+  (void)group_size;
   return false;
 #endif
 }
 
-extern "C" int mlxgate_kernels_five_bit_supported(void) {
-#if defined(MLXGATE_X86)
-  return cpu_supported() && avx512_supported() ? 1 : 0;
-#else
-  return 0;
-#endif
+extern "C" int mlxgate_kernels_five_bit_takes(int64_t k, int group_size) {
+  return takes_five_bit(k, group_size) ? 1 : 0;
 }
 
 extern "C" int mlxgate_quantized_matmul_raw_many(
@@ -1154,7 +1151,7 @@ extern "C" int mlxgate_quantized_matmul_raw_many(
         q.n < 0 || !q.scales) {
       return 1;
     }
-    if (q.bits == 5 && !takes_five_bit(q, k)) {
+    if (q.bits == 5 && (q.biases || !takes_five_bit(k, q.group_size))) {
       return 1;
     }
     const Product p{x, static_cast<const uint8_t*>(q.w), q.scales, q.biases,

@@ -482,12 +482,11 @@ fn five_bit_codes(signed: &[u8], cols: usize) -> Option<Vec<u8>> {
             }
         }
         let tail = blocks.remainder();
-        for i in 0..16 {
-            match tail.len() {
-                32 => packed.extend_from_slice(&(lane(tail, i) as u16).to_le_bytes()),
-                64 => packed.extend_from_slice(&lane(tail, i).to_le_bytes()),
-                _ => break,
-            }
+        match tail.len() {
+            32 => (0..16)
+                .for_each(|i| packed.extend_from_slice(&(lane(tail, i) as u16).to_le_bytes())),
+            64 => (0..16).for_each(|i| packed.extend_from_slice(&lane(tail, i).to_le_bytes())),
+            _ => {}
         }
     }
     Some(packed)
@@ -501,14 +500,15 @@ fn five_bit_code(row: &[u8], cols: usize, i: usize) -> i32 {
     ((u32::from_le_bytes(lane) >> shift) & 31) as i32 - 16
 }
 
-/// Whether this CPU runs five-bit products (AVX-512): where it does,
-/// symmetric matrices whose codes fit 5 bits (Q5_0) are packed to them.
-pub fn five_bit_available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    // SAFETY: a pure query of the CPU's features.
-    *AVAILABLE.get_or_init(|| {
-        native_available() && unsafe { mlx_sys::mlxgate_kernels_five_bit_supported() } == 1
-    })
+/// Whether five-bit products of rows of `cols` weights in groups of
+/// `group_size` run here (AVX-512, groups of 32): where they do, symmetric
+/// matrices whose codes fit 5 bits (Q5_0) are packed to them.
+pub fn five_bit_takes(cols: usize, group_size: usize) -> bool {
+    let (Ok(cols), Ok(group_size)) = (i64::try_from(cols), i32::try_from(group_size)) else {
+        return false;
+    };
+    // SAFETY: a pure query of the CPU's features and the operands' sizes.
+    native_available() && unsafe { mlx_sys::mlxgate_kernels_five_bit_takes(cols, group_size) } == 1
 }
 
 /// 8-bit codes minus `offset` as signed bytes, when each fits.
@@ -596,8 +596,7 @@ impl PackedMatrix {
             (4, _) => (Codes::Split(split_codes(bytes)), offset),
             (_, Some(offset)) => match signed_codes(bytes, offset) {
                 Some(signed) => {
-                    // Groups of 32 up to the wide kernels' 1,024 per row.
-                    let five_bits = (five_bit_available() && group_size == 32 && cols <= 32 * 1024)
+                    let five_bits = five_bit_takes(cols, group_size as usize)
                         .then(|| five_bit_codes(&signed, cols))
                         .flatten();
                     (
