@@ -109,6 +109,51 @@ const TENANT_CONFIG: &str = r#"{"tenants": {
     "hooli": {"upstream": "ghost"}
 }, "unknown": "reject"}"#;
 
+/// Every body the gateway would serve is one the router decided on: the
+/// routing facts are read by validation's own readers (a whole float such
+/// as `8.0` is the integer 8 for both), and a body two parsers could read
+/// differently (a repeated key) is refused, never served around the router.
+#[test]
+fn no_body_is_served_around_the_router() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    bind_router(&s, "tenants", "tenant-router", "fail_closed", TENANT_CONFIG);
+    let path = "/v1/chat/completions";
+
+    let mut denied = chat("forbidden");
+    denied["max_tokens"] = json!(8.0);
+    post(&s, "acme", path, denied).api_error(403, "permission_error", "policy_rejected");
+    let mut denied = json!({"model": "forbidden", "prompt": "hi", "max_tokens": 8.0});
+    denied["stream"] = json!(false);
+    post(&s, "acme", "/v1/completions", denied).api_error(
+        403,
+        "permission_error",
+        "policy_rejected",
+    );
+
+    // Routed as the router said (upstream, model rewritten), not served here.
+    let mut routed = chat("gpt-4o");
+    routed["max_completion_tokens"] = json!(16.0);
+    let r = post(&s, "acme", path, routed);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["model"], "up-model");
+
+    for repeated in [
+        r#"{"model": "gpt-4o", "model": "forbidden", "messages": [{"role": "user", "content": "hi"}]}"#,
+        r#"{"model": "forbidden", "messages": [{"role": "user", "content": "a", "content": "b"}]}"#,
+    ] {
+        let auth = format!("Bearer {}", key("acme"));
+        let r = s.request(
+            "POST",
+            path,
+            &[("authorization", &auth), ("content-type", "application/json")],
+            Some(repeated.as_bytes()),
+        );
+        let e = r.api_error(400, "invalid_request_error", "invalid_json");
+        assert!(e["message"].as_str().unwrap().contains("appears twice"), "{e}");
+    }
+}
+
 #[test]
 fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
     let up = FakeUpstream::start();
@@ -143,7 +188,7 @@ fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
         assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
     }
 
-    // Routing fields of the wrong type: left to the local validation (400).
+    // Routing fields of the wrong type: refused before routing (400).
     let mut bad = chat("gpt-4o");
     bad["stream"] = json!("yes");
     let r = post(&s, "acme", "/v1/chat/completions", bad);

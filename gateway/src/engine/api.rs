@@ -163,6 +163,11 @@ pub struct ModelCard {
     pub architecture: String,
     pub context_length: usize,
     pub vocab_size: usize,
+    /// Longest prompt text, in bytes, that could fit the context: the
+    /// context length times the longest vocabulary entry. Longer text is
+    /// refused without tokenizing it (tokenizing megabytes costs seconds
+    /// and hundreds of MB only to learn that it does not fit).
+    pub max_prompt_bytes: usize,
 }
 
 /// Engine failures; the HTTP layer maps each to a status once.
@@ -177,6 +182,16 @@ pub enum EngineError {
         prompt_tokens: usize,
         max_tokens: usize,
         requested: usize,
+    },
+    /// The prompt text is longer than any text that fits the context
+    /// ([`ModelCard::max_prompt_bytes`]); found before tokenizing.
+    #[error(
+        "This model's maximum context length is {context_length} tokens, which no text longer than {max_bytes} bytes fits; the prompt is {bytes} bytes (refused before tokenizing). Please reduce the length of the messages or prompt."
+    )]
+    PromptTooLong {
+        context_length: usize,
+        bytes: usize,
+        max_bytes: usize,
     },
     /// The prompt is unusable (empty, or a token id outside the vocabulary).
     #[error("{0}")]

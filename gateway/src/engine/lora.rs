@@ -107,19 +107,42 @@ pub type AdapterStack = Vec<Rc<Adapter>>;
 /// `(layer, projection)`: what a mount validates against.
 pub type Targets = BTreeMap<(usize, Projection), (usize, usize)>;
 
+/// Most adapters one request may stack: the same cap an adapter-selector
+/// policy's choice has. Each stacked adapter adds work to every projection
+/// of every step, so a client must not be able to ask for thousands.
+pub const MAX_STACK: usize = 64;
+
 /// Splits a selection spec: `a+b` or `a,b` stack in order; `none` or empty
-/// means no adapter.
-pub fn parse_spec(spec: &str) -> Vec<String> {
+/// means no adapter. At most [`MAX_STACK`] ids, each a valid id and named
+/// once; the error says which rule the spec broke.
+pub fn parse_spec(spec: &str) -> Result<Vec<String>, String> {
     let spec = spec.trim();
     if spec.is_empty() || spec.eq_ignore_ascii_case("none") {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let separator = if spec.contains('+') { '+' } else { ',' };
-    spec.split(separator)
+    let mut ids: Vec<String> = Vec::new();
+    // `take` stops the split early: a huge spec costs no more than a legal one.
+    for id in spec
+        .split(separator)
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
+        .take(MAX_STACK + 1)
+    {
+        if ids.len() == MAX_STACK {
+            return Err(format!(
+                "too many adapters: at most {MAX_STACK} may be stacked in one request"
+            ));
+        }
+        validate_id(id).map_err(|e| e.to_string())?;
+        if ids.iter().any(|seen| seen == id) {
+            return Err(format!(
+                "adapter `{id}` is named twice; stack each adapter once"
+            ));
+        }
+        ids.push(id.to_owned());
+    }
+    Ok(ids)
 }
 
 /// An adapter id: 1-64 of `A-Z a-z 0-9 . _ -` (so never `+` or `,`).
@@ -420,9 +443,15 @@ mod tests {
 
     #[test]
     fn specs_and_ids() {
-        assert_eq!(parse_spec("a+b"), vec!["a", "b"]);
-        assert_eq!(parse_spec(" a , b "), vec!["a", "b"]);
-        assert!(parse_spec("none").is_empty() && parse_spec("").is_empty());
+        assert_eq!(parse_spec("a+b").unwrap(), vec!["a", "b"]);
+        assert_eq!(parse_spec(" a , b ").unwrap(), vec!["a", "b"]);
+        assert!(parse_spec("none").unwrap().is_empty() && parse_spec("").unwrap().is_empty());
+        assert!(parse_spec("a+a").unwrap_err().contains("twice"));
+        assert!(parse_spec(&"a+".repeat(200_000)).unwrap_err().contains("twice"));
+        let many: Vec<String> = (0..=MAX_STACK).map(|i| format!("a{i}")).collect();
+        assert!(parse_spec(&many.join("+")).unwrap_err().contains("too many"));
+        assert_eq!(parse_spec(&many[..MAX_STACK].join("+")).unwrap().len(), MAX_STACK);
+        assert!(parse_spec("a+../x").is_err());
         assert!(validate_id("sft-v2.1").is_ok());
         for bad in ["a+b", "a,b", "", "none", "../x", &"x".repeat(65)] {
             assert!(validate_id(bad).is_err(), "{bad}");

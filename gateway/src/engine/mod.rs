@@ -183,6 +183,9 @@ impl EngineHandle {
                     architecture: config.family.name().to_owned(),
                     context_length: config.context_length,
                     vocab_size: config.vocab_size,
+                    max_prompt_bytes: config
+                        .context_length
+                        .saturating_mul(model.codec.longest_token_bytes().max(1)),
                 };
                 let fingerprint = Fingerprint {
                     model: model.id.clone(),
@@ -265,7 +268,22 @@ impl EngineHandle {
             .map_err(EngineError::Template)
     }
 
+    /// Refuses prompt text longer than any that fits the context, before
+    /// anything tokenizes or renders it.
+    pub fn check_prompt_bytes(&self, bytes: usize) -> Result<(), EngineError> {
+        let card = &self.inner.card;
+        if bytes > card.max_prompt_bytes {
+            return Err(EngineError::PromptTooLong {
+                context_length: card.context_length,
+                bytes,
+                max_bytes: card.max_prompt_bytes,
+            });
+        }
+        Ok(())
+    }
+
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.check_prompt_bytes(text.len())?;
         self.inner
             .codec
             .encode(text)

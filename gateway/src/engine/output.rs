@@ -85,14 +85,7 @@ impl StopFilter {
         let held = self
             .stops
             .iter()
-            .flat_map(|stop| {
-                (1..stop.len())
-                    .rev()
-                    .filter(|&n| stop.is_char_boundary(n))
-                    .map(move |n| &stop[..n])
-            })
-            .filter(|prefix| self.pending.ends_with(prefix))
-            .map(str::len)
+            .map(|stop| held_prefix(&self.pending, stop))
             .max()
             .unwrap_or(0);
         let cut = self.pending.len() - held;
@@ -105,6 +98,16 @@ impl StopFilter {
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.pending)
     }
+}
+
+/// Length of the longest tail of `text` that is a proper prefix of `stop`
+/// (longest first, so the usual case stops at the first comparison).
+fn held_prefix(text: &str, stop: &str) -> usize {
+    let longest = (stop.len() - 1).min(text.len());
+    (1..=longest)
+        .rev()
+        .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

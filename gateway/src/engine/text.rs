@@ -222,6 +222,18 @@ impl TextCodec {
         self.tokenizer.get_vocab_size(true)
     }
 
+    /// Bytes of the longest vocabulary entry as written in the vocabulary
+    /// (byte-level and SentencePiece spellings are never shorter than the
+    /// text they stand for), so no token covers more text than this.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Token ids for a prompt (special tokens written in the text are honoured).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         let encoding = self

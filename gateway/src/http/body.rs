@@ -8,7 +8,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use serde::Serialize;
-use serde::de::DeserializeOwned;
+use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Value};
 
 use super::error::ApiError;
 
@@ -66,8 +67,127 @@ pub async fn read_body(body: ReqBody, limit: u64) -> Result<Bytes, ApiError> {
     }
 }
 
-/// Reads and parses a JSON body; malformed JSON is a 400 naming the problem.
+/// Reads and parses a JSON body ([`parse_json`]), then reads it as `T`;
+/// malformed JSON is a 400 naming the problem.
 pub async fn read_json<T: DeserializeOwned>(req: Request<ReqBody>) -> Result<T, ApiError> {
     let bytes = read_bytes(req).await?;
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))
+    let value = parse_json(&bytes)?;
+    serde_json::from_value(value).map_err(|e| ApiError::InvalidJson(e.to_string()))
+}
+
+/// Parses a request body as JSON, refusing an object that repeats a key (at
+/// any depth). Parsers disagree on repeated keys (first wins, last wins, or
+/// an error), so a body with one could be read one way by the router policy
+/// or an upstream and another way here; refusing it leaves one reading.
+pub fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = UniqueKeys
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v))
+        .map_err(|e| ApiError::InvalidJson(e.to_string()))?;
+    Ok(value)
+}
+
+/// Builds a [`Value`] as `serde_json` does, but fails on a repeated key.
+struct UniqueKeys;
+
+impl<'de> DeserializeSeed<'de> for UniqueKeys {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for UniqueKeys {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(Value::Bool(b))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+        Ok(Value::from(n))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+        Ok(Value::from(n))
+    }
+
+    fn visit_f64<E>(self, x: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(Value::String(s.to_owned()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Value, E> {
+        Ok(Value::String(s))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        self.deserialize(d)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(item) = seq.next_element_seed(UniqueKeys)? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                let shown: String = key.chars().take(64).collect();
+                return Err(de::Error::custom(format_args!(
+                    "the key \"{shown}\" appears twice in one object; send each key once"
+                )));
+            }
+            let value = map.next_value_seed(UniqueKeys)?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_keys_are_refused_at_any_depth() {
+        for body in [
+            r#"{"model": "a", "model": "b"}"#,
+            r#"{"messages": [{"role": "user", "role": "system", "content": "x"}]}"#,
+        ] {
+            let e = parse_json(body.as_bytes()).unwrap_err();
+            assert!(e.to_string().contains("appears twice"), "{e}");
+        }
+    }
+
+    #[test]
+    fn parses_as_serde_json_does() {
+        let body = r#"{"a": [1, -2, 3.5, 1e3, "s", null, true, {"b": {}}], "c": 18446744073709551615}"#;
+        let ours = parse_json(body.as_bytes()).unwrap();
+        let theirs: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(ours, theirs);
+        assert!(parse_json(b"{} x").is_err(), "trailing characters");
+        assert!(parse_json(b"{\"a\": 1").is_err());
+    }
 }

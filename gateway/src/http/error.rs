@@ -182,10 +182,12 @@ impl ApiError {
     /// prompt came from (`messages` or `prompt`), for the client's benefit.
     pub fn from_engine(e: EngineError, prompt_param: &'static str) -> ApiError {
         match e {
-            EngineError::ContextLengthExceeded { .. } => ApiError::ContextLengthExceeded {
-                message: e.to_string(),
-                param: prompt_param,
-            },
+            EngineError::ContextLengthExceeded { .. } | EngineError::PromptTooLong { .. } => {
+                ApiError::ContextLengthExceeded {
+                    message: e.to_string(),
+                    param: prompt_param,
+                }
+            }
             EngineError::InvalidPrompt(message) => ApiError::InvalidParam {
                 message,
                 param: prompt_param.to_owned(),

@@ -21,16 +21,15 @@
 //! router that declared its decision inputs is called once per distinct
 //! combination of them (`policy/reuse.rs`).
 
-use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
-use serde::Deserialize;
 use serde_json::Value;
 
 use super::admin_policies::open_host;
 use super::body::{self, Body, BodyLimit, ReqBody};
+use super::openai::validate::{self, Endpoint, RoutingFields};
 use super::upstream::{self, Outgoing, Upstream, UpstreamError, UpstreamSpec, Upstreams};
 use super::{ApiError, AppState, Caller, Ctx, Route};
 use crate::policy::{
@@ -316,21 +315,6 @@ pub struct Local {
     pub head: http::request::Parts,
 }
 
-/// The request fields routing needs, read without building a JSON tree (a
-/// proxied body is forwarded as received unless its model is rewritten).
-#[derive(Deserialize)]
-struct Peek<'a> {
-    #[serde(borrow)]
-    model: Option<Cow<'a, str>>,
-    max_tokens: Option<u64>,
-    max_completion_tokens: Option<u64>,
-    stream: Option<bool>,
-}
-
-fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))
-}
-
 /// Sets `model` in a JSON object body (anything else is left alone).
 fn set_model(json: &mut Value, model: String) {
     if let Some(obj) = json.as_object_mut() {
@@ -338,55 +322,66 @@ fn set_model(json: &mut Value, model: String) {
     }
 }
 
+/// The facts a router sees for a request whose body reads as `fields`.
+pub fn routing_facts<'a>(
+    head: &'a http::request::Parts,
+    fields: &RoutingFields<'a>,
+) -> RequestFacts<'a> {
+    request_facts(
+        &head.method,
+        head.uri.path(),
+        &head.headers,
+        head.extensions.get::<Caller>(),
+        fields.model,
+        0,
+        fields
+            .max_tokens
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        fields.stream,
+    )
+}
+
 /// Reads the JSON body, routes the request and, for an upstream, proxies it.
-/// Malformed JSON is a 400. A body whose routing fields have the wrong type
-/// is left to the handler's validation, unrouted, which names the field.
-/// A proxied body is forwarded as received (no JSON tree is built) unless
-/// the decision rewrites its model.
-pub async fn dispatch(cx: &Ctx, req: Request<ReqBody>) -> Result<Routed, ApiError> {
+///
+/// The body is parsed once ([`body::parse_json`]: repeated keys refused) and
+/// its routing fields are read by validation's own readers
+/// ([`validate::routing_fields`]), so the policy decides on exactly what
+/// would be served: a body those cannot read is a 400 here, never a request
+/// that skips the router. A proxied body is forwarded as received unless the
+/// decision rewrites its model; the upstream judges the fields this gateway
+/// does not read (tools, for one).
+pub async fn dispatch(
+    cx: &Ctx,
+    req: Request<ReqBody>,
+    endpoint: Endpoint,
+) -> Result<Routed, ApiError> {
     let (head, body) = req.into_parts();
     let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
     let bytes = body::read_body(body, limit).await?;
-    let Ok(peek) = serde_json::from_slice::<Peek>(&bytes) else {
-        let json = parse_json(&bytes)?;
-        return Ok(Routed::Local(Local { json, head }));
+    let mut json = body::parse_json(&bytes)?;
+    let fields = validate::routing_fields(&json, endpoint)?;
+    let destination =
+        route_request(&cx.state, fields.model, || routing_facts(&head, &fields)).await?;
+    let rewrite = match &destination {
+        Destination::Local { model } => (model != fields.model).then(|| model.clone()),
+        Destination::Upstream {
+            model: Some(model), ..
+        } => (model != fields.model).then(|| model.clone()),
+        Destination::Upstream { model: None, .. } => None,
     };
-    let requested = peek.model.as_deref().unwrap_or_default();
-    let caller = head.extensions.get::<Caller>();
-    let facts = || {
-        let max_tokens = peek
-            .max_completion_tokens
-            .or(peek.max_tokens)
-            .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
-        request_facts(
-            &head.method,
-            head.uri.path(),
-            &head.headers,
-            caller,
-            requested,
-            0,
-            max_tokens,
-            peek.stream.unwrap_or(false),
-        )
-    };
-    match route_request(&cx.state, requested, facts).await? {
-        Destination::Local { model } => {
-            let mut json = parse_json(&bytes)?;
-            if model != requested {
-                set_model(&mut json, model);
-            }
-            Ok(Routed::Local(Local { json, head }))
-        }
-        Destination::Upstream { upstream, model } => {
-            let body = match model {
-                Some(m) if m != requested => {
-                    let mut json = parse_json(&bytes)?;
-                    set_model(&mut json, m);
-                    serde_json::to_vec(&json)
-                        .map(Bytes::from)
-                        .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?
-                }
-                _ => bytes.clone(),
+    let rewritten = rewrite.is_some();
+    if let Some(model) = rewrite {
+        set_model(&mut json, model);
+    }
+    match destination {
+        Destination::Local { .. } => Ok(Routed::Local(Local { json, head })),
+        Destination::Upstream { upstream, .. } => {
+            let body = if rewritten {
+                serde_json::to_vec(&json)
+                    .map(Bytes::from)
+                    .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?
+            } else {
+                bytes
             };
             let path_and_query = head
                 .uri
@@ -433,6 +428,115 @@ mod tests {
         assert!(f.headers.iter().all(|(k, _)| *k != "authorization"));
         assert!(f.headers[1].1.len() <= MAX_HEADER_VALUE);
         assert_eq!((f.max_tokens, f.streaming), (Some(5), true));
+    }
+
+    mod one_reading {
+        //! The facts a router sees and the request served are read from the
+        //! same parse by the same readers: for every generated body (typed
+        //! right or wrong, whole floats, repeated keys), either the gateway
+        //! refuses it before routing, or validation's request has exactly
+        //! the model, token budget and streaming flag the facts had.
+
+        use proptest::prelude::*;
+
+        use super::super::*;
+        use crate::http::openai::validate::{chat_request, completion_request};
+
+        /// JSON text for a value of a routing field, well- or ill-typed.
+        fn value() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("null".to_owned()),
+                any::<bool>().prop_map(|b| b.to_string()),
+                (-3i64..70_000).prop_map(|n| n.to_string()),
+                (0u32..9000).prop_map(|n| format!("{n}.0")),
+                (0u32..9000).prop_map(|n| format!("{n}.5")),
+                (0u32..9000).prop_map(|n| format!("{n}e0")),
+                Just("1e300".to_owned()),
+                Just("4294967296".to_owned()),
+                "[a-z0-9ü -]{0,12}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+                Just(serde_json::to_string(&"m".repeat(300)).unwrap()),
+                Just("[1, 2]".to_owned()),
+                Just("{\"a\": 1}".to_owned()),
+            ]
+        }
+
+        /// A body: some of the routing fields (any of them maybe twice),
+        /// and what each endpoint needs, in any order.
+        fn body() -> impl Strategy<Value = String> {
+            let key = prop_oneof![
+                Just("model"),
+                Just("max_tokens"),
+                Just("max_completion_tokens"),
+                Just("stream"),
+            ];
+            (
+                prop::collection::vec((key, value()), 0..6),
+                any::<bool>(),
+                any::<prop::sample::Index>(),
+            )
+                .prop_map(|(mut fields, with_model, at)| {
+                    if with_model {
+                        fields.push(("model", "\"m\"".to_owned()));
+                    }
+                    let mut parts: Vec<String> = fields
+                        .into_iter()
+                        .map(|(k, v)| format!("\"{k}\": {v}"))
+                        .collect();
+                    let i = at.index(parts.len() + 1);
+                    parts.insert(i, r#""messages": [{"role": "user", "content": "hi"}], "prompt": "hi""#.to_owned());
+                    format!("{{{}}}", parts.join(", "))
+                })
+        }
+
+        fn head() -> http::request::Parts {
+            Request::post("/v1/chat/completions")
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn the_router_decides_on_what_is_served(text in body()) {
+                let head = head();
+                let Ok(json) = body::parse_json(text.as_bytes()) else {
+                    // Refused: only ever for a repeated key here.
+                    let plain: Value = serde_json::from_str(&text).unwrap();
+                    let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream"]
+                        .iter()
+                        .map(|k| text.matches(&format!("\"{k}\": ")).count())
+                        .sum();
+                    prop_assert!(plain.as_object().unwrap().len() - 2 < written, "{text}");
+                    return Ok(());
+                };
+                prop_assert_eq!(&json, &serde_json::from_str::<Value>(&text).unwrap());
+                for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+                    let served = match endpoint {
+                        Endpoint::Chat => chat_request(&json).map(|r| r.common),
+                        Endpoint::Completions => completion_request(&json).map(|r| r.common),
+                    };
+                    let fields = validate::routing_fields(&json, endpoint);
+                    match (fields, served) {
+                        (Ok(fields), Ok(served)) => {
+                            let facts = routing_facts(&head, &fields);
+                            prop_assert_eq!(facts.model, served.model.as_str());
+                            prop_assert_eq!(
+                                facts.max_tokens,
+                                served.max_tokens.map(|n| n as u32)
+                            );
+                            prop_assert_eq!(facts.streaming, served.stream);
+                        }
+                        // Refused before routing: nothing is served.
+                        (Err(_), served) => prop_assert!(served.is_err(), "{text}"),
+                        // Routed, then refused by the rest of validation.
+                        (Ok(_), Err(_)) => {}
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -21,6 +21,17 @@ use super::types::{RequestFacts, RouteDecision};
 /// choose freely) cost a guest call each, as without reuse, and never more
 /// memory.
 const MAX_DECISIONS: usize = 4096;
+/// Most bytes of keys and decisions kept per policy; past it the table
+/// starts over, as past [`MAX_DECISIONS`]. Keys hold request facts that
+/// clients choose (the model name, header values), so a count alone would
+/// let long values grow the table without bound.
+const MAX_TABLE_BYTES: usize = 4 << 20;
+/// Longest key kept. A request whose declared facts encode longer is
+/// decided by a guest call and its decision is not kept.
+const MAX_KEY_BYTES: usize = 4096;
+/// What one kept decision costs beyond its key and strings (map entry,
+/// boxes, enum): an estimate, so the byte budget counts short entries too.
+const ENTRY_OVERHEAD: usize = 96;
 
 /// Each fact with its WIT name, in WIT order.
 const FACTS: [(FactSet, &str); 9] = [
@@ -60,7 +71,24 @@ pub(crate) struct DecisionTable {
     /// later table), so a thread's memo never answers for another table.
     id: u64,
     inputs: FactSet,
-    decisions: RwLock<HashMap<Box<[u8]>, RouteDecision>>,
+    decisions: RwLock<Decisions>,
+}
+
+/// The kept decisions and the bytes they hold.
+#[derive(Default)]
+struct Decisions {
+    map: HashMap<Box<[u8]>, RouteDecision>,
+    bytes: usize,
+}
+
+/// Bytes `key` and `decision` hold, for the table's budget.
+fn entry_bytes(key: &[u8], decision: &RouteDecision) -> usize {
+    let strings = match decision {
+        RouteDecision::Local { model } => model.len(),
+        RouteDecision::Upstream { name, model } => name.len() + model.as_ref().map_or(0, String::len),
+        RouteDecision::Reject { message, .. } => message.len(),
+    };
+    ENTRY_OVERHEAD + key.len() + strings
 }
 
 /// The last decision each thread took from a table: its table id, key and
@@ -103,7 +131,7 @@ impl DecisionTable {
         Some(DecisionTable {
             id: NEXT_ID.fetch_add(1, Relaxed),
             inputs: fact_set(names)?,
-            decisions: RwLock::new(HashMap::new()),
+            decisions: RwLock::new(Decisions::default()),
         })
     }
 
@@ -172,6 +200,7 @@ impl DecisionTable {
             .decisions
             .read()
             .unwrap_or_else(PoisonError::into_inner)
+            .map
             .get(key)
             .cloned();
         if let Some(d) = &found {
@@ -180,22 +209,38 @@ impl DecisionTable {
         found
     }
 
-    /// Keeps `decision` for `key`; a full table starts over first.
+    /// Keeps `decision` for `key`; a full table (by count or bytes) starts
+    /// over first. A key over [`MAX_KEY_BYTES`] is not kept.
     pub(crate) fn insert(&self, key: Vec<u8>, decision: RouteDecision) {
+        if key.len() > MAX_KEY_BYTES {
+            return;
+        }
         remember(self.id, &key, &decision);
+        let cost = entry_bytes(&key, &decision);
         let mut decisions = self
             .decisions
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        if decisions.len() >= MAX_DECISIONS {
-            decisions.clear();
+        if decisions.map.len() >= MAX_DECISIONS || decisions.bytes + cost > MAX_TABLE_BYTES {
+            decisions.map = HashMap::new();
+            decisions.bytes = 0;
         }
-        decisions.insert(key.into_boxed_slice(), decision);
+        let key_len = key.len();
+        if let Some(old) = decisions.map.insert(key.into_boxed_slice(), decision) {
+            // Another thread kept this key first: it is counted once.
+            decisions.bytes -= entry_bytes(&[], &old) + key_len;
+        }
+        decisions.bytes += cost;
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.decisions.read().unwrap().len()
+        self.decisions.read().unwrap().map.len()
+    }
+
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.decisions.read().unwrap().bytes
     }
 }
 
@@ -303,5 +348,21 @@ mod tests {
         table.insert(key.clone(), local("x"));
         assert_eq!(table.len(), 1);
         assert_eq!(table.get(&key), Some(local("x")));
+    }
+
+    #[test]
+    fn the_table_is_bounded_in_bytes_and_long_keys_are_not_kept() {
+        let table = known(&fact_names(FactSet::MODEL));
+        let long = "m".repeat(MAX_KEY_BYTES);
+        let key = table.key(&facts(&long, None, None));
+        table.insert(key.clone(), local("x"));
+        assert_eq!((table.len(), table.get(&key)), (0, None));
+        // Keys just under the cap: the byte budget, not the count, ends it.
+        for i in 0..2 * MAX_TABLE_BYTES / MAX_KEY_BYTES {
+            let model = format!("{i:08}{}", "m".repeat(MAX_KEY_BYTES - 64));
+            table.insert(table.key(&facts(&model, None, None)), local("x"));
+            assert!(table.bytes() <= MAX_TABLE_BYTES, "{}", table.bytes());
+        }
+        assert!(table.len() < MAX_DECISIONS);
     }
 }

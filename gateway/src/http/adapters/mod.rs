@@ -348,8 +348,8 @@ pub async fn for_request(
     common: &Common,
     model: &LoadedModel,
 ) -> Result<Vec<String>, ApiError> {
-    if let Some(spec) = &common.adapter {
-        return Ok(lora::parse_spec(spec));
+    if let Some(ids) = &common.adapter {
+        return Ok(ids.clone());
     }
     if let Some(header) = local.head.headers.get("x-adapter") {
         let spec = header.to_str().map_err(|_| {
@@ -359,7 +359,13 @@ pub async fn for_request(
                 "invalid_value",
             )
         })?;
-        return Ok(lora::parse_spec(spec));
+        return lora::parse_spec(spec).map_err(|e| {
+            bad(
+                "X-Adapter",
+                format!("Invalid X-Adapter header: {e}."),
+                "invalid_value",
+            )
+        });
     }
     let mounted = model.engine.adapters();
     let host = match routing::policy_host(&cx.state).await {

@@ -13,7 +13,7 @@ use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     // Routing first: a router policy may send this request upstream or refuse it.
-    let local = match routing::dispatch(&cx, req).await? {
+    let local = match routing::dispatch(&cx, req, validate::Endpoint::Chat).await? {
         Routed::Local(local) => local,
         Routed::Proxied(resp) => return Ok(resp),
     };
@@ -23,6 +23,10 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = Prompt::Text(String::new());
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages) = (model.engine.clone(), chat.messages);
+    // Text that cannot fit is refused before the template copies it.
+    engine
+        .check_prompt_bytes(messages.iter().map(|m| m.content.len()).sum())
+        .map_err(|e| ApiError::from_engine(e, "messages"))?;
     let stream = start_blocking(
         move || {
             request.prompt = Prompt::Text(engine.render_chat(&messages)?);

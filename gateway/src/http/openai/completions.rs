@@ -12,7 +12,7 @@ use crate::http::{ApiError, Ctx};
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     // Routing first: a router policy may send this request upstream or refuse it.
-    let local = match routing::dispatch(&cx, req).await? {
+    let local = match routing::dispatch(&cx, req, validate::Endpoint::Completions).await? {
         Routed::Local(local) => local,
         Routed::Proxied(resp) => return Ok(resp),
     };

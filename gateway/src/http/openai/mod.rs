@@ -15,10 +15,12 @@ pub mod validate;
 
 pub use crate::engine;
 
+use std::sync::{Arc, LazyLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::{Stream, StreamExt};
 use http::{Method, Response};
+use tokio::sync::Semaphore;
 
 use crate::engine::{
     EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
@@ -83,7 +85,9 @@ pub async fn generate_request(
 
 /// Runs `start` (chat template, tokenization, validation, queueing) on a
 /// blocking thread: a long prompt takes a while to tokenize and must not
-/// stall the async workers serving other requests.
+/// stall the async workers serving other requests. At most one prompt per
+/// core is prepared at a time (the others wait here, holding no thread), so
+/// a burst of long prompts costs bounded threads and memory.
 pub async fn start_blocking<F>(
     start: F,
     prompt_param: &'static str,
@@ -91,8 +95,21 @@ pub async fn start_blocking<F>(
 where
     F: FnOnce() -> Result<GenerationStream, EngineError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(start)
+    static PREPARING: LazyLock<Arc<Semaphore>> = LazyLock::new(|| {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Arc::new(Semaphore::new(cores))
+    });
+    // The permit moves into the task: a client that leaves while its prompt
+    // is being tokenized does not free a slot before the work ends.
+    let permit = Arc::clone(&PREPARING)
+        .acquire_owned()
         .await
+        .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?;
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        start()
+    })
+    .await
         .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
         .map_err(|e| ApiError::from_engine(e, prompt_param))
 }

@@ -11,10 +11,20 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use super::engine::{ChatMessage, Prompt, SamplingParams};
+use crate::engine::lora;
 use crate::http::ApiError;
 
 /// Most stop sequences OpenAI accepts.
 pub const MAX_STOP: usize = 4;
+/// Longest stop sequence, in bytes. The stop filter compares held text with
+/// each stop sequence at every token, so its cost grows with their length.
+pub const MAX_STOP_BYTES: usize = 256;
+/// Longest `model`, in bytes: no served or upstream model id is longer, and
+/// the model name is a routing fact that policies and their decision tables
+/// keep.
+pub const MAX_MODEL_BYTES: usize = 256;
+/// Most `logit_bias` entries (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
 /// Most `top_logprobs` for chat.
 pub const MAX_TOP_LOGPROBS: u64 = 20;
 /// Most `logprobs` for completions.
@@ -35,8 +45,9 @@ pub struct Common {
     pub logprobs: Option<usize>,
     /// mlxgate extension: start from this named prompt cache.
     pub prompt_cache: Option<String>,
-    /// mlxgate extension: LoRA adapters to apply (`a`, `a+b`, `a,b`, `none`).
-    pub adapter: Option<String>,
+    /// mlxgate extension: LoRA adapters to apply (`a`, `a+b`, `a,b`, `none`),
+    /// split and checked (at most `lora::MAX_STACK`, each once).
+    pub adapter: Option<Vec<String>>,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -53,14 +64,70 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
 }
 
+/// The endpoints whose bodies are routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// What routing reads from a body (and a router policy sees): read by the
+/// same field readers, with the same defaults, as [`chat_request`] and
+/// [`completion_request`], so the request a policy decides on is the
+/// request served. A body these cannot read is refused before routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutingFields<'a> {
+    pub model: &'a str,
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+}
+
+pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
+    let f = Fields::of(body)?;
+    Ok(RoutingFields {
+        model: model(&f)?,
+        max_tokens: max_tokens(&f, endpoint)?,
+        stream: f.bool("stream")?.unwrap_or(false),
+    })
+}
+
+/// `model`: required, not empty, at most [`MAX_MODEL_BYTES`].
+fn model<'a>(f: &Fields<'a>) -> Result<&'a str, ApiError> {
+    let model = f.string("model")?.ok_or_else(|| missing("model"))?;
+    if model.is_empty() {
+        return Err(invalid(
+            "model",
+            "invalid_value",
+            "Invalid 'model': empty string. Expected the id of a model (see GET /v1/models).",
+        ));
+    }
+    if model.len() > MAX_MODEL_BYTES {
+        return Err(invalid(
+            "model",
+            "string_above_max_length",
+            &format!(
+                "Invalid 'model': string too long. Expected at most {MAX_MODEL_BYTES} bytes, but got {} instead; send the id of a model (see GET /v1/models).",
+                model.len()
+            ),
+        ));
+    }
+    Ok(model)
+}
+
+/// The completion's token budget: chat's `max_completion_tokens` replaces
+/// the deprecated `max_tokens`; completions default to OpenAI's 16.
+fn max_tokens(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let max_tokens = f.positive_int("max_tokens")?;
+    Ok(match endpoint {
+        Endpoint::Chat => f.positive_int("max_completion_tokens")?.or(max_tokens),
+        Endpoint::Completions => max_tokens.or(Some(DEFAULT_COMPLETION_MAX_TOKENS)),
+    })
+}
+
 pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
     let f = Fields::of(body)?;
     let messages = messages(&f)?;
-    let mut common = common(&f)?;
-    // `max_completion_tokens` replaces the deprecated `max_tokens`.
-    if let Some(n) = f.positive_int("max_completion_tokens")? {
-        common.max_tokens = Some(n);
-    }
+    let mut common = common(&f, Endpoint::Chat)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
     common.logprobs = match (logprobs, top) {
@@ -94,8 +161,7 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
 pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     let f = Fields::of(body)?;
     let prompt = prompt(&f)?;
-    let mut common = common(&f)?;
-    common.max_tokens = common.max_tokens.or(Some(DEFAULT_COMPLETION_MAX_TOKENS));
+    let mut common = common(&f, Endpoint::Completions)?;
     common.logprobs = f
         .int_in("logprobs", 0, MAX_COMPLETION_LOGPROBS)?
         .map(|n| n as usize);
@@ -157,25 +223,18 @@ pub fn save_cache_request(body: &Value) -> Result<SaveCacheRequest, ApiError> {
     })
 }
 
-fn common(f: &Fields) -> Result<Common, ApiError> {
-    let model = f
-        .string("model")?
-        .ok_or_else(|| missing("model"))?
-        .to_owned();
-    if model.is_empty() {
-        return Err(invalid(
-            "model",
-            "invalid_value",
-            "Invalid 'model': empty string. Expected the id of a model (see GET /v1/models).",
-        ));
-    }
+fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
+    let RoutingFields {
+        model,
+        max_tokens,
+        stream,
+    } = routing_fields(f.body, endpoint)?;
     if f.positive_int("n")?.is_some_and(|n| n > 1) {
         return Err(unsupported(
             "n",
             "n > 1 is not supported: this server generates one choice per request. Send n = 1 or leave it out.",
         ));
     }
-    let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
         Some(_) if !stream => {
@@ -220,16 +279,31 @@ fn common(f: &Fields) -> Result<Common, ApiError> {
         logit_bias: logit_bias(f)?,
     };
     Ok(Common {
-        model,
+        model: model.to_owned(),
         sampling,
-        max_tokens: f.positive_int("max_tokens")?,
+        max_tokens,
         stop: stop(f)?,
         stream,
         include_usage,
         logprobs: None,
         prompt_cache: prompt_cache(f)?,
-        adapter: f.string("adapter")?.map(str::to_owned),
+        adapter: adapter(f)?,
     })
+}
+
+/// `adapter`: the stack to run with (see [`lora::parse_spec`]).
+fn adapter(f: &Fields) -> Result<Option<Vec<String>>, ApiError> {
+    f.string("adapter")?
+        .map(|spec| {
+            lora::parse_spec(spec).map_err(|message| {
+                invalid(
+                    "adapter",
+                    "invalid_value",
+                    &format!("Invalid 'adapter': {message}."),
+                )
+            })
+        })
+        .transpose()
 }
 
 /// `prompt_cache`: the name of a saved prompt cache (`null` means none).
@@ -265,6 +339,16 @@ fn logit_bias(f: &Fields) -> Result<BTreeMap<u32, f32>, ApiError> {
     let Value::Object(map) = v else {
         return Err(wrong_type("logit_bias", "object", v));
     };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(invalid(
+            "logit_bias",
+            "object_above_max_properties",
+            &format!(
+                "Invalid 'logit_bias': too many entries. Expected at most {MAX_LOGIT_BIAS} token ids, but got {} instead.",
+                map.len()
+            ),
+        ));
+    }
     for (k, v) in map {
         let id: u32 = k.parse().map_err(|_| {
             invalid(
@@ -310,6 +394,25 @@ fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
         }
         Some(other) => return Err(wrong_type("stop", "string or array of strings", other)),
     };
+    if let Some((i, long)) = stops
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        let param = if matches!(f.get("stop"), Some(Value::Array(_))) {
+            format!("stop[{i}]")
+        } else {
+            "stop".to_owned()
+        };
+        return Err(invalid(
+            &param,
+            "string_above_max_length",
+            &format!(
+                "Invalid '{param}': string too long. Expected a stop sequence of at most {MAX_STOP_BYTES} bytes, but got {} instead.",
+                long.len()
+            ),
+        ));
+    }
     // An empty stop string would end every generation at once; drop it.
     Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
 }
@@ -471,6 +574,7 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 
 /// The top-level object of a request body, read one typed field at a time.
 struct Fields<'a> {
+    body: &'a Value,
     obj: &'a Map<String, Value>,
 }
 
@@ -484,7 +588,7 @@ enum Bound {
 impl<'a> Fields<'a> {
     fn of(body: &'a Value) -> Result<Self, ApiError> {
         match body {
-            Value::Object(obj) => Ok(Fields { obj }),
+            Value::Object(obj) => Ok(Fields { body, obj }),
             other => Err(ApiError::InvalidRequest {
                 message: format!(
                     "The request body must be a JSON object, not {}.",
