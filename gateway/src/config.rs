@@ -56,6 +56,32 @@ pub struct FileConfig {
     pub prompt_cache: PromptCacheConfig,
     #[serde(default)]
     pub adapters: AdaptersConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// The `[metrics]` section: who may scrape `GET /metrics`. The series name
+/// routes, models, tenants' policies and load, so they are not public.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Hex SHA-256 of a scrape token (`mlxgate keys hash TOKEN`). When set,
+    /// every scrape, loopback included, needs `Authorization: Bearer TOKEN`
+    /// or an admin key. Default: unset.
+    pub token_sha256: Option<KeyHash>,
+    /// With no token set: loopback clients scrape without credentials, and
+    /// others need an admin key (403 otherwise). Default true; set false
+    /// where loopback is shared (sidecars) to require an admin key there too.
+    pub open_on_loopback: bool,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            token_sha256: None,
+            open_on_loopback: true,
+        }
+    }
 }
 
 /// The `[adapters]` section: where LoRA adapter directories may be mounted from.
@@ -154,6 +180,8 @@ pub struct Config {
     pub prompt_cache: PromptCacheConfig,
     /// The `[adapters]` section.
     pub adapters: AdaptersConfig,
+    /// The `[metrics]` section.
+    pub metrics: MetricsConfig,
 }
 
 impl Config {
@@ -302,6 +330,7 @@ impl Config {
             jobs: file.jobs,
             prompt_cache: file.prompt_cache,
             adapters: file.adapters,
+            metrics: file.metrics,
         }
     }
 
@@ -445,6 +474,27 @@ mod tests {
             Err(ConfigError::EmptyModelId)
         ));
         assert!(toml::from_str::<FileConfig>("[[models]]\npath = \"a\"\nalias = \"x\"").is_err());
+    }
+
+    #[test]
+    fn metrics_section() {
+        let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
+        assert_eq!(c.metrics, MetricsConfig::default());
+        assert!(c.metrics.open_on_loopback && c.metrics.token_sha256.is_none());
+        let hash = KeyHash::of("scrape").to_hex();
+        let f = file(&format!(
+            "[metrics]\ntoken_sha256 = \"{hash}\"\nopen_on_loopback = false\n"
+        ));
+        let c = Config::resolve(f, Overrides::default(), None).unwrap();
+        assert!(
+            c.metrics
+                .token_sha256
+                .unwrap()
+                .ct_eq(&KeyHash::of("scrape"))
+        );
+        assert!(!c.metrics.open_on_loopback);
+        assert!(toml::from_str::<FileConfig>("[metrics]\ntoken_sha256 = \"plain\"").is_err());
+        assert!(toml::from_str::<FileConfig>("[metrics]\ntoken = \"x\"").is_err());
     }
 
     #[test]

@@ -120,6 +120,9 @@ Example config file:
   id = \"sql\"
   path = \"sql-adapter\"
 
+  [metrics]                     # GET /metrics: loopback, admin keys, or this token
+  token_sha256 = \"<output of `mlxgate keys hash <TOKEN>`>\"
+
   [[keys]]
   id = \"web\"                    # shown in logs; not secret
   tenant = \"acme\"

@@ -25,7 +25,8 @@ pub const FIRST_EVENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"fir
 pub const LAST_EVENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"last\"}}]}\n\n";
 
 /// An upstream answering `POST /v1/chat/completions` and `/v1/completions`:
-/// JSON echoing what it received (model, path, authorization, request id),
+/// JSON echoing what it received (model, path, query, authorization,
+/// request id, the names of all request headers),
 /// or, with `"stream": true`, an SSE stream whose first event is sent at
 /// once and the rest only after [`FakeUpstream::release`]. Model `slow`
 /// answers after 10 s; model `status-429` answers 429 with an error body.
@@ -89,6 +90,14 @@ async fn answer(
     release: Arc<Notify>,
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
+    let query = req.uri().query().map(str::to_owned);
+    let mut names: Vec<String> = req
+        .headers()
+        .keys()
+        .map(|k| k.as_str().to_owned())
+        .collect();
+    names.sort();
+    names.dedup();
     let header = |n: &str| {
         req.headers()
             .get(n)
@@ -135,6 +144,8 @@ async fn answer(
             "object": "chat.completion",
             "model": model,
             "path": path,
+            "query": query,
+            "headers": names,
             "authorization": auth,
             "x_request_id": request_id,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "from upstream"}, "finish_reason": "stop"}],

@@ -87,6 +87,11 @@ pub enum ApiError {
     )]
     ZoneClosed { scope: Scope },
 
+    /// Refused for who or where the caller is (e.g. `/metrics` from
+    /// another host); the message says how to get access.
+    #[error("{message}")]
+    Forbidden { message: String, code: &'static str },
+
     #[error("{0}")]
     NotReady(String),
 
@@ -117,7 +122,9 @@ impl ApiError {
             | BodyRead(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
-            InsufficientScope { .. } | ZoneClosed { .. } => StatusCode::FORBIDDEN,
+            InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => {
+                StatusCode::FORBIDDEN
+            }
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Route(e) => e.status(),
@@ -139,7 +146,7 @@ impl ApiError {
             | ContextLengthExceeded { .. }
             | BodyTooLarge { .. }
             | BodyRead(_) => "invalid_request_error",
-            InsufficientScope { .. } | ZoneClosed { .. } => "permission_error",
+            InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
             Route(e) => e.error_type(),
         }
@@ -153,7 +160,7 @@ impl ApiError {
             MethodNotAllowed { .. } => "method_not_allowed",
             ModelNotFound(_) => "model_not_found",
             InvalidJson(_) => "invalid_json",
-            NotFound { code, .. } | Conflict { code, .. } => code,
+            NotFound { code, .. } | Conflict { code, .. } | Forbidden { code, .. } => code,
             InvalidRequest { .. } => "invalid_request",
             InvalidParam { code, .. } => code,
             ContextLengthExceeded { .. } => "context_length_exceeded",

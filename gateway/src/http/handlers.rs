@@ -8,7 +8,7 @@ use http::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{self, Body, ReqBody, full};
-use super::{ApiError, Caller, Ctx, LoadedModel, Route};
+use super::{ApiError, Caller, Ctx, LoadedModel, Peer, Route};
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -29,7 +29,14 @@ pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     )
 }
 
-pub async fn metrics(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+/// Prometheus text; who may scrape: [`super::metrics::authorize_scrape`].
+pub async fn metrics(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    super::metrics::authorize_scrape(
+        &cx.state.config.metrics,
+        &cx.state.keys,
+        req.headers(),
+        req.extensions().get::<Peer>().map(|p| p.0),
+    )?;
     let ready = cx.state.models.all_ready();
     let text = cx.state.metrics.render(ready)
         + &super::admin_policies::render_metrics(&cx.state)

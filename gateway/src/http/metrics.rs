@@ -6,14 +6,80 @@
 //! Labels are the HTTP method (known methods only), the matched route
 //! *pattern* (never the raw path) and the status, so cardinality is bounded
 //! by the route table.
+//!
+//! Who may scrape is decided by [`authorize_scrape`] from the `[metrics]`
+//! config section: a scrape token or an admin key, or, with no token set,
+//! no credentials from loopback.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use http::Method;
+use http::header::AUTHORIZATION;
+use http::{HeaderMap, Method};
+
+use super::auth::{KeyHash, KeyStore, Scope};
+use super::error::ApiError;
+use crate::config::MetricsConfig;
+
+/// Whether a `GET /metrics` may be answered. A bearer credential must be
+/// the `[metrics]` scrape token or an admin key (401 or 403 otherwise).
+/// Without one: 401 when a token is configured; else loopback peers pass
+/// when `open_on_loopback`, and everyone else gets a 403 that says how to
+/// configure a token. `peer` is the connection's (`None`: unknown).
+pub fn authorize_scrape(
+    config: &MetricsConfig,
+    keys: &KeyStore,
+    headers: &HeaderMap,
+    peer: Option<SocketAddr>,
+) -> Result<(), ApiError> {
+    if let Some(header) = headers.get(AUTHORIZATION) {
+        let token = header
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                let (kind, rest) = v.split_once(' ')?;
+                kind.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+            })
+            .filter(|t| !t.is_empty())
+            .ok_or(ApiError::InvalidApiKey)?;
+        if config
+            .token_sha256
+            .is_some_and(|h| h.ct_eq(&KeyHash::of(token)))
+        {
+            return Ok(());
+        }
+        return match keys.lookup(token) {
+            Some(k) if k.scopes.contains(&Scope::Admin) => Ok(()),
+            Some(k) => Err(ApiError::InsufficientScope {
+                key_id: k.id.clone(),
+                scope: Scope::Admin,
+            }),
+            None => Err(ApiError::InvalidApiKey),
+        };
+    }
+    if config.token_sha256.is_some() {
+        return Err(ApiError::MissingApiKey);
+    }
+    let loopback = peer.is_some_and(|p| p.ip().to_canonical().is_loopback());
+    if config.open_on_loopback && loopback {
+        return Ok(());
+    }
+    let who = if config.open_on_loopback {
+        "GET /metrics answers loopback clients only while no scrape token is configured"
+    } else {
+        "GET /metrics needs credentials ([metrics] open_on_loopback = false)"
+    };
+    Err(ApiError::Forbidden {
+        message: format!(
+            "{who}. Set token_sha256 in the [metrics] section of the config (`mlxgate keys hash TOKEN` prints it) and scrape with Authorization: Bearer TOKEN, or use an admin key."
+        ),
+        code: "metrics_forbidden",
+    })
+}
 
 /// Upper bounds of the latency buckets, in seconds. Inference requests run
 /// for seconds, health checks for microseconds, hence the wide range.
@@ -154,6 +220,92 @@ fn method_label(m: &Method) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::auth::ApiKey;
+
+    #[test]
+    fn scrape_access() {
+        let keys = KeyStore::new(vec![
+            ApiKey {
+                id: "adm".into(),
+                tenant: "t".into(),
+                scopes: vec![Scope::Admin],
+                sha256: KeyHash::of("admin-key"),
+            },
+            ApiKey {
+                id: "app".into(),
+                tenant: "t".into(),
+                scopes: vec![Scope::Infer],
+                sha256: KeyHash::of("infer-key"),
+            },
+        ]);
+        let bearer = |t: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(AUTHORIZATION, format!("Bearer {t}").parse().unwrap());
+            h
+        };
+        let none = HeaderMap::new();
+        let local: Option<SocketAddr> = Some("127.0.0.1:5000".parse().unwrap());
+        let mapped: Option<SocketAddr> = Some("[::ffff:127.0.0.1]:5000".parse().unwrap());
+        let remote: Option<SocketAddr> = Some("192.0.2.7:5000".parse().unwrap());
+        let code = |r: Result<(), ApiError>| r.map_err(|e| (e.status().as_u16(), e.code()));
+
+        let open = MetricsConfig::default();
+        assert_eq!(code(authorize_scrape(&open, &keys, &none, local)), Ok(()));
+        assert_eq!(code(authorize_scrape(&open, &keys, &none, mapped)), Ok(()));
+        for peer in [remote, None] {
+            assert_eq!(
+                code(authorize_scrape(&open, &keys, &none, peer)),
+                Err((403, "metrics_forbidden"))
+            );
+        }
+        assert_eq!(
+            code(authorize_scrape(&open, &keys, &bearer("admin-key"), remote)),
+            Ok(())
+        );
+        assert_eq!(
+            code(authorize_scrape(&open, &keys, &bearer("infer-key"), remote)),
+            Err((403, "insufficient_scope"))
+        );
+
+        let closed = MetricsConfig {
+            open_on_loopback: false,
+            ..MetricsConfig::default()
+        };
+        let e = authorize_scrape(&closed, &keys, &none, local).unwrap_err();
+        assert!(e.to_string().contains("token_sha256"), "{e}");
+
+        let token = MetricsConfig {
+            token_sha256: Some(KeyHash::of("scrape")),
+            ..MetricsConfig::default()
+        };
+        assert_eq!(
+            code(authorize_scrape(&token, &keys, &none, local)),
+            Err((401, "invalid_api_key"))
+        );
+        assert_eq!(
+            code(authorize_scrape(&token, &keys, &bearer("wrong"), local)),
+            Err((401, "invalid_api_key"))
+        );
+        assert_eq!(
+            code(authorize_scrape(&token, &keys, &bearer("scrape"), remote)),
+            Ok(())
+        );
+        assert_eq!(
+            code(authorize_scrape(
+                &token,
+                &keys,
+                &bearer("admin-key"),
+                remote
+            )),
+            Ok(())
+        );
+        let mut basic = HeaderMap::new();
+        basic.insert(AUTHORIZATION, "Basic scrape".parse().unwrap());
+        assert_eq!(
+            code(authorize_scrape(&token, &keys, &basic, local)),
+            Err((401, "invalid_api_key"))
+        );
+    }
 
     #[test]
     fn histogram_is_cumulative_and_counts_match() {

@@ -359,13 +359,19 @@ fn request_id(req: &Request<Incoming>) -> String {
     format!("{:016x}{:08x}", nonce, NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// The connection's peer address, in every request's extensions (for
+/// handlers whose access depends on it, such as `/metrics`).
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub SocketAddr);
+
 /// The whole life of one request: id, span, auth and routing, panic guard,
 /// metrics, access log.
 async fn handle(
     state: Arc<AppState>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Result<Response<Body>, Infallible> {
+    req.extensions_mut().insert(Peer(peer));
     let started = Instant::now();
     let _in_flight = state.metrics.start();
     let id = request_id(&req);

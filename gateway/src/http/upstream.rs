@@ -3,11 +3,15 @@
 //!
 //! Upstreams exist only in the config (`[[upstreams]]`): a router policy can
 //! name one but never supply a URL, so a guest cannot make the gateway talk
-//! to an arbitrary host. The proxy forwards the method, the path under `/v1`,
-//! the body (with `model` rewritten when the decision names one) and a few
-//! selected headers, authenticates with the upstream's own key (never the
-//! client's), and streams the answer back frame by frame, so server-sent
-//! events reach the client as the upstream writes them.
+//! to an arbitrary host. The proxy forwards the method, the path under `/v1`
+//! (normalized, never the client's query string), the body (with `model`
+//! rewritten when the decision names one), the gateway's request id and an
+//! allow-list of client headers ([`FORWARDED`]); it authenticates with the
+//! upstream's own key (never the client's), and streams the answer back
+//! frame by frame, so server-sent events reach the client as the upstream
+//! writes them. Errors the client sees name the upstream by its configured
+//! `name` only; addresses and causes go to the log (and to the admin's
+//! `GET /admin/upstreams`).
 //!
 //! Each upstream keeps its own pool of keep-alive connections, driven on
 //! the request's task (see `upstream/pool.rs`), an in-flight count and its
@@ -157,22 +161,25 @@ impl Base {
         if uri.query().is_some() {
             return Err(format!("base_url `{url}` must not have a query"));
         }
-        Ok(Base {
-            authority,
-            prefix: uri.path().trim_end_matches('/').to_owned(),
-        })
+        let prefix = normalize_path(uri.path())
+            .map_err(|why| format!("base_url `{url}`: its path is not plain: {why}"))?;
+        Ok(Base { authority, prefix })
     }
 
     /// The upstream request target (origin form, as sent on the wire) for a
-    /// gateway path under `/v1` (query kept).
-    fn target_for(&self, path_and_query: &str) -> Result<Uri, String> {
-        let rest = path_and_query.strip_prefix("/v1").unwrap_or(path_and_query);
+    /// gateway path under `/v1`, already normalized ([`normalize_path`]):
+    /// `/v1/x` goes to `{prefix}/x`.
+    fn target_for(&self, path: &str) -> Result<Uri, String> {
+        let rest = match path.strip_prefix("/v1") {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => rest,
+            _ => return Err(format!("only paths under /v1 are proxied, not `{path}`")),
+        };
         let mut target = String::with_capacity(self.prefix.len() + rest.len() + 1);
         target.push_str(&self.prefix);
-        if !rest.starts_with('/') {
+        target.push_str(rest);
+        if target.is_empty() {
             target.push('/');
         }
-        target.push_str(rest);
         Uri::try_from(target).map_err(|e| format!("cannot build the upstream URL: {e}"))
     }
 
@@ -186,6 +193,33 @@ impl Base {
 /// Gateway paths that are proxied; their upstream targets are built once.
 const PROXIED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
+/// `path` with repeated `/` collapsed and no trailing `/` (`""` for the
+/// root). Refuses what an upstream could resolve to another path than the
+/// one the gateway routed: `.` and `..` segments, and `%2e`, `%2f`, `%5c`
+/// or `\`, which some servers decode into them.
+fn normalize_path(path: &str) -> Result<String, &'static str> {
+    let mut out = String::with_capacity(path.len());
+    for seg in path.split('/').filter(|s| !s.is_empty()) {
+        if seg == "." || seg == ".." {
+            return Err("it has a `.` or `..` segment");
+        }
+        let b = seg.as_bytes();
+        let encoded = b.windows(3).any(|w| {
+            w[0] == b'%'
+                && matches!(
+                    (w[1], w[2].to_ascii_lowercase()),
+                    (b'2', b'e' | b'f') | (b'5', b'c')
+                )
+        });
+        if encoded || b.contains(&b'\\') {
+            return Err("it has an encoded `.`, `/` or `\\`");
+        }
+        out.push('/');
+        out.push_str(seg);
+    }
+    Ok(out)
+}
+
 /// Why a proxied request failed before the upstream's answer began.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -193,12 +227,23 @@ pub enum UpstreamError {
         "the routing policy chose upstream `{0}`, which is not configured (see [[upstreams]] in the config)"
     )]
     Unknown(String),
-    #[error("upstream `{name}` is unavailable: {detail}")]
-    Unavailable { name: String, detail: String },
+    /// `reason` is a fixed phrase: the cause, which may name the upstream's
+    /// address, is only logged.
+    #[error(
+        "upstream `{name}` is unavailable ({reason}); the gateway log has the details (look for this request's x-request-id)"
+    )]
+    Unavailable { name: String, reason: &'static str },
     #[error("upstream `{name}` did not answer within {secs} s")]
     Timeout { name: String, secs: f64 },
-    #[error("cannot forward the request to upstream `{name}`: {detail}")]
-    Request { name: String, detail: String },
+    /// The request path cannot be forwarded as it is (see [`normalize_path`]).
+    #[error(
+        "the request path cannot be forwarded to upstream `{name}`: {why}; send the request to /v1/chat/completions or /v1/completions"
+    )]
+    InvalidPath { name: String, why: &'static str },
+    #[error(
+        "cannot forward the request to upstream `{name}`; the gateway log has the details (look for this request's x-request-id)"
+    )]
+    Request { name: String },
 }
 
 impl UpstreamError {
@@ -208,6 +253,7 @@ impl UpstreamError {
                 StatusCode::BAD_GATEWAY
             }
             UpstreamError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            UpstreamError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
             UpstreamError::Request { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -217,6 +263,7 @@ impl UpstreamError {
             UpstreamError::Unknown(_) => "unknown_upstream",
             UpstreamError::Unavailable { .. } => "upstream_unavailable",
             UpstreamError::Timeout { .. } => "upstream_timeout",
+            UpstreamError::InvalidPath { .. } => "invalid_path",
             UpstreamError::Request { .. } => "upstream_request_failed",
         }
     }
@@ -298,16 +345,28 @@ impl Upstream {
         }
     }
 
-    /// The upstream target for a gateway path and query.
-    fn target_for(&self, path_and_query: &str) -> Result<Uri, String> {
-        if let Some(Some(t)) = PROXIED_PATHS
-            .iter()
-            .position(|p| *p == path_and_query)
-            .and_then(|i| self.targets.get(i))
-        {
-            return Ok(t.clone());
+    /// The upstream target for a gateway path and query: the query is
+    /// dropped, the path normalized ([`normalize_path`]).
+    fn target_for(&self, path_and_query: &str) -> Result<Uri, TargetError> {
+        let path = path_and_query
+            .split_once('?')
+            .map_or(path_and_query, |(p, _)| p);
+        if let Some(t) = self.cached_target(path) {
+            return Ok(t);
         }
-        self.base.target_for(path_and_query)
+        let path = normalize_path(path).map_err(TargetError::Path)?;
+        if let Some(t) = self.cached_target(&path) {
+            return Ok(t);
+        }
+        if path != "/v1" && !path.starts_with("/v1/") {
+            return Err(TargetError::Path("it is not under /v1"));
+        }
+        self.base.target_for(&path).map_err(TargetError::Build)
+    }
+
+    fn cached_target(&self, path: &str) -> Option<Uri> {
+        let i = PROXIED_PATHS.iter().position(|p| *p == path)?;
+        self.targets.get(i)?.clone()
     }
 
     /// Idle pooled connections (tests and diagnostics).
@@ -393,8 +452,21 @@ impl Upstreams {
     }
 }
 
-/// Request headers forwarded as they are; everything else (the client's
-/// `authorization` above all) stays here.
+/// Why no upstream target could be built for a request.
+enum TargetError {
+    /// The client's path (see [`normalize_path`]).
+    Path(&'static str),
+    /// Anything else; logged, not shown.
+    Build(String),
+}
+
+/// The client request headers forwarded as they are (an allow-list). All
+/// others stay here: the client's `authorization` (the upstream gets its
+/// own key), cookies, `x-forwarded-*`, `openai-organization`/`-project`
+/// (they would name the client's account on the gateway's key), and the
+/// client's `x-request-id`: the gateway sends its own id, which is the
+/// client's only when it passed the gateway's check (`http::request_id`).
+/// `content-type` is always `application/json` and `host` the upstream's.
 const FORWARDED: [HeaderName; 3] = [ACCEPT, USER_AGENT, HeaderName::from_static("openai-beta")];
 
 /// Response headers not passed back: hop-by-hop ones, and the length, which hyper recomputes from the streamed body.
@@ -414,12 +486,15 @@ static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// What to send upstream.
 pub struct Outgoing<'a> {
     pub method: Method,
-    /// The gateway path and query, e.g. `/v1/chat/completions`.
+    /// The gateway path, e.g. `/v1/chat/completions`; a query is ignored
+    /// and the path normalized, so the client's raw request target can be
+    /// passed.
     pub path_and_query: &'a str,
-    /// The client's request headers (a few are forwarded).
+    /// The client's request headers (only [`FORWARDED`] ones are sent).
     pub headers: &'a HeaderMap,
     /// The JSON body, already rewritten.
     pub body: Bytes,
+    /// The gateway's own request id (never a client header unchecked).
     pub request_id: &'a str,
 }
 
@@ -431,13 +506,18 @@ pub async fn proxy(
     out: Outgoing<'_>,
 ) -> Result<Response<Body>, UpstreamError> {
     let name = &upstream.name;
-    let target =
-        upstream
-            .target_for(out.path_and_query)
-            .map_err(|detail| UpstreamError::Request {
+    let target = upstream
+        .target_for(out.path_and_query)
+        .map_err(|e| match e {
+            TargetError::Path(why) => UpstreamError::InvalidPath {
                 name: name.clone(),
-                detail,
-            })?;
+                why,
+            },
+            TargetError::Build(detail) => {
+                tracing::error!(upstream = %name, error = %detail, "cannot build the upstream request");
+                UpstreamError::Request { name: name.clone() }
+            }
+        })?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
     let request = || {
         let mut req = Request::new(Full::new(out.body.clone()));
@@ -465,12 +545,12 @@ pub async fn proxy(
     let (resp, lease) =
         match tokio::time::timeout(upstream.timeout, exchange(upstream, request)).await {
             Ok(Ok(answer)) => answer,
-            Ok(Err(detail)) => {
-                upstream.record_error(detail.clone());
+            Ok(Err(Failure { reason, detail })) => {
                 tracing::warn!(upstream = %name, error = %detail, "upstream request failed");
+                upstream.record_error(detail);
                 return Err(UpstreamError::Unavailable {
                     name: name.clone(),
-                    detail,
+                    reason,
                 });
             }
             Err(_) => {
@@ -512,13 +592,29 @@ pub async fn proxy(
     Ok(Response::from_parts(parts, body.boxed_unsync()))
 }
 
+/// Why an exchange failed: a fixed phrase for the client, the cause (which
+/// may name the upstream's address) for the log.
+struct Failure {
+    reason: &'static str,
+    detail: String,
+}
+
+impl Failure {
+    fn exchange(e: &hyper::Error) -> Failure {
+        Failure {
+            reason: "the connection failed before an answer",
+            detail: error_chain(e),
+        }
+    }
+}
+
 /// Sends the request on a pooled connection (or a new one) and waits for the
 /// answer's head. A reused connection that fails before any answer (the
 /// upstream closed it as we sent) is replaced by a new one, once.
 async fn exchange(
     upstream: &Upstream,
     request: impl Fn() -> Request<Full<Bytes>>,
-) -> Result<(Response<Incoming>, Lease), String> {
+) -> Result<(Response<Incoming>, Lease), Failure> {
     let mut lease = match upstream.pool.checkout() {
         Some(l) => l,
         None => connect(upstream).await?,
@@ -528,19 +624,22 @@ async fn exchange(
         Err(e) if lease.reused => {
             tracing::debug!(upstream = %upstream.name, error = %error_chain(&e), "pooled connection failed; retrying on a new one");
         }
-        Err(e) => return Err(error_chain(&e)),
+        Err(e) => return Err(Failure::exchange(&e)),
     }
     let mut lease = connect(upstream).await?;
     match lease.send(request()).await {
         Ok(resp) => Ok((resp, lease)),
-        Err(e) => Err(error_chain(&e)),
+        Err(e) => Err(Failure::exchange(&e)),
     }
 }
 
-async fn connect(upstream: &Upstream) -> Result<Lease, String> {
+async fn connect(upstream: &Upstream) -> Result<Lease, Failure> {
     pool::connect(&upstream.connect_to)
         .await
-        .map_err(|e| format!("cannot connect to {}: {e}", upstream.connect_to))
+        .map_err(|e| Failure {
+            reason: "cannot connect",
+            detail: format!("cannot connect to {}: {e}", upstream.connect_to),
+        })
 }
 
 /// The upstream's answer body, passed through frame by frame. Polling it
@@ -644,10 +743,19 @@ mod tests {
         assert_eq!(b.socket_authority(), "127.0.0.1:9000");
         let b = Base::parse("http://h:1").unwrap();
         assert_eq!(
-            b.target_for("/v1/completions?x=1").unwrap().to_string(),
-            "/completions?x=1"
+            b.target_for("/v1/completions").unwrap().to_string(),
+            "/completions"
         );
         assert_eq!(b.target_for("/v1").unwrap().to_string(), "/");
+        assert!(b.target_for("/v1x").is_err());
+        assert!(b.target_for("/admin").is_err());
+        // The base path is normalized once, at parse time.
+        let b = Base::parse("http://h:1//api//v1/").unwrap();
+        assert_eq!(
+            b.target_for("/v1/models").unwrap().to_string(),
+            "/api/v1/models"
+        );
+        assert!(Base::parse("http://h:1/api/../admin").is_err());
         assert_eq!(
             Base::parse("http://example.com/api/v1")
                 .unwrap()
@@ -657,6 +765,72 @@ mod tests {
         assert!(Base::parse("https://api.openai.com/v1").is_err());
         assert!(Base::parse("ftp://x/v1").is_err());
         assert!(Base::parse("not a url").is_err());
+    }
+
+    #[test]
+    fn paths_are_normalized() {
+        assert_eq!(
+            normalize_path("//v1///chat/completions/").unwrap(),
+            "/v1/chat/completions"
+        );
+        assert_eq!(normalize_path("/").unwrap(), "");
+        for bad in [
+            "/v1/../admin",
+            "/v1/./x",
+            "/v1/%2e%2E/admin",
+            "/v1/a%2Fb",
+            "/v1/a%5cb",
+            "/v1/a\\b",
+        ] {
+            assert!(normalize_path(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_query_is_dropped_and_the_path_normalized() {
+        let up = Upstream::new(&spec("a", "http://h:1/base/v1/"));
+        let target = |p: &str| up.target_for(p).ok().map(|u| u.to_string());
+        for p in [
+            "/v1/chat/completions",
+            "/v1/chat/completions?x=1",
+            "//v1/chat/completions",
+            "//v1//chat/completions?api-version=1&x=y",
+        ] {
+            assert_eq!(
+                target(p).as_deref(),
+                Some("/base/v1/chat/completions"),
+                "{p}"
+            );
+        }
+        assert_eq!(
+            target("/v1/embeddings?x=1").as_deref(),
+            Some("/base/v1/embeddings")
+        );
+        assert!(matches!(
+            up.target_for("/v1/../admin"),
+            Err(TargetError::Path(_))
+        ));
+        assert!(matches!(
+            up.target_for("/admin/x"),
+            Err(TargetError::Path(_))
+        ));
+    }
+
+    #[test]
+    fn errors_name_the_upstream_but_no_address() {
+        let e = UpstreamError::Unavailable {
+            name: "up".into(),
+            reason: "cannot connect",
+        };
+        assert!(e.to_string().contains("`up`"), "{e}");
+        let e = UpstreamError::InvalidPath {
+            name: "up".into(),
+            why: "it has a `.` or `..` segment",
+        };
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::BAD_REQUEST, "invalid_path")
+        );
     }
 
     #[test]
@@ -923,6 +1097,10 @@ mod tests {
         let e = call(&up).await.unwrap_err();
         assert_eq!(e.code(), "upstream_unavailable");
         assert!(e.to_string().contains("cannot connect"), "{e}");
+        // The address stays in the log and the admin's status.
+        assert!(!e.to_string().contains(&port.to_string()), "{e}");
+        let last = up.status().last_error.unwrap();
+        assert!(last.contains(&format!("127.0.0.1:{port}")), "{last}");
     }
 
     #[tokio::test]

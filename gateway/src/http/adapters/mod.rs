@@ -2,6 +2,11 @@
 //! keys; mounting and unmounting need `admin`), `/v1/adapters/available`
 //! (adapter directories in the configured stores), and the choice of
 //! adapters for one request.
+//!
+//! Answers show an adapter's directory as `store` (its index in
+//! `[adapters] stores`) and `path`: absolute for admin keys, relative to the
+//! store for everyone else (the form `POST /v1/adapters` takes), so
+//! inference keys do not learn the server's directory layout.
 
 pub mod cli;
 
@@ -39,12 +44,59 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-fn object(model: &str, info: &AdapterInfo) -> Value {
+/// How adapter directories are shown to one caller (see the module doc).
+struct PathView {
+    admin: bool,
+    /// The stores, canonicalized, in config order (`None`: missing).
+    roots: Vec<Option<PathBuf>>,
+}
+
+impl PathView {
+    fn new(cx: &Ctx, req: &Request<ReqBody>) -> PathView {
+        let admin = req
+            .extensions()
+            .get::<Caller>()
+            .is_some_and(|c| c.has(Scope::Admin));
+        let roots = cx
+            .state
+            .config
+            .adapter_stores()
+            .iter()
+            .map(|s| s.canonicalize().ok())
+            .collect();
+        PathView { admin, roots }
+    }
+
+    /// `(store, path)` for an adapter directory: the index of the store
+    /// holding it, and its path (relative unless the caller is an admin).
+    /// A directory outside every store shows `null` for both to non-admins.
+    fn show(&self, dir: &Path) -> (Value, Value) {
+        let canonical = dir.canonicalize().ok();
+        let found = self.roots.iter().enumerate().find_map(|(i, root)| {
+            let root = root.as_deref()?;
+            [Some(dir), canonical.as_deref()]
+                .into_iter()
+                .flatten()
+                .find_map(|d| d.strip_prefix(root).ok())
+                .map(|rel| (i, rel))
+        });
+        match (found, self.admin) {
+            (Some((i, _)), true) => (json!(i), json!(dir.to_string_lossy())),
+            (Some((i, rel)), false) => (json!(i), json!(rel.to_string_lossy())),
+            (None, true) => (Value::Null, json!(dir.to_string_lossy())),
+            (None, false) => (Value::Null, Value::Null),
+        }
+    }
+}
+
+fn object(model: &str, info: &AdapterInfo, view: &PathView) -> Value {
+    let (store, path) = view.show(&info.path);
     json!({
         "object": "adapter",
         "id": info.id,
         "model": model,
-        "path": info.path,
+        "store": store,
+        "path": path,
         "format": info.format,
         "rank": info.rank,
         "scale": info.scale,
@@ -55,7 +107,8 @@ fn object(model: &str, info: &AdapterInfo) -> Value {
     })
 }
 
-async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let view = PathView::new(&cx, &req);
     let data: Vec<Value> = cx
         .state
         .models
@@ -65,7 +118,7 @@ async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
             m.engine
                 .adapters()
                 .into_iter()
-                .map(|a| object(&m.id, &a))
+                .map(|a| object(&m.id, &a, &view))
                 .collect::<Vec<_>>()
         })
         .collect();
@@ -143,6 +196,7 @@ async fn mount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     cx.state
         .keys
         .require(req.extensions().get::<Caller>(), Scope::Admin)?;
+    let view = PathView::new(&cx, &req);
     let b: MountBody = body::read_json(req).await?;
     lora::validate_id(&b.id).map_err(|e| bad("id", e.to_string(), "invalid_value"))?;
     let dir = resolve_in_stores(&cx.state.config.adapter_stores(), &b.path)
@@ -155,7 +209,7 @@ async fn mount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         .await
         .map_err(|e| ApiError::Internal(format!("mounting failed: {e}")))?
         .map_err(|e| bad("path", e.to_string(), "invalid_adapter"))?;
-    let mut answer = object(&model.id, &info);
+    let mut answer = object(&model.id, &info, &view);
     answer["mount_ms"] = json!(started.elapsed().as_secs_f64() * 1e3);
     body::json(StatusCode::CREATED, &answer)
 }
@@ -191,7 +245,8 @@ async fn unmount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
 }
 
 /// Adapter directories in the stores (one level deep), with their configs.
-async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn available(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let view = PathView::new(&cx, &req);
     let stores = cx.state.config.adapter_stores();
     let mounted: Vec<PathBuf> = cx
         .state
@@ -221,10 +276,12 @@ async fn available(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default();
                 let canonical = dir.canonicalize().unwrap_or_else(|_| dir.clone());
+                let (store, path) = view.show(&canonical);
                 out.push(json!({
                     "object": "adapter.available",
                     "id": id,
-                    "path": canonical,
+                    "store": store,
+                    "path": path,
                     "format": config.format,
                     "rank": config.rank,
                     "scale": config.scale,
