@@ -158,6 +158,12 @@ pub struct JobRow {
     /// Who submitted it (API key id), when known.
     #[serde(default)]
     pub submitted_by: Option<String>,
+    /// The tenant of the key that submitted it, which owns it: any key of
+    /// that tenant, and admin-scope callers, may see and cancel it; to other
+    /// callers it does not exist. Rows from before jobs had owners have none
+    /// and are the admins' only.
+    #[serde(default)]
+    pub tenant: Option<String>,
     /// RFC 3339 UTC times.
     pub created_at: String,
     pub started_at: Option<String>,
@@ -169,6 +175,14 @@ pub struct JobRow {
     /// The final summary (`done` event's `summary`), if any.
     #[serde(default)]
     pub summary: Option<Value>,
+}
+
+impl JobRow {
+    /// Whether a caller of `tenant` (an admin-scope one when `admin`) may
+    /// see, follow and cancel this job.
+    pub fn visible_to(&self, tenant: &str, admin: bool) -> bool {
+        admin || self.tenant.as_deref() == Some(tenant)
+    }
 }
 
 /// One event a job reports. Extra fields ride along in `extra` and are
