@@ -65,7 +65,7 @@ pub fn scope(cx: &Ctx, caller: Option<&Caller>) -> CacheScope {
     match caller {
         Some(c) => CacheScope::tenant(&c.tenant, share, c.has(Scope::Admin)),
         // The dispatcher attaches a caller to every /v1 request; without one,
-        // a tenant nobody else is.
+        // no admin rights and no sharing: only what the empty tenant made.
         None => CacheScope::tenant("", false, false),
     }
 }
