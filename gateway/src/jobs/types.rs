@@ -342,6 +342,28 @@ mod tests {
     }
 
     #[test]
+    fn rows_are_visible_to_their_tenant_and_admins_and_old_rows_to_admins_only() {
+        // A row written before jobs had owners has no `tenant` field.
+        let old: JobRow = serde_json::from_value(serde_json::json!({
+            "id": "job-000000000001", "kind": "noop", "status": "done", "config": {},
+            "progress": 1.0, "message": null, "log_path": "x", "output_path": null,
+            "error": null, "submitted_by": "worker", "created_at": "t",
+            "started_at": null, "ended_at": null
+        }))
+        .unwrap();
+        assert_eq!(old.tenant, None);
+        assert!(!old.visible_to("t", false));
+        assert!(old.visible_to("t", true));
+        let mine = JobRow {
+            tenant: Some("t".into()),
+            ..old
+        };
+        assert!(mine.visible_to("t", false));
+        assert!(!mine.visible_to("u", false));
+        assert!(mine.visible_to("u", true));
+    }
+
+    #[test]
     fn transitions() {
         assert!(JobStatus::Queued.can_become(JobStatus::Running));
         assert!(JobStatus::Running.can_become(JobStatus::Zombie));
