@@ -33,6 +33,7 @@ fn request(adapters: &[&str]) -> GenerateRequest {
         logprobs: None,
         prompt_cache: None,
         adapters: adapters.iter().map(|s| s.to_string()).collect(),
+        cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
     }
 }
 

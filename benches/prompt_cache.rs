@@ -33,6 +33,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         logprobs: None,
         prompt_cache: None,
         adapters: vec![],
+        cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
     }
 }
 

@@ -185,7 +185,10 @@ fn cancel_running_and_queued_jobs() {
     assert_eq!(ev.last().unwrap().1["type"], "cancelled");
 
     let mut follower = SseStream::open(s.addr, &format!("/api/jobs/{a}/events"), ADMIN, &[]);
+    // The worker key is another tenant's: for it the admin's job does not exist.
     let r = call(s.addr, "DELETE", &format!("/api/jobs/{a}"), WORKER, None);
+    r.api_error(404, "not_found_error", "job_not_found");
+    let r = call(s.addr, "DELETE", &format!("/api/jobs/{a}"), ADMIN, None);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["status"], "cancelled");
     let rest = follower.collect_rest();

@@ -123,6 +123,15 @@ pub struct PromptCacheConfig {
     pub auto_save_min_tokens: usize,
     /// Disk the automatic files may use, in MiB (oldest removed first).
     pub auto_disk_mb: u64,
+    /// Disk each tenant's named caches (`POST /v1/prompt_caches`) may use,
+    /// in MiB; a save past it is refused (400 `prompt_cache_budget_exceeded`)
+    /// until the tenant deletes some.
+    pub named_disk_mb: u64,
+    /// Let every tenant reuse prefixes (in memory and automatic files) that
+    /// other tenants' requests cached. Off by default: a shared cache tells a
+    /// tenant, through `cached_tokens` and timing, how much of its prompt
+    /// someone else sent before. Named caches stay their owner's either way.
+    pub share_across_tenants: bool,
 }
 
 impl Default for PromptCacheConfig {
@@ -132,7 +141,16 @@ impl Default for PromptCacheConfig {
             dir: None,
             auto_save_min_tokens: 0,
             auto_disk_mb: 4096,
+            named_disk_mb: 4096,
+            share_across_tenants: false,
         }
+    }
+}
+
+impl PromptCacheConfig {
+    /// `named_disk_mb` in bytes.
+    pub fn named_disk_bytes(&self) -> u64 {
+        self.named_disk_mb.saturating_mul(1024 * 1024)
     }
 }
 
@@ -495,6 +513,17 @@ mod tests {
         assert!(!c.metrics.open_on_loopback);
         assert!(toml::from_str::<FileConfig>("[metrics]\ntoken_sha256 = \"plain\"").is_err());
         assert!(toml::from_str::<FileConfig>("[metrics]\ntoken = \"x\"").is_err());
+    }
+
+    #[test]
+    fn prompt_cache_tenancy_defaults() {
+        let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
+        assert!(!c.prompt_cache.share_across_tenants);
+        assert_eq!(c.prompt_cache.named_disk_bytes(), 4096 << 20);
+        let f = file("[prompt_cache]\nshare_across_tenants = true\nnamed_disk_mb = 1\n");
+        let c = Config::resolve(f, Overrides::default(), None).unwrap();
+        assert!(c.prompt_cache.share_across_tenants);
+        assert_eq!(c.prompt_cache.named_disk_bytes(), 1 << 20);
     }
 
     #[test]

@@ -73,6 +73,9 @@ pub struct GenerateRequest {
     pub prompt_cache: Option<String>,
     /// Mounted LoRA adapters to apply, stacked in this order (empty: base model).
     pub adapters: Vec<String>,
+    /// Whose prompt caches this request may reuse and who owns what it
+    /// caches (the HTTP layer sets the caller's tenant).
+    pub cache_scope: super::prompt_cache::CacheScope,
 }
 
 impl GenerateRequest {
@@ -90,6 +93,7 @@ impl GenerateRequest {
             logprobs: None,
             prompt_cache: None,
             adapters: vec![],
+            cache_scope: super::prompt_cache::CacheScope::operator(),
         }
     }
 

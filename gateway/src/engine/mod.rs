@@ -24,7 +24,8 @@ pub use api::*;
 pub use model::LoadError;
 use model::Transformer;
 use prompt_cache::{
-    CacheInfo, CacheStats, CacheStatsSnapshot, CacheStore, Fingerprint, PromptCacheOptions,
+    CacheInfo, CacheScope, CacheStats, CacheStatsSnapshot, CacheStore, Fingerprint,
+    PromptCacheOptions, SaveError,
 };
 pub use sampler::argmax;
 use scheduler::{Caching, Command, Job, Scheduler};
@@ -343,9 +344,12 @@ impl EngineHandle {
             }
         }
         let prompt_cache = match &request.prompt_cache {
-            Some(name) => {
-                Some(self.open_named_cache(name, &prompt, &request.adapters.join("+"))?)
-            }
+            Some(name) => Some(self.open_named_cache(
+                name,
+                &request.cache_scope,
+                &prompt,
+                &request.adapters.join("+"),
+            )?),
             None => None,
         };
         let (events, receiver) = unbounded_channel();
@@ -358,6 +362,7 @@ impl EngineHandle {
             logprobs: request.logprobs,
             prompt_cache,
             adapters: request.adapters,
+            cache_scope: request.cache_scope,
             events,
         };
         self.inner.queued.fetch_add(1, Ordering::Relaxed);
@@ -394,11 +399,13 @@ impl EngineHandle {
     }
 
     /// Maps and checks the named cache a request asked for: it must exist,
+    /// be `scope`'s to use (another tenant's is "not found", as if absent),
     /// fit this model and share a prefix with `prompt`. Blocking (reads and
     /// checksums the file).
     fn open_named_cache(
         &self,
         name: &str,
+        scope: &CacheScope,
         prompt: &[u32],
         adapters: &str,
     ) -> Result<Arc<prompt_cache::file::MappedFile>, EngineError> {
@@ -407,7 +414,7 @@ impl EngineHandle {
             EngineError::PromptCache("prompt caches are not enabled on this server".into())
         })?;
         let (path, header) = store
-            .header(name)
+            .header_for(name, scope)
             .ok_or_else(|| EngineError::PromptCacheNotFound(name.to_owned()))?;
         let unusable = |why: String| {
             EngineError::PromptCache(format!("prompt cache `{name}` cannot be used: {why}"))
@@ -429,17 +436,52 @@ impl EngineHandle {
     }
 
     /// Prefills `prompt` (from [`EngineHandle::prompt_tokens`]) and saves its
-    /// cache as the named file. Blocking: waits for the engine thread, then
-    /// writes the file.
+    /// cache as the operator's file `name` (no owner: admins only). Blocking.
     pub fn save_prompt_cache(
         &self,
         name: &str,
         prompt: Vec<u32>,
     ) -> Result<CacheInfo, EngineError> {
-        let store = self.inner.store.clone().ok_or_else(|| {
-            EngineError::PromptCache("prompt caches are not enabled on this server".into())
-        })?;
+        let store = self.store()?;
         prompt_cache::store::validate_name(name).map_err(EngineError::PromptCache)?;
+        let layers = self.snapshot_prompt(&prompt, &CacheScope::operator())?;
+        store
+            .save(name, None, &self.inner.fingerprint, &prompt, &layers)
+            .map_err(|e| EngineError::Internal(format!("cannot write the prompt cache: {e}")))
+    }
+
+    /// Saves `prompt`'s cache as `scope`'s tenant's named cache `name`:
+    /// refused (the outer `Ok(Err)`) when the name is another tenant's or the
+    /// tenant's named caches would outgrow their disk budget. Blocking.
+    pub fn save_named_prompt_cache(
+        &self,
+        name: &str,
+        scope: &CacheScope,
+        prompt: Vec<u32>,
+    ) -> Result<Result<CacheInfo, SaveError>, EngineError> {
+        let store = self.store()?;
+        prompt_cache::store::validate_new_name(name).map_err(EngineError::PromptCache)?;
+        // Cheap refusal before the prefill; `save_named` checks again.
+        if let Err(taken) = store.check_name(name, scope) {
+            return Ok(Err(taken));
+        }
+        let layers = self.snapshot_prompt(&prompt, scope)?;
+        Ok(store.save_named(name, scope, &self.inner.fingerprint, &prompt, &layers))
+    }
+
+    fn store(&self) -> Result<Arc<CacheStore>, EngineError> {
+        self.inner.store.clone().ok_or_else(|| {
+            EngineError::PromptCache("prompt caches are not enabled on this server".into())
+        })
+    }
+
+    /// Prefills `prompt` (reusing only what `scope` may) and returns its
+    /// cache as bytes. Blocking: waits for the engine thread.
+    fn snapshot_prompt(
+        &self,
+        prompt: &[u32],
+        scope: &CacheScope,
+    ) -> Result<Vec<prompt_cache::file::LayerBytes>, EngineError> {
         let context = self.inner.card.context_length;
         if prompt.len() > context {
             return Err(EngineError::ContextLengthExceeded {
@@ -451,15 +493,13 @@ impl EngineHandle {
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
         self.send(Command::Snapshot {
-            prompt: prompt.clone(),
+            prompt: prompt.to_vec(),
+            scope: scope.clone(),
             reply,
         })?;
-        let layers = answer
+        answer
             .blocking_recv()
-            .map_err(|_| EngineError::Unavailable)??;
-        store
-            .save(name, &self.inner.fingerprint, &prompt, &layers)
-            .map_err(|e| EngineError::Internal(format!("cannot write the prompt cache: {e}")))
+            .map_err(|_| EngineError::Unavailable)?
     }
 }
 

@@ -26,7 +26,8 @@ use super::output::{Detokenizer, Filtered, StopFilter};
 use super::prompt_cache::file::{LayerBytes, MappedFile};
 use super::prompt_cache::memory::MemoryCache;
 use super::prompt_cache::{
-    CacheSource, CacheStats, CacheStore, Fingerprint, PromptCacheOptions, common_prefix, tensors,
+    CacheScope, CacheSource, CacheStats, CacheStore, Fingerprint, PromptCacheOptions,
+    common_prefix, tensors,
 };
 use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
@@ -44,6 +45,8 @@ pub enum Command {
     /// bytes, for a named cache file.
     Snapshot {
         prompt: Vec<u32>,
+        /// Whose cached prefixes the prefill may reuse, and who owns the result.
+        scope: CacheScope,
         reply: tokio::sync::oneshot::Sender<Result<Vec<LayerBytes>, EngineError>>,
     },
     /// Load, check and keep an adapter (arrays live on this thread).
@@ -70,6 +73,8 @@ pub struct Job {
     pub prompt_cache: Option<Arc<MappedFile>>,
     /// Mounted adapter ids to stack, in order.
     pub adapters: Vec<String>,
+    /// Whose cached prefixes it may reuse; who owns what it caches.
+    pub cache_scope: CacheScope,
     pub events: EventSender,
 }
 
@@ -79,6 +84,8 @@ struct Sequence {
     adapters: AdapterStack,
     /// The adapter stack's key for prompt caches (`a+b`, or empty).
     adapters_key: String,
+    /// The request's prompt-cache scope (its cache is offered under it).
+    cache_scope: CacheScope,
     sampler: Sampler,
     detokenizer: Detokenizer,
     stop: StopFilter,
@@ -183,8 +190,12 @@ impl Scheduler {
                 };
                 match next {
                     Ok(Command::Generate(job)) => running.extend(self.start(job)),
-                    Ok(Command::Snapshot { prompt, reply }) => {
-                        let _ = reply.send(self.snapshot(&prompt));
+                    Ok(Command::Snapshot {
+                        prompt,
+                        scope,
+                        reply,
+                    }) => {
+                        let _ = reply.send(self.snapshot(&prompt, &scope));
                     }
                     Ok(Command::Mount { id, path, reply }) => {
                         let _ = reply.send(self.mount(&id, &path));
@@ -230,12 +241,18 @@ impl Scheduler {
         let adapters_key = lora::stack_key(&adapters);
         // At least the last prompt token runs: its logits start the reply.
         let limit = job.prompt.len() - 1;
-        let (cache, cached_tokens) =
-            self.reuse(&job.prompt, limit, job.prompt_cache, &adapters_key);
+        let (cache, cached_tokens) = self.reuse(
+            &job.cache_scope,
+            &job.prompt,
+            limit,
+            job.prompt_cache,
+            &adapters_key,
+        );
         let mut seq = Sequence {
             cache,
             adapters,
             adapters_key,
+            cache_scope: job.cache_scope,
             sampler: Sampler::new(job.sampling, &job.prompt),
             detokenizer: Detokenizer::new(),
             stop: StopFilter::new(job.stop),
@@ -258,16 +275,18 @@ impl Scheduler {
                 return None;
             }
         };
-        self.remember_prompt(&job.prompt, &seq.cache, &seq.adapters_key);
+        self.remember_prompt(&seq.cache_scope, &job.prompt, &seq.cache, &seq.adapters_key);
         let mut row = logits.as_slice::<f32>().to_vec();
         self.accept(&mut seq, &mut row).then_some(seq)
     }
 
     /// The cache to start `prompt` from and how many of its tokens it covers
     /// (at most `limit`): the longest of the named file, the in-memory tier
-    /// and, in automatic mode, the store's files.
+    /// and, in automatic mode, the store's files; of the last two only what
+    /// `scope` may reuse.
     fn reuse(
         &mut self,
+        scope: &CacheScope,
         prompt: &[u32],
         limit: usize,
         named: Option<Arc<MappedFile>>,
@@ -276,7 +295,7 @@ impl Scheduler {
         let fingerprint = self.caching.fingerprint.with_adapters(adapters);
         let mut best: Option<(KvCache, usize, CacheSource)> = self
             .memory
-            .lookup(adapters, prompt, limit)
+            .lookup(scope, adapters, prompt, limit)
             .map(|r| (r.cache, r.tokens, CacheSource::Memory));
         let best_len =
             |best: &Option<(KvCache, usize, CacheSource)>| best.as_ref().map_or(0, |b| b.1);
@@ -290,7 +309,7 @@ impl Scheduler {
         }
         let auto = self.caching.options.auto_save_min_tokens.is_some();
         if let (true, Some(store)) = (auto, &self.caching.options.store)
-            && let Some(found) = store.best_prefix(&fingerprint, prompt, limit)
+            && let Some(found) = store.best_prefix(scope, &fingerprint, prompt, limit)
             && found.tokens > best_len(&best)
         {
             match CacheStore::open_file(&found.path, &fingerprint) {
@@ -338,9 +357,17 @@ impl Scheduler {
     }
 
     /// Offers a freshly prefilled prompt's cache to the memory tier and, in
-    /// automatic mode, to a file written in the background.
-    fn remember_prompt(&mut self, prompt: &[u32], cache: &KvCache, adapters: &str) {
-        self.memory.insert(adapters, prompt.to_vec(), cache.clone());
+    /// automatic mode, to a file written in the background, as `scope`'s
+    /// tenant's.
+    fn remember_prompt(
+        &mut self,
+        scope: &CacheScope,
+        prompt: &[u32],
+        cache: &KvCache,
+        adapters: &str,
+    ) {
+        self.memory
+            .insert(scope, adapters, prompt.to_vec(), cache.clone());
         let (Some(min), Some(store)) = (
             self.caching.options.auto_save_min_tokens,
             &self.caching.options.store,
@@ -348,7 +375,7 @@ impl Scheduler {
             return;
         };
         let fingerprint = &self.caching.fingerprint.with_adapters(adapters);
-        if prompt.len() < min || store.covers(fingerprint, prompt) {
+        if prompt.len() < min || store.covers(scope, fingerprint, prompt) {
             return;
         }
         let layers = match tensors::export(cache) {
@@ -360,10 +387,11 @@ impl Scheduler {
         };
         let (store, fingerprint, tokens) =
             (Arc::clone(store), fingerprint.clone(), prompt.to_vec());
+        let owner = scope.tenant.clone();
         let stats = Arc::clone(&self.caching.stats);
         let spawned = std::thread::Builder::new().name("prompt-cache-save".into()).spawn(move || {
-            let name = CacheStore::auto_name(&fingerprint, &tokens);
-            match store.save(&name, &fingerprint, &tokens, &layers) {
+            let name = CacheStore::auto_name(&fingerprint, owner.as_deref(), &tokens);
+            match store.save(&name, owner.as_deref(), &fingerprint, &tokens, &layers) {
                 Ok(info) => {
                     stats.auto_saves.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(cache = %info.name, tokens = info.tokens, bytes = info.bytes, "prompt cache saved");
@@ -376,15 +404,20 @@ impl Scheduler {
         }
     }
 
-    /// Prefills all of `prompt` and returns its cache as bytes.
-    fn snapshot(&mut self, prompt: &[u32]) -> Result<Vec<LayerBytes>, EngineError> {
+    /// Prefills all of `prompt` (reusing what `scope` may) and returns its
+    /// cache as bytes.
+    fn snapshot(
+        &mut self,
+        prompt: &[u32],
+        scope: &CacheScope,
+    ) -> Result<Vec<LayerBytes>, EngineError> {
         let internal = |e: mlx_rs::error::Exception| EngineError::Internal(e.to_string());
-        let (mut cache, cached) = self.reuse(prompt, prompt.len(), None, "");
+        let (mut cache, cached) = self.reuse(scope, prompt, prompt.len(), None, "");
         if cached < prompt.len() {
             self.prefill(&prompt[cached..], &mut cache, &AdapterStack::new())
                 .map_err(internal)?;
         }
-        self.remember_prompt(prompt, &cache, "");
+        self.remember_prompt(scope, prompt, &cache, "");
         tensors::export(&cache).map_err(internal)
     }
 
@@ -430,7 +463,7 @@ impl Scheduler {
         // A finished conversation's cache serves its next turn.
         for seq in finished {
             self.memory
-                .insert(&seq.adapters_key, seq.history, seq.cache);
+                .insert(&seq.cache_scope, &seq.adapters_key, seq.history, seq.cache);
         }
         Ok(())
     }

@@ -11,6 +11,12 @@
 //!   after that event.
 //! - `DELETE /api/jobs/{id}` -> cancels; 409 once the job has finished.
 //!
+//! A job belongs to the tenant of the key that submitted it (`tenant` in the
+//! row). Getting, following and cancelling it takes a key of that tenant or
+//! one with the `admin` scope; to anyone else it answers 404 like a job that
+//! does not exist, and listing shows non-admins their tenant's jobs only.
+//! Rows from before jobs had owners have no tenant: admins only.
+//!
 //! One [`Jobs`] service per data dir per process, opened by [`start`] when
 //! the server starts (which also recovers rows of a previous process) or on
 //! first use.
@@ -32,7 +38,7 @@ use super::auth::{Caller, Scope};
 use super::body::{self, Body, BoxError, ReqBody};
 use super::{ApiError, AppState, Ctx, Route};
 use crate::jobs::{
-    Filter, Followed, JobError, JobKind, JobStatus, Jobs, Page, PolicyProvider, Services,
+    Filter, Followed, JobError, JobKind, JobRow, JobStatus, Jobs, Page, PolicyProvider, Services,
 };
 
 type HandlerResult = Result<Response<Body>, ApiError>;
@@ -167,8 +173,27 @@ struct SubmitBody {
     config: Value,
 }
 
+/// The caller the dispatcher attached; every `/api/` request has one, and
+/// refusing without one keeps jobs closed should that ever change.
+fn caller(req: &Request<ReqBody>) -> Result<Caller, ApiError> {
+    req.extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| ApiError::Internal("a jobs request without a caller".into()))
+}
+
+/// The job `id` if `caller` may see it; another tenant's job is "not found",
+/// exactly as one that does not exist.
+async fn owned_job(cx: &Ctx, caller: &Caller, id: &str) -> Result<JobRow, ApiError> {
+    let row = jobs(cx)?.get(id).await.map_err(api_error)?;
+    if !row.visible_to(&caller.tenant, caller.has(Scope::Admin)) {
+        return Err(api_error(JobError::NotFound(id.to_owned())));
+    }
+    Ok(row)
+}
+
 async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
-    let caller = req.extensions().get::<Caller>().cloned();
+    let caller = caller(&req)?;
     let b: SubmitBody = body::read_json(req).await?;
     let kind: JobKind = match b.kind {
         Some(Value::String(s)) => s.parse().map_err(|e: String| bad("kind", e))?,
@@ -176,18 +201,22 @@ async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         None => return Err(bad("kind", "`kind` is required".into())),
     };
     if kind.needs_admin() {
-        cx.state.keys.require(caller.as_ref(), Scope::Admin)?;
+        cx.state.keys.require(Some(&caller), Scope::Admin)?;
     }
     let row = jobs(&cx)?
-        .submit(kind, b.config, caller.map(|c| c.key_id))
+        .submit(kind, b.config, Some(caller.key_id), Some(caller.tenant))
         .await
         .map_err(api_error)?;
     body::json(StatusCode::CREATED, &row)
 }
 
 async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let caller = caller(&req)?;
     let q = query(&req);
-    let mut filter = Filter::default();
+    let mut filter = Filter {
+        tenant: (!caller.has(Scope::Admin)).then(|| caller.tenant.clone()),
+        ..Filter::default()
+    };
     if let Some(s) = q.get("status").filter(|s| !s.is_empty()) {
         filter.status = Some(s.parse::<JobStatus>().map_err(|e| bad("status", e))?);
     }
@@ -223,20 +252,23 @@ fn id_param(cx: &Ctx) -> Result<String, ApiError> {
         .ok_or_else(|| ApiError::Internal("route without an id".into()))
 }
 
-async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn get(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let id = id_param(&cx)?;
-    let row = jobs(&cx)?.get(&id).await.map_err(api_error)?;
+    let row = owned_job(&cx, &caller(&req)?, &id).await?;
     body::json(StatusCode::OK, &row)
 }
 
-async fn cancel(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn cancel(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let id = id_param(&cx)?;
+    // The owner never changes, so checking before cancelling is enough.
+    owned_job(&cx, &caller(&req)?, &id).await?;
     let row = jobs(&cx)?.cancel(&id).await.map_err(api_error)?;
     body::json(StatusCode::OK, &row)
 }
 
 async fn events(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let id = id_param(&cx)?;
+    owned_job(&cx, &caller(&req)?, &id).await?;
     let header = req
         .headers()
         .get("last-event-id")

@@ -97,7 +97,9 @@ impl AppState {
         let dir = config.prompt_cache_dir();
         let auto_budget = config.prompt_cache.auto_disk_mb * 1024 * 1024;
         let prompt_caches = match CacheStore::open(&dir, auto_budget) {
-            Ok(store) => Some(Arc::new(store)),
+            Ok(store) => Some(Arc::new(
+                store.with_named_budget(config.prompt_cache.named_disk_bytes()),
+            )),
             Err(e) => {
                 error!(dir = %dir.display(), error = %e, "prompt cache files disabled: cannot open the directory");
                 None

@@ -3,7 +3,9 @@
 //! Rows are JSON values in the `jobs` table keyed by id. Ids are a persisted,
 //! zero-padded counter (`job-000000000042`), so key order is submission order
 //! and "newest first" is a reverse range scan. The `jobs_index` table holds
-//! `status:<status>:<id>` and `kind:<kind>:<id>` keys for filtered listing;
+//! `status:<status>:<id>`, `kind:<kind>:<id>` and `tenant:<hex tenant>:<id>`
+//! keys for filtered listing (rows from before jobs had owners have no tenant
+//! key: they are listed to admins only, who list without a tenant filter);
 //! rows and index keys change in the same transaction, so they cannot
 //! disagree. Status changes commit with `Durability::Immediate` (fsync before
 //! `commit` returns); progress updates use `Durability::None`: they are
@@ -68,6 +70,8 @@ from_redb!(
 pub struct Filter {
     pub status: Option<JobStatus>,
     pub kind: Option<JobKind>,
+    /// Only this tenant's jobs (`None`: everyone's, for admins).
+    pub tenant: Option<String>,
 }
 
 /// Which slice of the newest-first order `list` returns.
@@ -127,6 +131,16 @@ fn kind_key(k: JobKind, id: &str) -> String {
     format!("kind:{k}:{id}")
 }
 
+/// `tenant:<hex>:`: hex, so that no tenant name can run into another's
+/// prefix (a tenant may contain `:`).
+fn tenant_prefix(tenant: &str) -> String {
+    use std::fmt::Write;
+    tenant.bytes().fold(String::from("tenant:"), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    }) + ":"
+}
+
 fn parse_row(id: &str, json: &str) -> Result<JobRow, LedgerError> {
     serde_json::from_str(json).map_err(|source| LedgerError::BadRow {
         id: id.to_owned(),
@@ -164,12 +178,13 @@ impl Ledger {
         self.data_dir.join("jobs").join(format!("{id}.ndjson"))
     }
 
-    /// Records a new `queued` job and returns its row.
+    /// Records a new `queued` job of `tenant` and returns its row.
     pub fn submit(
         &self,
         kind: JobKind,
         config: Value,
         submitted_by: Option<String>,
+        tenant: Option<String>,
     ) -> Result<JobRow, LedgerError> {
         let txn = self.db.begin_write()?;
         let row = {
@@ -188,6 +203,7 @@ impl Ledger {
                 output_path: None,
                 error: None,
                 submitted_by,
+                tenant,
                 created_at: rfc3339_now(),
                 started_at: None,
                 ended_at: None,
@@ -199,6 +215,9 @@ impl Ledger {
             let mut index = txn.open_table(INDEX)?;
             index.insert(status_key(row.status, &row.id).as_str(), ())?;
             index.insert(kind_key(row.kind, &row.id).as_str(), ())?;
+            if let Some(t) = &row.tenant {
+                index.insert(format!("{}{}", tenant_prefix(t), row.id).as_str(), ())?;
+            }
             row
         };
         txn.commit()?;
@@ -296,10 +315,13 @@ impl Ledger {
         let jobs = txn.open_table(JOBS)?;
         let mut data = Vec::with_capacity(limit + 1);
         let cursor = page.cursor.as_deref();
-        let prefix = match (filter.status, filter.kind) {
-            (Some(s), _) => Some(format!("status:{s}:")),
-            (None, Some(k)) => Some(format!("kind:{k}:")),
-            (None, None) => None,
+        // The most selective index first; the row is checked against the
+        // whole filter either way.
+        let prefix = match (&filter.tenant, filter.status, filter.kind) {
+            (Some(t), _, _) => Some(tenant_prefix(t)),
+            (None, Some(s), _) => Some(format!("status:{s}:")),
+            (None, None, Some(k)) => Some(format!("kind:{k}:")),
+            (None, None, None) => None,
         };
         match prefix {
             None => {
@@ -328,7 +350,13 @@ impl Ledger {
                     let id = &key[prefix.len()..];
                     let Some(json) = jobs.get(id)? else { continue };
                     let row = parse_row(id, json.value())?;
-                    if filter.kind.is_some_and(|kind| kind != row.kind) {
+                    let wanted = filter.kind.is_none_or(|kind| kind == row.kind)
+                        && filter.status.is_none_or(|status| status == row.status)
+                        && filter
+                            .tenant
+                            .as_ref()
+                            .is_none_or(|t| row.tenant.as_ref() == Some(t));
+                    if !wanted {
                         continue;
                     }
                     data.push(row);
@@ -443,7 +471,7 @@ mod tests {
                 JobKind::Crash
             };
             ids.push(
-                l.submit(kind, serde_json::json!({ "i": i }), None)
+                l.submit(kind, serde_json::json!({ "i": i }), None, None)
                     .unwrap()
                     .id,
             );
@@ -465,7 +493,7 @@ mod tests {
 
         let noop = Filter {
             kind: Some(JobKind::Noop),
-            status: None,
+            ..Filter::default()
         };
         let p = page(&noop, 2, None);
         assert_eq!(
@@ -479,7 +507,7 @@ mod tests {
         l.update_progress(&ids[0], Some(0.5), Some("half")).unwrap();
         let running = Filter {
             status: Some(JobStatus::Running),
-            kind: None,
+            ..Filter::default()
         };
         let p = page(&running, 10, None);
         assert_eq!(p.data.len(), 1);
@@ -488,6 +516,7 @@ mod tests {
         let both = Filter {
             status: Some(JobStatus::Queued),
             kind: Some(JobKind::Crash),
+            tenant: None,
         };
         assert_eq!(page(&both, 10, None).data.len(), 3);
 
@@ -506,7 +535,84 @@ mod tests {
         assert_eq!(r.queued[0].id, ids[1]);
         assert_eq!(l.get(&ids[0]).unwrap().status, JobStatus::Zombie);
         // The counter survives reopening.
-        let next = l.submit(JobKind::Noop, Value::Null, None).unwrap();
+        let next = l.submit(JobKind::Noop, Value::Null, None, None).unwrap();
         assert!(next.id > ids[6]);
+    }
+
+    #[test]
+    fn tenants_list_only_their_own_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Ledger::open(dir.path()).unwrap();
+        let submit = |kind, tenant: Option<&str>| {
+            l.submit(kind, Value::Null, None, tenant.map(str::to_owned))
+                .unwrap()
+                .id
+        };
+        let a1 = submit(JobKind::Noop, Some("a"));
+        let _old = submit(JobKind::Noop, None);
+        // A tenant whose name starts another's, with the separator in it.
+        let _ab = submit(JobKind::Noop, Some("a:b"));
+        let a2 = submit(JobKind::Crash, Some("a"));
+        let a3 = submit(JobKind::Noop, Some("a"));
+        let list = |f: Filter, limit| {
+            let p = l
+                .list(
+                    &f,
+                    &Page {
+                        limit,
+                        cursor: None,
+                    },
+                )
+                .unwrap();
+            (
+                p.data.into_iter().map(|r| r.id).collect::<Vec<_>>(),
+                p.next_cursor,
+            )
+        };
+        let of_a = |kind, status| Filter {
+            kind,
+            status,
+            tenant: Some("a".into()),
+        };
+        assert_eq!(
+            list(of_a(None, None), 10).0,
+            vec![a3.clone(), a2.clone(), a1.clone()]
+        );
+        let (page, cursor) = list(of_a(None, None), 2);
+        assert_eq!(page, vec![a3.clone(), a2.clone()]);
+        let rest = l
+            .list(&of_a(None, None), &Page { limit: 2, cursor })
+            .unwrap();
+        assert_eq!(rest.data.len(), 1);
+        assert_eq!(rest.data[0].id, a1);
+        assert_eq!(
+            list(of_a(Some(JobKind::Noop), None), 10).0,
+            vec![a3.clone(), a1.clone()]
+        );
+        l.transition(&a1, JobStatus::Running, Patch::default())
+            .unwrap();
+        assert_eq!(
+            list(of_a(None, Some(JobStatus::Running)), 10).0,
+            vec![a1.clone()]
+        );
+        // Nobody else's rows, and the ownerless one only without a tenant.
+        assert!(
+            list(of_a(None, None), 10)
+                .0
+                .iter()
+                .all(|id| l.get(id).unwrap().tenant.as_deref() == Some("a"))
+        );
+        assert_eq!(list(Filter::default(), 10).0.len(), 5);
+        assert!(
+            list(
+                Filter {
+                    tenant: Some("b".into()),
+                    ..Filter::default()
+                },
+                10
+            )
+            .0
+            .is_empty()
+        );
     }
 }

@@ -297,17 +297,19 @@ impl Jobs {
         Ok(())
     }
 
-    /// Checks `config` for `kind`, records a `queued` row and schedules it.
+    /// Checks `config` for `kind`, records a `queued` row owned by `tenant`
+    /// (submitted by key `submitted_by`) and schedules it.
     pub async fn submit(
         self: &Arc<Self>,
         kind: JobKind,
         config: Value,
         submitted_by: Option<String>,
+        tenant: Option<String>,
     ) -> Result<JobRow, JobError> {
         let this = Arc::clone(self);
         blocking(move || {
             let spec = Spec::parse(kind, &config, &this.env())?;
-            let row = this.ledger.submit(kind, config, submitted_by)?;
+            let row = this.ledger.submit(kind, config, submitted_by, tenant)?;
             this.launch(&row, spec)?;
             info!(job = %row.id, kind = %kind, "job submitted");
             Ok(row)

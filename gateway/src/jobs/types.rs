@@ -158,6 +158,12 @@ pub struct JobRow {
     /// Who submitted it (API key id), when known.
     #[serde(default)]
     pub submitted_by: Option<String>,
+    /// The tenant of the key that submitted it, which owns it: any key of
+    /// that tenant, and admin-scope callers, may see and cancel it; to other
+    /// callers it does not exist. Rows from before jobs had owners have none
+    /// and are the admins' only.
+    #[serde(default)]
+    pub tenant: Option<String>,
     /// RFC 3339 UTC times.
     pub created_at: String,
     pub started_at: Option<String>,
@@ -169,6 +175,14 @@ pub struct JobRow {
     /// The final summary (`done` event's `summary`), if any.
     #[serde(default)]
     pub summary: Option<Value>,
+}
+
+impl JobRow {
+    /// Whether a caller of `tenant` (an admin-scope one when `admin`) may
+    /// see, follow and cancel this job.
+    pub fn visible_to(&self, tenant: &str, admin: bool) -> bool {
+        admin || self.tenant.as_deref() == Some(tenant)
+    }
 }
 
 /// One event a job reports. Extra fields ride along in `extra` and are
@@ -325,6 +339,28 @@ mod tests {
         let done: StoredEvent =
             serde_json::from_str(r#"{"seq":9,"ts":2.0,"type":"done","output_dir":"/x"}"#).unwrap();
         assert!(done.event.is_terminal());
+    }
+
+    #[test]
+    fn rows_are_visible_to_their_tenant_and_admins_and_old_rows_to_admins_only() {
+        // A row written before jobs had owners has no `tenant` field.
+        let old: JobRow = serde_json::from_value(serde_json::json!({
+            "id": "job-000000000001", "kind": "noop", "status": "done", "config": {},
+            "progress": 1.0, "message": null, "log_path": "x", "output_path": null,
+            "error": null, "submitted_by": "worker", "created_at": "t",
+            "started_at": null, "ended_at": null
+        }))
+        .unwrap();
+        assert_eq!(old.tenant, None);
+        assert!(!old.visible_to("t", false));
+        assert!(old.visible_to("t", true));
+        let mine = JobRow {
+            tenant: Some("t".into()),
+            ..old
+        };
+        assert!(mine.visible_to("t", false));
+        assert!(!mine.visible_to("u", false));
+        assert!(mine.visible_to("u", true));
     }
 
     #[test]

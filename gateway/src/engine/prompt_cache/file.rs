@@ -81,6 +81,10 @@ pub struct LayerEntry {
 pub struct FileHeader {
     pub version: u32,
     pub name: String,
+    /// The tenant that made it. Files without one (the operator's, or
+    /// written before caches had owners) belong to admins only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     /// Unix seconds.
     pub created: u64,
     pub fingerprint: Fingerprint,
@@ -124,9 +128,123 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> CacheFileError + '_ {
     move |e| CacheFileError::Io(path.to_owned(), e.to_string())
 }
 
-/// Writes a cache file atomically: a temporary file next to `path`, fsync,
-/// rename over `path`, fsync of the directory. A crash leaves either the old
-/// file or the new one, never a torn one.
+/// A file ready to be written: its header and where everything goes, known
+/// before a byte is written (so a disk budget can be checked first).
+pub struct Planned {
+    pub header: FileHeader,
+    json: Vec<u8>,
+    data_start: u64,
+    data_len: u64,
+}
+
+impl Planned {
+    /// Lays out a file of `layers`; `owner` is the tenant it belongs to.
+    pub fn new(
+        name: &str,
+        owner: Option<&str>,
+        created: u64,
+        fingerprint: &Fingerprint,
+        tokens: &[u32],
+        layers: &[LayerBytes],
+    ) -> Result<Planned, String> {
+        let mut entries = Vec::with_capacity(layers.len());
+        let mut cursor = 0u64;
+        let mut place = |bytes: &[u8]| {
+            let offset = align_up(cursor);
+            cursor = offset + bytes.len() as u64;
+            TensorEntry {
+                offset,
+                bytes: bytes.len() as u64,
+                xxh3: format!("{:016x}", xxh3_64(bytes)),
+            }
+        };
+        for layer in layers {
+            entries.push(LayerEntry {
+                kind: if layer.window.is_some() {
+                    "rotating"
+                } else {
+                    "kv"
+                }
+                .into(),
+                window: layer.window,
+                start: layer.start,
+                shape: layer.shape.clone(),
+                keys: place(&layer.keys),
+                values: place(&layer.values),
+            });
+        }
+        let header = FileHeader {
+            version: FORMAT_VERSION,
+            name: name.to_owned(),
+            owner: owner.map(str::to_owned),
+            created,
+            fingerprint: fingerprint.clone(),
+            tokens: tokens.to_vec(),
+            layers: entries,
+        };
+        let json = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
+        let data_start = align_up((PREAMBLE + json.len()) as u64);
+        Ok(Planned {
+            header,
+            json,
+            data_start,
+            data_len: cursor,
+        })
+    }
+
+    /// The size the file will have.
+    pub fn file_len(&self) -> u64 {
+        (self.data_start + self.data_len).max((PREAMBLE + self.json.len()) as u64)
+    }
+
+    /// Writes the file atomically: a temporary file next to `path`, fsync,
+    /// rename over `path`, fsync of the directory. A crash leaves either the
+    /// old file or the new one, never a torn one. `layers` are those planned.
+    pub fn write(self, path: &Path, layers: &[LayerBytes]) -> Result<FileHeader, CacheFileError> {
+        let Planned {
+            header,
+            json,
+            data_start,
+            ..
+        } = self;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let file_name = path
+            .file_name()
+            .map_or_else(Default::default, |n| n.to_string_lossy().into_owned());
+        let temp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
+        let result = (|| {
+            let mut file = File::create(&temp).map_err(io(&temp))?;
+            let mut preamble = Vec::with_capacity(PREAMBLE + json.len());
+            preamble.extend_from_slice(MAGIC);
+            preamble.extend_from_slice(&(json.len() as u32).to_le_bytes());
+            preamble.extend_from_slice(&(data_start as u32).to_le_bytes());
+            preamble.extend_from_slice(&xxh3_64(&json).to_le_bytes());
+            preamble.extend_from_slice(&json);
+            file.write_all(&preamble).map_err(io(&temp))?;
+            for (layer, entry) in layers.iter().zip(&header.layers) {
+                for (bytes, tensor) in [(&layer.keys, &entry.keys), (&layer.values, &entry.values)]
+                {
+                    file.seek(SeekFrom::Start(data_start + tensor.offset))
+                        .map_err(io(&temp))?;
+                    file.write_all(bytes).map_err(io(&temp))?;
+                }
+            }
+            file.sync_all().map_err(io(&temp))?;
+            std::fs::rename(&temp, path).map_err(io(path))?;
+            if let Ok(dir) = File::open(dir) {
+                let _ = dir.sync_all();
+            }
+            Ok(header)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&temp);
+        }
+        result
+    }
+}
+
+/// Plans and writes an ownerless (operator's) cache file atomically (see
+/// [`Planned::write`]).
 pub fn write(
     path: &Path,
     name: &str,
@@ -135,76 +253,9 @@ pub fn write(
     tokens: &[u32],
     layers: &[LayerBytes],
 ) -> Result<FileHeader, CacheFileError> {
-    let mut entries = Vec::with_capacity(layers.len());
-    let mut cursor = 0u64;
-    let mut place = |bytes: &[u8]| {
-        let offset = align_up(cursor);
-        cursor = offset + bytes.len() as u64;
-        TensorEntry {
-            offset,
-            bytes: bytes.len() as u64,
-            xxh3: format!("{:016x}", xxh3_64(bytes)),
-        }
-    };
-    for layer in layers {
-        entries.push(LayerEntry {
-            kind: if layer.window.is_some() {
-                "rotating"
-            } else {
-                "kv"
-            }
-            .into(),
-            window: layer.window,
-            start: layer.start,
-            shape: layer.shape.clone(),
-            keys: place(&layer.keys),
-            values: place(&layer.values),
-        });
-    }
-    let header = FileHeader {
-        version: FORMAT_VERSION,
-        name: name.to_owned(),
-        created,
-        fingerprint: fingerprint.clone(),
-        tokens: tokens.to_vec(),
-        layers: entries,
-    };
-    let json =
-        serde_json::to_vec(&header).map_err(|e| CacheFileError::Io(path.into(), e.to_string()))?;
-    let data_start = align_up((PREAMBLE + json.len()) as u64);
-
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let file_name = path
-        .file_name()
-        .map_or_else(Default::default, |n| n.to_string_lossy().into_owned());
-    let temp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
-    let result = (|| {
-        let mut file = File::create(&temp).map_err(io(&temp))?;
-        let mut preamble = Vec::with_capacity(PREAMBLE + json.len());
-        preamble.extend_from_slice(MAGIC);
-        preamble.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        preamble.extend_from_slice(&(data_start as u32).to_le_bytes());
-        preamble.extend_from_slice(&xxh3_64(&json).to_le_bytes());
-        preamble.extend_from_slice(&json);
-        file.write_all(&preamble).map_err(io(&temp))?;
-        for (layer, entry) in layers.iter().zip(&header.layers) {
-            for (bytes, tensor) in [(&layer.keys, &entry.keys), (&layer.values, &entry.values)] {
-                file.seek(SeekFrom::Start(data_start + tensor.offset))
-                    .map_err(io(&temp))?;
-                file.write_all(bytes).map_err(io(&temp))?;
-            }
-        }
-        file.sync_all().map_err(io(&temp))?;
-        std::fs::rename(&temp, path).map_err(io(path))?;
-        if let Ok(dir) = File::open(dir) {
-            let _ = dir.sync_all();
-        }
-        Ok(header)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    result
+    Planned::new(name, None, created, fingerprint, tokens, layers)
+        .map_err(|e| CacheFileError::Io(path.into(), e))?
+        .write(path, layers)
 }
 
 /// Reads and checks the preamble and JSON header only (one small read).
@@ -464,6 +515,24 @@ mod tests {
         }
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn the_owner_round_trips_and_old_headers_have_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("o.kv");
+        let plan =
+            Planned::new("o", Some("acme"), 1, &fingerprint(), &[5, 6, 7], &layers()).unwrap();
+        let planned_len = plan.file_len();
+        plan.write(&path, &layers()).unwrap();
+        let info = read_header(&path).unwrap();
+        assert_eq!(info.header.owner.as_deref(), Some("acme"));
+        assert_eq!(info.file_len, planned_len, "the plan knows the size");
+        // A header written before owners existed has no `owner` field.
+        let path = written(dir.path());
+        let json = serde_json::to_string(&read_header(&path).unwrap().header).unwrap();
+        assert!(!json.contains("owner"), "{json}");
+        assert_eq!(read_header(&path).unwrap().header.owner, None);
     }
 
     #[test]

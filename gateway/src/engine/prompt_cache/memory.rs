@@ -1,5 +1,7 @@
-//! The in-memory tier: recent sequences' caches, keyed by their tokens and
-//! adapter set, least recently used dropped first once over the byte budget.
+//! The in-memory tier: recent sequences' caches, keyed by their tokens,
+//! adapter set and owner (tenant), least recently used dropped first once
+//! over the byte budget. A lookup sees only the entries its [`CacheScope`]
+//! reuses, so one tenant's prompts never shorten another's prefill.
 //!
 //! Entries share MLX arrays with nothing mutable: a sequence that goes on
 //! after its cache was stored extends by concatenation into new arrays, so
@@ -8,11 +10,13 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::{CacheStats, common_prefix};
+use super::{CacheScope, CacheStats, common_prefix};
 use crate::engine::model::KvCache;
 
 struct Entry {
     adapters: String,
+    /// The tenant whose request cached it (`None`: the operator).
+    owner: Option<String>,
     tokens: Vec<u32>,
     cache: KvCache,
     bytes: usize,
@@ -43,14 +47,20 @@ impl MemoryCache {
         }
     }
 
-    /// The longest cached prefix of `prompt` under `adapters`, of at most
-    /// `limit` tokens.
-    pub fn lookup(&mut self, adapters: &str, prompt: &[u32], limit: usize) -> Option<Reuse> {
+    /// The longest cached prefix of `prompt` under `adapters` that `scope`
+    /// may reuse, of at most `limit` tokens.
+    pub fn lookup(
+        &mut self,
+        scope: &CacheScope,
+        adapters: &str,
+        prompt: &[u32],
+        limit: usize,
+    ) -> Option<Reuse> {
         let (index, tokens) = self
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.adapters == adapters)
+            .filter(|(_, e)| e.adapters == adapters && scope.reuses(e.owner.as_deref()))
             .map(|(i, e)| {
                 (
                     i,
@@ -71,15 +81,18 @@ impl MemoryCache {
         })
     }
 
-    /// Keeps `cache`, which covers exactly `tokens`. Entries it supersedes
-    /// (their tokens a prefix of these, and servable from this cache) go.
-    pub fn insert(&mut self, adapters: &str, tokens: Vec<u32>, cache: KvCache) {
+    /// Keeps `cache`, which covers exactly `tokens`, as `scope`'s tenant's.
+    /// Entries it supersedes (the same owner's, or any when shared; their
+    /// tokens a prefix of these, and servable from this cache) go.
+    pub fn insert(&mut self, scope: &CacheScope, adapters: &str, tokens: Vec<u32>, cache: KvCache) {
         let bytes = cache.nbytes();
         if tokens.is_empty() || bytes > self.budget || cache.offset != tokens.len() {
             return;
         }
+        let owner = scope.tenant.clone();
         self.entries.retain(|e| {
             let covered = e.adapters == adapters
+                && (scope.share || e.owner == owner)
                 && e.tokens.len() <= tokens.len()
                 && tokens.starts_with(&e.tokens)
                 && cache.reusable(e.tokens.len()) == e.tokens.len();
@@ -88,6 +101,7 @@ impl MemoryCache {
         self.clock += 1;
         self.entries.push(Entry {
             adapters: adapters.to_owned(),
+            owner,
             tokens,
             cache,
             bytes,

@@ -7,6 +7,11 @@
 //! ([`file`]) that survive restarts: named caches saved through the API, and
 //! automatic ones for long prompts when configured. A file is matched by its
 //! header alone and mapped copy-on-write when used.
+//!
+//! Every cache has an owner, the tenant whose request made it, and a request
+//! carries a [`CacheScope`]: it reuses only its own tenant's prefixes (unless
+//! the operator shares them across tenants), so `cached_tokens` never tells
+//! one tenant how much of its prompt another tenant sent before.
 
 pub mod file;
 pub mod memory;
@@ -19,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 pub use file::CacheFileError;
-pub use store::{CacheInfo, CacheStore};
+pub use store::{CacheInfo, CacheStore, SaveError};
 
 /// What a cache's keys and values depend on. A file made under another
 /// fingerprint would silently produce wrong tokens, so it is refused.
@@ -108,6 +113,56 @@ impl Fingerprint {
             adapters: adapters.to_owned(),
             ..self.clone()
         }
+    }
+}
+
+/// Whose prompt caches a request may reuse, and who owns the caches it
+/// fills. The HTTP layer builds one per request from the caller; in-process
+/// callers (tests, benchmarks, tools) act as the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheScope {
+    /// The caller's tenant, recorded as the owner of what it caches;
+    /// `None` is the operator, whose caches (like files written before
+    /// caches had owners) belong to no tenant.
+    pub tenant: Option<String>,
+    /// Reuse in-memory and automatic prefixes whoever cached them (the
+    /// operator's `[prompt_cache] share_across_tenants`).
+    pub share: bool,
+    /// Use, overwrite, delete and list every tenant's named caches, and reuse
+    /// ownerless files automatically (admin-scope callers, the operator).
+    pub admin: bool,
+}
+
+impl CacheScope {
+    /// In-process callers: full access, caches without an owner.
+    pub fn operator() -> CacheScope {
+        CacheScope {
+            tenant: None,
+            share: false,
+            admin: true,
+        }
+    }
+
+    /// A tenant's request; `admin` for admin-scope callers.
+    pub fn tenant(tenant: &str, share: bool, admin: bool) -> CacheScope {
+        CacheScope {
+            tenant: Some(tenant.to_owned()),
+            share,
+            admin,
+        }
+    }
+
+    /// Whether a prefix cached by `owner` may be reused automatically (memory
+    /// tier, automatic files): one's own, anyone's when shared, and ownerless
+    /// ones for admins.
+    pub fn reuses(&self, owner: Option<&str>) -> bool {
+        self.share || owner == self.tenant.as_deref() || (self.admin && owner.is_none())
+    }
+
+    /// Whether a named cache owned by `owner` may be used, listed, replaced or
+    /// deleted by this caller: its owner's, and every one for admins.
+    pub fn may_access(&self, owner: Option<&str>) -> bool {
+        self.admin || owner == self.tenant.as_deref()
     }
 }
 

@@ -80,6 +80,7 @@ pub async fn generate_request(
         logprobs: common.logprobs,
         prompt_cache: common.prompt_cache.clone(),
         adapters,
+        cache_scope: crate::http::prompt_caches::scope(cx, local.head.extensions.get()),
     })
 }
 

@@ -201,7 +201,7 @@ pub enum CacheContent {
 pub fn save_cache_request(body: &Value) -> Result<SaveCacheRequest, ApiError> {
     let f = Fields::of(body)?;
     let name = f.string("name")?.ok_or_else(|| missing("name"))?;
-    crate::engine::prompt_cache::store::validate_name(name)
+    crate::engine::prompt_cache::store::validate_new_name(name)
         .map_err(|message| invalid("name", "invalid_value", &message))?;
     let model = f.string("model")?.ok_or_else(|| missing("model"))?;
     let content = match (f.get("prompt"), f.get("messages")) {

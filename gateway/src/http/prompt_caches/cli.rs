@@ -124,6 +124,7 @@ fn inspect(path: &std::path::Path, verify: bool) -> anyhow::Result<()> {
         "{}",
         serde_json::to_string_pretty(&json!({
             "name": h.name,
+            "owner": h.owner,
             "version": h.version,
             "created": h.created,
             "fingerprint": h.fingerprint,

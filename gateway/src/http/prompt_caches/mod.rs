@@ -1,18 +1,28 @@
 //! `/v1/prompt_caches`: save a prompt's keys and values under a name, list,
 //! inspect and delete them. Requests use one with `"prompt_cache": "<name>"`.
 //! (The automatic mode needs no API: see `[prompt_cache]` in the config.)
+//!
+//! A cache belongs to the tenant of the key that saved it. Other tenants do
+//! not see it: listing leaves it out, and getting, deleting or using it
+//! answers as for a name that does not exist. Saving over it is refused with
+//! 409 (in one namespace of names, a taken name cannot be hidden). Callers
+//! with the `admin` scope see, use, replace and delete every cache, and they
+//! alone reach files without an owner (written before caches had owners).
+//! With no API keys configured there are no tenants: everyone is the
+//! operator.
 
 pub mod cli;
 
 use http::{Method, Request, StatusCode};
 use serde_json::{Value, json};
 
+use super::auth::{Caller, Scope};
 use super::body::{self, ReqBody};
 use super::openai::validate::{self, CacheContent};
 use super::openai::{HandlerResult, engine::prompt_cache::CacheInfo};
 use super::{ApiError, Ctx, Route};
 use crate::engine::Prompt;
-use crate::engine::prompt_cache::CacheStore;
+use crate::engine::prompt_cache::{CacheScope, CacheStore, SaveError};
 
 pub fn routes() -> Vec<Route> {
     vec![
@@ -40,10 +50,35 @@ fn store(cx: &Ctx) -> Result<std::sync::Arc<CacheStore>, ApiError> {
     })
 }
 
+/// The prompt-cache scope of a request by `caller`: its tenant, sharing as
+/// the config says, every named cache for admin-scope callers. Without any
+/// configured key there are no tenants to keep apart, so the (loopback-only)
+/// anonymous caller is the operator.
+pub fn scope(cx: &Ctx, caller: Option<&Caller>) -> CacheScope {
+    let share = cx.state.config.prompt_cache.share_across_tenants;
+    if cx.state.keys.is_empty() {
+        return CacheScope {
+            share,
+            ..CacheScope::operator()
+        };
+    }
+    match caller {
+        Some(c) => CacheScope::tenant(&c.tenant, share, c.has(Scope::Admin)),
+        // The dispatcher attaches a caller to every /v1 request; without one,
+        // no admin rights and no sharing: only what the empty tenant made.
+        None => CacheScope::tenant("", false, false),
+    }
+}
+
+fn caller_scope(cx: &Ctx, req: &Request<ReqBody>) -> CacheScope {
+    scope(cx, req.extensions().get::<Caller>())
+}
+
 fn object(info: &CacheInfo) -> Value {
     json!({
         "object": "prompt_cache",
         "name": info.name,
+        "owner": info.owner,
         "model": info.model,
         "adapters": info.adapters,
         "tokens": info.tokens,
@@ -62,23 +97,28 @@ fn not_found(name: &str) -> ApiError {
     }
 }
 
-async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let data: Vec<Value> = store(&cx)?.list().iter().map(object).collect();
+async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let scope = caller_scope(&cx, &req);
+    let data: Vec<Value> = store(&cx)?.list_for(&scope).iter().map(object).collect();
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
-async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn get(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let scope = caller_scope(&cx, &req);
     let name = cx.param("name").unwrap_or_default();
-    let info = store(&cx)?.get(name).ok_or_else(|| not_found(name))?;
+    let info = store(&cx)?
+        .get_for(name, &scope)
+        .ok_or_else(|| not_found(name))?;
     body::json(StatusCode::OK, &object(&info))
 }
 
-async fn delete(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+async fn delete(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let scope = caller_scope(&cx, &req);
     let name = cx.param("name").unwrap_or_default().to_owned();
     let store = store(&cx)?;
     let removed = tokio::task::spawn_blocking({
         let name = name.clone();
-        move || store.delete(&name)
+        move || store.delete_for(&name, &scope)
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -92,8 +132,10 @@ async fn delete(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     )
 }
 
-/// Prefills the prompt (reusing what is cached) and writes the file.
+/// Prefills the prompt (reusing what the caller's tenant cached) and writes
+/// the file as the tenant's.
 async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
+    let scope = caller_scope(&cx, &req);
     let json: Value = body::read_json(req).await?;
     let request = validate::save_cache_request(&json)?;
     store(&cx)?;
@@ -109,12 +151,36 @@ async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             CacheContent::Messages(messages) => Prompt::Text(engine.render_chat_prefix(&messages)?),
         };
         let tokens = engine.prompt_tokens(prompt)?;
-        engine.save_prompt_cache(&request.name, tokens)
+        engine.save_named_prompt_cache(&request.name, &scope, tokens)
     })
     .await
     .map_err(|e| ApiError::Internal(format!("saving the prompt cache failed: {e}")))?
-    .map_err(|e| ApiError::from_engine(e, param))?;
+    .map_err(|e| ApiError::from_engine(e, param))?
+    .map_err(|e| save_error(e, param))?;
     body::json(StatusCode::CREATED, &object(&info))
+}
+
+fn save_error(e: SaveError, param: &'static str) -> ApiError {
+    match e {
+        e @ SaveError::NameTaken(_) => ApiError::Conflict {
+            message: format!("{}.", capitalized(&e.to_string())),
+            code: "prompt_cache_name_taken",
+        },
+        // 400, not 507: retrying cannot help (and SDKs retry 5xx); deleting can.
+        e @ SaveError::OverBudget { .. } => ApiError::InvalidParam {
+            message: format!("{}.", capitalized(&e.to_string())),
+            param: param.to_owned(),
+            code: "prompt_cache_budget_exceeded",
+        },
+        SaveError::File(e) => ApiError::Internal(format!("cannot write the prompt cache: {e}")),
+    }
+}
+
+fn capitalized(s: &str) -> String {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
 }
 
 /// Prometheus text for every ready model's prompt-cache counters and the
