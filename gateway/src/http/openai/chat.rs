@@ -25,7 +25,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let (engine, messages) = (model.engine.clone(), chat.messages);
     let stream = start_blocking(
         move || {
-            request.prompt = Prompt::Text(engine.render_chat(&messages)?);
+            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
             engine.generate(request)
         },
         "messages",
