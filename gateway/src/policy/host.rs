@@ -5,6 +5,8 @@
 //! `RwLock<Arc<_>>`, replaced whole on each change. A call clones the `Arc` of
 //! its policy version and runs without any lock held, so a swap never blocks
 //! calls and in-flight calls finish on the version they started with.
+//! Request-time calls (`route_if_bound`, `select_if_bound`) run on the
+//! host's own few call threads (`policy/pool.rs`), never the caller's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -55,6 +57,10 @@ impl Snapshot {
 
 /// The policy platform of one gateway process. Knows nothing of HTTP.
 pub struct PolicyHost {
+    /// Threads for request-time calls (`route_if_bound`, `select_if_bound`).
+    /// First, so it is dropped first: its threads finish their calls while
+    /// the engine's watchdog still interrupts guests past their deadline.
+    calls: CallPool,
     cfg: HostConfig,
     engine: PolicyEngine,
     linker: Linker<HostState>,
@@ -64,8 +70,6 @@ pub struct PolicyHost {
     counters: Mutex<HashMap<String, Arc<Counters>>>,
     admin: Mutex<()>,
     load_errors: Vec<String>,
-    /// Threads for request-time calls (`route_if_bound`, `select_if_bound`).
-    calls: CallPool,
 }
 
 impl PolicyHost {
@@ -408,8 +412,9 @@ impl PolicyHost {
         facts: impl FnOnce() -> RequestFacts<'a>,
         backends: impl FnOnce() -> Vec<BackendState>,
     ) -> PolicyCall<RouteDecision> {
-        let p = match self.snap().bound_arc(PolicyKind::Router) {
-            Ok(p) => Arc::clone(p),
+        let snap = self.snap();
+        let p = match snap.bound_arc(PolicyKind::Router) {
+            Ok(p) => p,
             Err(e) => return PolicyCall::ready(Err(e)),
         };
         let facts = facts();
@@ -425,7 +430,7 @@ impl PolicyHost {
             None => None,
         };
         let args = Packed::router(&facts, &backends());
-        self.off_thread(p, move |p| {
+        self.off_thread(Arc::clone(p), move |p| {
             let decision = route_packed(p, &args)?;
             if let (Some(table), Some(key)) = (&p.decisions, key) {
                 table.insert(key, decision.clone());
