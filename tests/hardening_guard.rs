@@ -15,7 +15,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use common::wasm;
-use mlxgate::policy::{HostConfig, Limits, OnError, PolicyHost, PolicyKind, PolicyOptions};
+use mlxgate::policy::{
+    FailureKind, HostConfig, Limits, OnError, PolicyHost, PolicyKind, PolicyOptions,
+};
 use routing::key_hash;
 use serde_json::json;
 use support::{Response, Server, ServerBuilder, real_model};
@@ -232,5 +234,51 @@ fn special_tokens_in_chat_content_are_text() {
             "`{marker}` in content counted as {} token(s): parsed as a control token",
             with - plain
         );
+    }
+}
+
+#[test]
+fn a_full_call_queue_fails_at_once_under_the_policys_on_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = HostConfig::new(dir.path());
+    cfg.max_instances = 32;
+    cfg.max_memory_bytes = 64 << 20;
+    (cfg.call_threads, cfg.call_queue) = (1, 1);
+    let host = PolicyHost::open(cfg).unwrap();
+    host.upload(
+        "looper",
+        PolicyKind::Router,
+        &wasm("hostile-router"),
+        PolicyOptions {
+            limits: Some(Limits {
+                deadline_ms: 1000,
+                ..PolicyKind::Router.default_limits()
+            }),
+            on_error: OnError::FailClosed,
+            config: None,
+        },
+    )
+    .unwrap();
+    host.bind(PolicyKind::Router, "looper").unwrap();
+    let call = || host.route_if_bound(|| common::facts("loop"), Vec::new);
+    // One call runs on the one thread, one waits in the queue...
+    let running = call();
+    std::thread::sleep(Duration::from_millis(200));
+    let queued = call();
+    // ...and the next is refused at once, as a failure of the policy.
+    let asked = Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = rt.block_on(call()).unwrap_err();
+    assert!(asked.elapsed() < Duration::from_millis(500));
+    assert_eq!(err.failure_kind(), Some(FailureKind::Capacity), "{err}");
+    assert!(!err.is_fail_open());
+    assert_eq!(err.status(), 503);
+    assert!(err.to_string().contains("queued"), "{err}");
+    for c in [running, queued] {
+        let e = rt.block_on(c).unwrap_err();
+        assert_eq!(e.failure_kind(), Some(FailureKind::Timeout), "{e}");
     }
 }
