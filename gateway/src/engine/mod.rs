@@ -283,6 +283,25 @@ impl EngineHandle {
         Ok(())
     }
 
+    /// The prompt ids for `messages`, from the model's chat template, with
+    /// the assistant turn's opening; special tokens come only from the
+    /// template, never from message content (`TextCodec::encode_chat`).
+    pub fn chat_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.inner
+            .codec
+            .encode_chat(messages, true)
+            .map_err(EngineError::Template)
+    }
+
+    /// [`EngineHandle::chat_tokens`] without the assistant turn's opening: a
+    /// prefix later conversations extend (for saved prompt caches).
+    pub fn chat_prefix_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.inner
+            .codec
+            .encode_chat(messages, false)
+            .map_err(EngineError::Template)
+    }
+
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.check_prompt_bytes(text.len())?;
         self.inner

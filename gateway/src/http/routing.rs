@@ -15,11 +15,14 @@
 //! whose `[[upstreams]] models` lists the requested model, otherwise the
 //! requested model locally, untouched. A failing guest configured `fail_open`
 //! also takes the default route; one configured `fail_closed` refuses the
-//! request with 503. Guest calls run inline on the
-//! async worker: they are bounded by the policy's deadline (5 ms by default)
-//! and take a few microseconds when warm, far less than a thread hop. A
+//! request with 503. Guest calls never run on the
+//! async worker: they go to the policy host's few call threads
+//! (`policy/pool.rs`) and are awaited, bounded by the policy's deadline
+//! (5 ms by default, at most 1 s for request-time policies); a full call
+//! queue is a guest failure, so `fail_open` / `fail_closed` applies. A
 //! router that declared its decision inputs is called once per distinct
-//! combination of them (`policy/reuse.rs`).
+//! combination of them (`policy/reuse.rs`); a reused decision is a table
+//! lookup, answered inline without a thread hop.
 
 use std::sync::{Arc, OnceLock};
 
@@ -261,7 +264,7 @@ pub async fn route_request<'a>(
     let Some(host) = policy_host(state).await? else {
         return Ok(default_route(state, model));
     };
-    match host.route_if_bound(facts, || backends(state)) {
+    match host.route_if_bound(facts, || backends(state)).await {
         Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
         Ok(RouteDecision::Upstream { name, model }) => match state.routing.upstreams.get(&name) {
             Some(u) => Ok(Destination::Upstream {

@@ -33,8 +33,21 @@ pub struct HostConfig {
     pub max_wasm_stack: usize,
     /// Largest accepted component.
     pub max_component_bytes: usize,
-    /// Ceiling for any policy's deadline.
+    /// Ceiling for any policy's deadline (dataset transforms, which run in
+    /// jobs, per record).
     pub max_deadline_ms: u32,
+    /// Ceiling for the deadline of request-time policies (routers, adapter
+    /// selectors): every request waits for their call, so a long deadline
+    /// is a long stall per request. Uploads over it get 400
+    /// `invalid_limits`; a stored one over it (an older gateway allowed
+    /// 60 s) is lowered to it on load.
+    pub max_request_deadline_ms: u32,
+    /// Threads running request-time guest calls (see `policy/pool.rs`):
+    /// the most calls that run at once; guests never run on async workers.
+    pub call_threads: usize,
+    /// Request-time calls that may wait for a call thread; one more fails
+    /// at once as a `capacity` failure (the policy's `on_error` applies).
+    pub call_queue: usize,
     /// Longest the watchdog waits, while calls run, before advancing the
     /// epoch again: a call whose deadline it did not schedule (an earlier
     /// one came first) is stopped at most this long after its deadline.
@@ -54,6 +67,9 @@ impl HostConfig {
             max_wasm_stack: 512 << 10,
             max_component_bytes: 16 << 20,
             max_deadline_ms: 60_000,
+            max_request_deadline_ms: 1_000,
+            call_threads: 2,
+            call_queue: 64,
             recheck: Duration::from_millis(10),
             max_calls_per_instance: 10_000,
         }

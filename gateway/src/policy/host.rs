@@ -5,6 +5,8 @@
 //! `RwLock<Arc<_>>`, replaced whole on each change. A call clones the `Arc` of
 //! its policy version and runs without any lock held, so a swap never blocks
 //! calls and in-flight calls finish on the version they started with.
+//! Request-time calls (`route_if_bound`, `select_if_bound`) run on the
+//! host's own few call threads (`policy/pool.rs`), never the caller's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -16,9 +18,11 @@ use super::bindings::{Packed, dataset, router};
 use super::engine::{HostConfig, PolicyEngine};
 use super::error::{FailureKind, PolicyError};
 use super::metrics::{Counters, PolicyMetrics};
+use super::pool::{CallPool, PolicyCall};
 use super::reuse::fact_names;
 use super::runtime::{Bound, Budget, Failure, HostState, LoadedPolicy, truncate};
 use super::storage::{Bindings, Storage, StoredMeta, sha256_hex};
+use super::types::Limits;
 use super::types::{
     API_VERSION, AdapterInfo, BackendKind, BackendState, LoadOrigin, PolicyInfo, PolicyKind,
     PolicyOptions, RecordOutcome, RequestFacts, RouteDecision,
@@ -39,16 +43,24 @@ impl Snapshot {
     /// The policy bound for `kind`, borrowed: a call holds the snapshot, so
     /// a swap during it leaves this version alive until the call ends.
     fn bound(&self, kind: PolicyKind) -> Result<&LoadedPolicy, PolicyError> {
+        self.bound_arc(kind).map(Arc::as_ref)
+    }
+
+    /// The policy bound for `kind`, shared, for a call on another thread.
+    fn bound_arc(&self, kind: PolicyKind) -> Result<&Arc<LoadedPolicy>, PolicyError> {
         self.bindings
             .get(kind)
             .and_then(|n| self.policies.get(n))
-            .map(Arc::as_ref)
             .ok_or(PolicyError::NotBound(kind))
     }
 }
 
 /// The policy platform of one gateway process. Knows nothing of HTTP.
 pub struct PolicyHost {
+    /// Threads for request-time calls (`route_if_bound`, `select_if_bound`).
+    /// First, so it is dropped first: its threads finish their calls while
+    /// the engine's watchdog still interrupts guests past their deadline.
+    calls: CallPool,
     cfg: HostConfig,
     engine: PolicyEngine,
     linker: Linker<HostState>,
@@ -69,6 +81,7 @@ impl PolicyHost {
         let engine = PolicyEngine::new(&cfg)?;
         let linker = Linker::new(&engine.engine);
         let storage = Storage::open(&cfg.data_dir)?;
+        let calls = CallPool::new(cfg.call_threads, cfg.call_queue)?;
         let mut host = PolicyHost {
             cfg,
             engine,
@@ -78,6 +91,7 @@ impl PolicyHost {
             counters: Mutex::new(HashMap::new()),
             admin: Mutex::new(()),
             load_errors: Vec::new(),
+            calls,
         };
         let mut snap = Snapshot::default();
         for meta in host.storage.load_metas() {
@@ -172,7 +186,7 @@ impl PolicyHost {
     ) -> Result<PolicyInfo, PolicyError> {
         validate_name(name)?;
         let limits = opts.limits.unwrap_or_else(|| kind.default_limits());
-        self.validate_limits(&limits)?;
+        self.validate_limits(kind, &limits)?;
         if bytes.len() > self.cfg.max_component_bytes {
             return Err(PolicyError::TooLarge {
                 size: bytes.len(),
@@ -386,16 +400,72 @@ impl PolicyHost {
         decide(snap.bound(PolicyKind::Router)?, facts, || backends)
     }
 
-    /// [`PolicyHost::route`] for the request path: the facts are only
-    /// gathered when a router is bound (else `Err(NotBound)`, which is
-    /// fail-open), and the backend states only when the guest is called.
+    /// [`PolicyHost::route`] for the request path, to be awaited: the facts
+    /// are only gathered when a router is bound (else `Err(NotBound)`, which
+    /// is fail-open), and the backend states only when the guest is called.
+    /// A reused decision (`policy/reuse.rs`) is answered here, a table
+    /// lookup; a guest call runs on the host's call threads
+    /// (`policy/pool.rs`), never on the caller's thread, and fails as a
+    /// `capacity` failure when their queue is full.
     pub fn route_if_bound<'a>(
         &self,
         facts: impl FnOnce() -> RequestFacts<'a>,
         backends: impl FnOnce() -> Vec<BackendState>,
-    ) -> Result<RouteDecision, PolicyError> {
+    ) -> PolicyCall<RouteDecision> {
         let snap = self.snap();
-        decide(snap.bound(PolicyKind::Router)?, &facts(), backends)
+        let p = match snap.bound_arc(PolicyKind::Router) {
+            Ok(p) => p,
+            Err(e) => return PolicyCall::ready(Err(e)),
+        };
+        let facts = facts();
+        let key = match &p.decisions {
+            Some(table) => {
+                let key = table.key(&facts);
+                if let Some(decision) = table.get(&key) {
+                    p.counters.decision_reused();
+                    return PolicyCall::ready(Ok(decision));
+                }
+                Some(key)
+            }
+            None => None,
+        };
+        let args = Packed::router(&facts, &backends());
+        self.off_thread(Arc::clone(p), move |p| {
+            let decision = route_packed(p, &args)?;
+            if let (Some(table), Some(key)) = (&p.decisions, key) {
+                table.insert(key, decision.clone());
+            }
+            Ok(decision)
+        })
+    }
+
+    /// Runs `f` on a call thread; a full queue fails like the guest would,
+    /// with `capacity`, under the policy's `on_error`.
+    fn off_thread<T: Send + 'static>(
+        &self,
+        p: Arc<LoadedPolicy>,
+        f: impl FnOnce(&LoadedPolicy) -> Result<T, PolicyError> + Send + 'static,
+    ) -> PolicyCall<T> {
+        let refused = Arc::clone(&p);
+        match self.calls.submit(move || f(&p)) {
+            Ok(call) => call,
+            Err(full) => {
+                refused
+                    .counters
+                    .record(std::time::Duration::ZERO, Some(FailureKind::Capacity));
+                PolicyCall::ready(Err(guest_error(
+                    &refused,
+                    (
+                        FailureKind::Capacity,
+                        format!(
+                            "all {} policy call threads are busy and {} calls are queued; \
+                             the call was not made (lower the policy's deadline or fix a slow policy)",
+                            full.threads, full.queue
+                        ),
+                    ),
+                )))
+            }
+        }
     }
 
     /// Asks the router policy `name` directly (dry runs, tests).
@@ -418,6 +488,22 @@ impl PolicyHost {
     ) -> Result<Option<Vec<String>>, PolicyError> {
         let snap = self.snap();
         select_on(snap.bound(PolicyKind::AdapterSelector)?, facts, adapters)
+    }
+
+    /// [`PolicyHost::select_adapters`] for the request path, to be awaited:
+    /// the guest call runs on the host's call threads, like
+    /// [`PolicyHost::route_if_bound`]'s.
+    pub fn select_if_bound(
+        &self,
+        facts: &RequestFacts,
+        adapters: Vec<AdapterInfo>,
+    ) -> PolicyCall<Option<Vec<String>>> {
+        let p = match self.snap().bound_arc(PolicyKind::AdapterSelector) {
+            Ok(p) => Arc::clone(p),
+            Err(e) => return PolicyCall::ready(Err(e)),
+        };
+        let args = Packed::selector(facts, &adapters);
+        self.off_thread(p, move |p| select_packed(p, &args, &adapters))
     }
 
     /// Calls the adapter-selector policy `name` directly.
@@ -485,12 +571,30 @@ impl PolicyHost {
     // Internals
     // ------------------------------------------------------------------
 
-    fn validate_limits(&self, l: &super::types::Limits) -> Result<(), PolicyError> {
+    /// The longest deadline a `kind` policy may have: request-time kinds
+    /// (router, adapter selector) have a lower ceiling than jobs' transforms.
+    fn max_deadline_ms(&self, kind: PolicyKind) -> u32 {
+        if kind.is_bindable() {
+            self.cfg
+                .max_request_deadline_ms
+                .min(self.cfg.max_deadline_ms)
+        } else {
+            self.cfg.max_deadline_ms
+        }
+    }
+
+    fn validate_limits(&self, kind: PolicyKind, l: &Limits) -> Result<(), PolicyError> {
         let bad = |m: String| Err(PolicyError::InvalidLimits(m));
-        if l.deadline_ms == 0 || l.deadline_ms > self.cfg.max_deadline_ms {
+        let max_deadline = self.max_deadline_ms(kind);
+        if l.deadline_ms == 0 || l.deadline_ms > max_deadline {
+            let why = if kind.is_bindable() {
+                " (every request waits for a request-time policy)"
+            } else {
+                ""
+            };
             return bad(format!(
-                "deadline_ms must be 1..={}",
-                self.cfg.max_deadline_ms
+                "deadline_ms is {}; a {kind} policy's must be 1..={max_deadline}{why}",
+                l.deadline_ms
             ));
         }
         if l.memory_bytes < (1 << 20) || l.memory_bytes > self.cfg.max_memory_bytes {
@@ -539,13 +643,24 @@ impl PolicyHost {
                 (c, LoadOrigin::Recompiled)
             }
         };
+        let mut limits = meta.limits;
+        let max_deadline = self.max_deadline_ms(meta.kind);
+        if limits.deadline_ms > max_deadline {
+            tracing::warn!(
+                policy = %meta.name,
+                stored = limits.deadline_ms,
+                ceiling = max_deadline,
+                "policy deadline over the ceiling for its kind; lowered to the ceiling"
+            );
+            limits.deadline_ms = max_deadline;
+        }
         let info = PolicyInfo {
             name: meta.name.clone(),
             kind: meta.kind,
             sha256: meta.sha256,
             size_bytes: meta.size_bytes,
             interface: meta.interface,
-            limits: meta.limits,
+            limits,
             on_error: meta.on_error,
             config: meta.config,
             uploaded_at: meta.uploaded_at,
@@ -717,8 +832,16 @@ fn route_on(
     facts: &RequestFacts,
     backends: &[BackendState],
 ) -> Result<RouteDecision, PolicyError> {
+    route_packed(p, &Packed::router(facts, backends))
+}
+
+/// The router call itself, on arguments already packed (owned, so they can
+/// go to a call thread).
+fn route_packed(
+    p: &LoadedPolicy,
+    args: &Packed<router::mlxgate::policy::types::BackendState>,
+) -> Result<RouteDecision, PolicyError> {
     let start = Instant::now();
-    let args = Packed::router(facts, backends);
     let res = p
         .call(Budget::of(&p.info.limits, 1), |store, b| match b {
             Bound::Router(r) => {
@@ -790,8 +913,17 @@ fn select_on(
     facts: &RequestFacts,
     adapters: &[AdapterInfo],
 ) -> Result<Option<Vec<String>>, PolicyError> {
+    select_packed(p, &Packed::selector(facts, adapters), adapters)
+}
+
+/// The selector call itself, on arguments already packed; `adapters` are
+/// the ones packed, to check the answer against.
+fn select_packed(
+    p: &LoadedPolicy,
+    args: &Packed<router::mlxgate::policy::types::AdapterInfo>,
+    adapters: &[AdapterInfo],
+) -> Result<Option<Vec<String>>, PolicyError> {
     let start = Instant::now();
-    let args = Packed::selector(facts, adapters);
     let res = p
         .call(Budget::of(&p.info.limits, 1), |store, b| match b {
             Bound::Adapter(a) => {

@@ -15,6 +15,7 @@ mod error;
 mod host;
 pub mod jsonl;
 mod metrics;
+mod pool;
 mod reuse;
 mod runtime;
 mod storage;
@@ -24,6 +25,7 @@ pub use engine::HostConfig;
 pub use error::{FailureKind, PolicyError};
 pub use host::{PolicyHost, probe_facts};
 pub use metrics::{LATENCY_BUCKETS_S, PolicyMetrics, render_prometheus};
+pub use pool::PolicyCall;
 pub use types::{
     AdapterInfo, BackendKind, BackendState, Limits, LoadOrigin, OnError, PolicyInfo, PolicyKind,
     PolicyOptions, RecordOutcome, RequestFacts, RouteDecision,

@@ -451,7 +451,8 @@ pub async fn for_request(
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
         common.stream,
     );
-    match host.select_adapters(&facts, &infos) {
+    // Off the async worker: a call thread runs the guest (`policy/pool.rs`).
+    match host.select_if_bound(&facts, infos).await {
         Ok(choice) => Ok(choice.unwrap_or_default()),
         Err(e) if e.is_fail_open() => {
             if !matches!(e, crate::policy::PolicyError::NotBound(_)) {

@@ -29,7 +29,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         .map_err(|e| ApiError::from_engine(e, "messages"))?;
     let stream = start_blocking(
         move || {
-            request.prompt = Prompt::Text(engine.render_chat(&messages)?);
+            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
             engine.generate(request)
         },
         "messages",

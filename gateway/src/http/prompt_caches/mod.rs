@@ -148,7 +148,9 @@ async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let info = tokio::task::spawn_blocking(move || {
         let prompt = match request.content {
             CacheContent::Prompt(prompt) => prompt,
-            CacheContent::Messages(messages) => Prompt::Text(engine.render_chat_prefix(&messages)?),
+            CacheContent::Messages(messages) => {
+                Prompt::Tokens(engine.chat_prefix_tokens(&messages)?)
+            }
         };
         let tokens = engine.prompt_tokens(prompt)?;
         engine.save_named_prompt_cache(&request.name, &scope, tokens)
