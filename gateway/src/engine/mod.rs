@@ -260,15 +260,6 @@ impl EngineHandle {
             .map_err(EngineError::Template)
     }
 
-    /// The prompt text for `messages` without the assistant turn's opening:
-    /// a prefix that later conversations extend (for saved prompt caches).
-    pub fn render_chat_prefix(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        self.inner
-            .codec
-            .render_chat_with(messages, false)
-            .map_err(EngineError::Template)
-    }
-
     /// Refuses prompt text longer than any that fits the context, before
     /// anything tokenizes or renders it.
     pub fn check_prompt_bytes(&self, bytes: usize) -> Result<(), EngineError> {
@@ -287,6 +278,7 @@ impl EngineHandle {
     /// the assistant turn's opening; special tokens come only from the
     /// template, never from message content (`TextCodec::encode_chat`).
     pub fn chat_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.check_chat_bytes(messages)?;
         self.inner
             .codec
             .encode_chat(messages, true)
@@ -296,10 +288,17 @@ impl EngineHandle {
     /// [`EngineHandle::chat_tokens`] without the assistant turn's opening: a
     /// prefix later conversations extend (for saved prompt caches).
     pub fn chat_prefix_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.check_chat_bytes(messages)?;
         self.inner
             .codec
             .encode_chat(messages, false)
             .map_err(EngineError::Template)
+    }
+
+    /// [`EngineHandle::check_prompt_bytes`] for the messages' text, before
+    /// the template copies it.
+    fn check_chat_bytes(&self, messages: &[ChatMessage]) -> Result<(), EngineError> {
+        self.check_prompt_bytes(messages.iter().map(|m| m.content.len()).sum())
     }
 
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {

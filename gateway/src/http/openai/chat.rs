@@ -23,10 +23,6 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = Prompt::Text(String::new());
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages) = (model.engine.clone(), chat.messages);
-    // Text that cannot fit is refused before the template copies it.
-    engine
-        .check_prompt_bytes(messages.iter().map(|m| m.content.len()).sum())
-        .map_err(|e| ApiError::from_engine(e, "messages"))?;
     let stream = start_blocking(
         move || {
             request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
