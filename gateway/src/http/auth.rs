@@ -169,7 +169,8 @@ impl Caller {
 /// routes exist.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Zone {
-    /// Health, readiness, metrics: no key needed.
+    /// Health and readiness: no key needed. `/metrics` is here too and
+    /// checks its own rule (scrape token, admin key or loopback).
     Public,
     Scoped(Scope),
 }
