@@ -21,8 +21,10 @@ const LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// Generous bound for anything the server should do "promptly".
 const PROMPT: Duration = Duration::from_secs(20);
 /// How long a request queued behind 16 stalled streams may wait: their
-/// filling the buffers (a few dozen tokens each) plus the 2 s stall bound.
-const STALL_BOUND: Duration = Duration::from_secs(120);
+/// filling the buffers (a few dozen tokens each; over a minute for a
+/// 16-batch on a busy 2-core debug build) plus the 2 s stall bound.
+/// Without the stall bound it waits for 3000 tokens each.
+const STALL_BOUND: Duration = Duration::from_secs(240);
 
 /// A TCP connection from `source` to `to`. `tiny` asks for the smallest
 /// receive buffer and segment size, so that a client that never reads
@@ -66,13 +68,22 @@ fn connect_from(source: Ipv4Addr, to: SocketAddr, tiny: bool) -> std::io::Result
         };
         if tiny {
             set(libc::SOL_SOCKET, libc::SO_RCVBUF, 1024)?;
-            set(libc::IPPROTO_TCP, libc::TCP_MAXSEG, 536)?;
+            // 88: the smallest segment Linux takes.
+            set(libc::IPPROTO_TCP, libc::TCP_MAXSEG, 88)?;
         }
         let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
         let from = sockaddr(source, 0);
-        check(libc::bind(fd, (&from as *const libc::sockaddr_in).cast(), len))?;
+        check(libc::bind(
+            fd,
+            (&from as *const libc::sockaddr_in).cast(),
+            len,
+        ))?;
         let to = sockaddr(*to.ip(), to.port());
-        check(libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len))?;
+        check(libc::connect(
+            fd,
+            (&to as *const libc::sockaddr_in).cast(),
+            len,
+        ))?;
         debug_assert_eq!(stream.as_raw_fd(), fd);
         Ok(stream)
     }
@@ -80,7 +91,8 @@ fn connect_from(source: Ipv4Addr, to: SocketAddr, tiny: bool) -> std::io::Result
 
 /// `GET /healthz` from 127.0.0.1 with a short bound: the status, or why not.
 fn probe_health(addr: SocketAddr) -> Result<u16, String> {
-    let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let mut c =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .map_err(|e| e.to_string())?;
@@ -168,7 +180,11 @@ impl LimitedServer {
         };
         let deadline = Instant::now() + PROMPT;
         while probe_health(s.addr) != Ok(200) {
-            assert!(Instant::now() < deadline, "no /healthz; log:\n{}", s.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "no /healthz; log:\n{}",
+                s.log_text()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         s
@@ -213,11 +229,15 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
 
     // A kept-alive connection left idle after its answer is closed.
     let c = connect_from(Ipv4Addr::LOCALHOST, s.addr, false).unwrap();
-    (&c).write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    (&c).write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
     let started = Instant::now();
     let (status, text) = outcome(c, PROMPT).expect("an answer");
     assert_eq!(status, 200, "{text}");
-    assert!(started.elapsed() >= Duration::from_secs(2), "closed before the idle timeout");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "closed before the idle timeout"
+    );
 
     // A body that never completes: 408 in the OpenAI shape after the
     // request timeout, and the connection closed.
@@ -228,12 +248,16 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
     let (status, text) = outcome(c, PROMPT).expect("an answer");
     assert_eq!(status, 408, "{text}");
     assert_api_error(&text, 408, "invalid_request_error", "request_timeout");
-    assert!(text.to_ascii_lowercase().contains("connection: close"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
     assert!(started.elapsed() >= Duration::from_millis(1500));
 
     // A flood of partial bodies from one address: 16 are admitted (and get
     // 408 when their time is up), the rest are refused at once; /healthz from
     // another address answers throughout.
+    let flood_started = Instant::now();
     let flood: Vec<TcpStream> = (0..400)
         .map(|_| {
             let mut c = connect_from(Ipv4Addr::new(127, 0, 0, 2), s.addr, false).unwrap();
@@ -242,6 +266,7 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
             c
         })
         .collect();
+    let flood_sent = flood_started.elapsed();
     let probe_started = Instant::now();
     assert_eq!(
         probe_health(s.addr),
@@ -256,14 +281,23 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
             Some((408, _)) => timed_out += 1,
             Some((429, text)) => {
                 assert_api_error(&text, 429, "rate_limit_error", "too_many_connections");
-                assert!(text.to_ascii_lowercase().contains("retry-after: 1"), "{text}");
+                assert!(
+                    text.to_ascii_lowercase().contains("retry-after: 1"),
+                    "{text}"
+                );
                 refused += 1;
             }
             Some((status, text)) => panic!("unexpected {status}: {text}"),
             None => {} // closed unanswered: refusals beyond the refusal budget
         }
     }
-    assert!(timed_out <= 16, "{timed_out} admitted past the per-IP cap");
+    // At most 16 at a time: a slot frees when its holder gets its 408, so
+    // a flood that takes longer than the request timeout to send sees more.
+    let rounds = flood_sent.as_secs() / 2 + 2;
+    assert!(
+        timed_out <= 16 * rounds,
+        "{timed_out} admitted in {flood_sent:?}: over the per-IP cap"
+    );
     assert!(refused > 0, "no 429 among the refusals");
 
     // From many addresses the total cap (lowered to fit 256 descriptors) is
@@ -279,14 +313,21 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
         .collect();
     let deadline = Instant::now() + Duration::from_secs(5);
     while probe_health(s.addr) != Ok(200) {
-        assert!(Instant::now() < deadline, "healthz at the total cap; log:\n{}", s.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "healthz at the total cap; log:\n{}",
+            s.log_text()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let mut overloaded = 0;
     for c in flood {
         if let Some((503, text)) = outcome(c, PROMPT) {
             assert_api_error(&text, 503, "server_error", "too_many_connections");
-            assert!(text.to_ascii_lowercase().contains("retry-after: 1"), "{text}");
+            assert!(
+                text.to_ascii_lowercase().contains("retry-after: 1"),
+                "{text}"
+            );
             overloaded += 1;
         }
     }
@@ -343,7 +384,10 @@ fn read_head(r: &mut BufReader<TcpStream>) -> String {
     let mut head = String::new();
     loop {
         let mut line = String::new();
-        assert!(r.read_line(&mut line).expect("read head") > 0, "closed: {head}");
+        assert!(
+            r.read_line(&mut line).expect("read head") > 0,
+            "closed: {head}"
+        );
         head.push_str(&line);
         if line == "\r\n" {
             return head;
@@ -358,8 +402,12 @@ fn a_stream_whose_client_stops_reading_is_cancelled_and_frees_its_slot() {
     let stalled: Vec<TcpStream> = (0..16)
         .map(|_| {
             let mut c = connect_from(Ipv4Addr::LOCALHOST, s.addr, true).unwrap();
-            c.write_all(&post_raw("/v1/chat/completions", &endless_stream(&model), &[]))
-                .unwrap();
+            c.write_all(&post_raw(
+                "/v1/chat/completions",
+                &endless_stream(&model),
+                &[],
+            ))
+            .unwrap();
             c
         })
         .collect();
@@ -373,28 +421,34 @@ fn a_stream_whose_client_stops_reading_is_cancelled_and_frees_its_slot() {
     std::thread::sleep(Duration::from_millis(500));
     let body = serde_json::to_vec(&small).unwrap();
     let mut c = TcpStream::connect(s.addr).unwrap();
-    c.write_all(&post_raw("/v1/chat/completions", &body, &[("connection", "close")]))
-        .unwrap();
-    // The streams fill their buffers after a few dozen tokens each, then
-    // stall for 2 s; a loaded CI box decodes a 16-batch slowly, hence the
-    // wide bound (without the stall bound this takes 3000 tokens' time).
+    c.write_all(&post_raw(
+        "/v1/chat/completions",
+        &body,
+        &[("connection", "close")],
+    ))
+    .unwrap();
     let (status, text) = outcome(c, STALL_BOUND)
         .unwrap_or_else(|| panic!("small request closed; log:\n{}", s.log_text()));
     assert_eq!(status, 200, "{text}");
     assert!(text.contains("chat.completion"), "{text}");
-    // The stalled streams were cut off: what they got ends without [DONE],
-    // and the server closed them.
-    for c in stalled {
-        let (status, text) = outcome(c, PROMPT).expect("a streamed answer");
-        assert_eq!(status, 200);
-        assert!(text.contains("data: {"), "{text}");
-        assert!(!text.contains("[DONE]"), "stream ran to its end");
+    // Every stalled stream was cut off, not only the one whose slot the
+    // small request took. (Their sockets are not read here: the server's
+    // orphaned ends give up on a client that never reads.)
+    let deadline = Instant::now() + STALL_BOUND;
+    while s
+        .log_text()
+        .matches("client stopped reading a streamed answer")
+        .count()
+        < 16
+    {
+        assert!(
+            Instant::now() < deadline,
+            "not every stream was cut off; log:\n{}",
+            s.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
     }
-    assert!(
-        s.log_text().contains("client stopped reading a streamed answer"),
-        "log:\n{}",
-        s.log_text()
-    );
+    drop(stalled);
 }
 
 #[test]
@@ -416,8 +470,12 @@ fn per_key_concurrency_cap_gives_429_and_spares_other_keys() {
     let open_stream = || {
         let mut c = TcpStream::connect(s.addr).unwrap();
         c.set_read_timeout(Some(PROMPT)).unwrap();
-        c.write_all(&post_raw("/v1/chat/completions", &endless_stream(&model), &auth_a))
-            .unwrap();
+        c.write_all(&post_raw(
+            "/v1/chat/completions",
+            &endless_stream(&model),
+            &auth_a,
+        ))
+        .unwrap();
         let mut r = BufReader::new(c);
         let head = read_head(&mut r);
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
@@ -436,7 +494,11 @@ fn per_key_concurrency_cap_gives_429_and_spares_other_keys() {
         let bearer = format!("Bearer {auth}");
         support::raw_exchange(
             s.addr,
-            &post_raw("/v1/chat/completions", &body, &[("authorization", &bearer), ("connection", "close")]),
+            &post_raw(
+                "/v1/chat/completions",
+                &body,
+                &[("authorization", &bearer), ("connection", "close")],
+            ),
         )
         .unwrap()
     };
@@ -456,7 +518,11 @@ fn per_key_concurrency_cap_gives_429_and_spares_other_keys() {
             break;
         }
         assert_eq!(r.status, 429, "{}", r.text());
-        assert!(Instant::now() < deadline, "slot not freed; log:\n{}", s.log_text());
+        assert!(
+            Instant::now() < deadline,
+            "slot not freed; log:\n{}",
+            s.log_text()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }

@@ -542,7 +542,10 @@ mod tests {
         assert_eq!(c.server.max_connections, 4096);
         let zero = file("[server]\nstream_stall_timeout_secs = 0\n");
         let err = Config::resolve(zero, Overrides::default(), None).unwrap_err();
-        assert!(err.to_string().contains("stream_stall_timeout_secs"), "{err}");
+        assert!(
+            err.to_string().contains("stream_stall_timeout_secs"),
+            "{err}"
+        );
         assert!(toml::from_str::<FileConfig>("[server]\nmax_conections = 1").is_err());
         let key = "[[keys]]\nid='a'\ntenant='t'\nscopes=['infer']\nmax_concurrent_requests = 3\nsha256='ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'\n";
         let c = Config::resolve(file(key), Overrides::default(), None).unwrap();

@@ -171,7 +171,11 @@ pub fn effective_max_connections(configured: usize) -> usize {
         );
         budget
     } else {
-        info!(fd_limit = fds, max_connections = configured, "connection cap");
+        info!(
+            fd_limit = fds,
+            max_connections = configured,
+            "connection cap"
+        );
         configured
     }
 }
@@ -392,9 +396,8 @@ mod tests {
         assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abc");
         assert!(!flag.load(Ordering::Relaxed));
 
-        let first = futures_util::stream::iter([Ok::<_, BoxError>(Frame::data(Bytes::from_static(
-            b"a",
-        )))]);
+        let first =
+            futures_util::stream::iter([Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"a")))]);
         let stalled = StreamBody::new(futures_util::StreamExt::chain(
             first,
             futures_util::stream::pending(),

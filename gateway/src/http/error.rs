@@ -5,9 +5,7 @@
 //! [`ApiError::into_response`]. New failure kinds get a variant here rather
 //! than ad-hoc JSON in a handler, so status, type and code stay consistent.
 
-use http::header::{
-    ALLOW, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE,
-};
+use http::header::{ALLOW, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 use serde::Serialize;
 
@@ -174,9 +172,7 @@ impl ApiError {
             | BodyTooLarge { .. }
             | BodyRead(_)
             | RequestTimeout { .. } => "invalid_request_error",
-            TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => {
-                "rate_limit_error"
-            }
+            TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => "rate_limit_error",
             TooManyConnections { .. } => "server_error",
             InsufficientScope { .. } | ZoneClosed { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
