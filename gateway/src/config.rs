@@ -58,6 +58,8 @@ pub struct FileConfig {
     pub adapters: AdaptersConfig,
     #[serde(default)]
     pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub server: ServerConfig,
 }
 
 /// The `[metrics]` section: who may scrape `GET /metrics`. The series name
@@ -80,6 +82,80 @@ impl Default for MetricsConfig {
         MetricsConfig {
             token_sha256: None,
             open_on_loopback: true,
+        }
+    }
+}
+
+/// The `[server]` section: connection and per-key limits that keep one
+/// client (slow, flooding or not reading) from taking the server from the
+/// others. Limits are in force by default; see SECURITY.md.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Most connections open at once (default 4096). Lowered at start to
+    /// fit the file-descriptor limit with a reserve, so `accept` never runs
+    /// out of descriptors; connections over it get 503
+    /// `too_many_connections` with `Retry-After` and are closed.
+    pub max_connections: usize,
+    /// Most connections open at once from one client IP address (default
+    /// 256); more get 429 `too_many_connections` with `Retry-After`.
+    pub max_connections_per_ip: usize,
+    /// Seconds an idle keep-alive connection stays open, which is also how
+    /// long a request's head may take to arrive (default 30).
+    pub keep_alive_timeout_secs: u64,
+    /// Seconds a request's body may take to arrive after its head (default
+    /// 60); a slower body gets 408 `request_timeout` and the connection is
+    /// closed.
+    pub request_timeout_secs: u64,
+    /// Seconds a streamed answer may wait for the client to take more data
+    /// (default 30); after that the generation is cancelled, its batch slot
+    /// freed and the connection closed.
+    pub stream_stall_timeout_secs: u64,
+    /// Most inference requests (POSTs under `/v1/`) one API key may have in
+    /// progress, a streamed answer counting until it ends (default 64; 0: no
+    /// cap). A key's own `max_concurrent_requests` overrides it. With open
+    /// inference (no keys) the cap applies per client IP address. More get
+    /// 429 `concurrency_limit_exceeded` with `Retry-After`.
+    pub max_concurrent_requests_per_key: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_connections: 4096,
+            max_connections_per_ip: 256,
+            keep_alive_timeout_secs: 30,
+            request_timeout_secs: 60,
+            stream_stall_timeout_secs: 30,
+            max_concurrent_requests_per_key: 64,
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn keep_alive_timeout(&self) -> Duration {
+        Duration::from_secs(self.keep_alive_timeout_secs)
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_secs)
+    }
+
+    pub fn stream_stall_timeout(&self) -> Duration {
+        Duration::from_secs(self.stream_stall_timeout_secs)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("max_connections", self.max_connections as u64),
+            ("max_connections_per_ip", self.max_connections_per_ip as u64),
+            ("keep_alive_timeout_secs", self.keep_alive_timeout_secs),
+            ("request_timeout_secs", self.request_timeout_secs),
+            ("stream_stall_timeout_secs", self.stream_stall_timeout_secs),
+        ];
+        match positive.iter().find(|(_, v)| *v == 0) {
+            Some((name, _)) => Err(ConfigError::ZeroServerLimit(name)),
+            None => Ok(()),
         }
     }
 }
@@ -200,6 +276,8 @@ pub struct Config {
     pub adapters: AdaptersConfig,
     /// The `[metrics]` section.
     pub metrics: MetricsConfig,
+    /// The `[server]` section.
+    pub server: ServerConfig,
 }
 
 impl Config {
@@ -247,6 +325,8 @@ pub enum ConfigError {
     EmptyModelId,
     #[error("max_body_bytes must be greater than 0")]
     ZeroBodyLimit,
+    #[error("[server] {0} must be greater than 0")]
+    ZeroServerLimit(&'static str),
     #[error("[[upstreams]]: {0}")]
     Upstream(String),
     #[error(
@@ -313,6 +393,7 @@ impl Config {
                 tenant: "admin".to_owned(),
                 scopes: Scope::ALL.to_vec(),
                 sha256: KeyHash::of(k),
+                max_concurrent_requests: None,
             });
         }
         let first = o.model.or(file.model);
@@ -349,6 +430,7 @@ impl Config {
             prompt_cache: file.prompt_cache,
             adapters: file.adapters,
             metrics: file.metrics,
+            server: file.server,
         }
     }
 
@@ -357,6 +439,7 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::ZeroBodyLimit);
         }
+        self.server.validate()?;
         validate_specs(&self.upstreams).map_err(ConfigError::Upstream)?;
         let mut ids = std::collections::HashSet::new();
         for id in self.models.iter().filter_map(|m| m.id.as_deref()) {
@@ -524,6 +607,28 @@ mod tests {
         let c = Config::resolve(f, Overrides::default(), None).unwrap();
         assert!(c.prompt_cache.share_across_tenants);
         assert_eq!(c.prompt_cache.named_disk_bytes(), 1 << 20);
+    }
+
+    #[test]
+    fn server_section() {
+        let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
+        assert_eq!(c.server, ServerConfig::default());
+        assert_eq!(c.server.stream_stall_timeout(), Duration::from_secs(30));
+        let f = file("[server]\nrequest_timeout_secs = 2\nmax_connections_per_ip = 8\n");
+        let c = Config::resolve(f, Overrides::default(), None).unwrap();
+        assert_eq!(c.server.request_timeout(), Duration::from_secs(2));
+        assert_eq!(c.server.max_connections_per_ip, 8);
+        assert_eq!(c.server.max_connections, 4096);
+        let zero = file("[server]\nstream_stall_timeout_secs = 0\n");
+        let err = Config::resolve(zero, Overrides::default(), None).unwrap_err();
+        assert!(
+            err.to_string().contains("stream_stall_timeout_secs"),
+            "{err}"
+        );
+        assert!(toml::from_str::<FileConfig>("[server]\nmax_conections = 1").is_err());
+        let key = "[[keys]]\nid='a'\ntenant='t'\nscopes=['infer']\nmax_concurrent_requests = 3\nsha256='ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'\n";
+        let c = Config::resolve(file(key), Overrides::default(), None).unwrap();
+        assert_eq!(c.keys[0].max_concurrent_requests, Some(3));
     }
 
     #[test]

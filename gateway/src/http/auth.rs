@@ -128,6 +128,10 @@ pub struct ApiKey {
     pub scopes: Vec<Scope>,
     /// Hex SHA-256 of the key (`mlxgate keys hash <KEY>`).
     pub sha256: KeyHash,
+    /// Most inference requests this key may have in progress at once;
+    /// overrides `[server] max_concurrent_requests_per_key` (0: no cap).
+    #[serde(default)]
+    pub max_concurrent_requests: Option<u32>,
 }
 
 /// Who is calling, as established by [`KeyStore::authorize`].
@@ -279,6 +283,7 @@ mod tests {
             tenant: "acme".into(),
             scopes: vec![Scope::Infer],
             sha256: KeyHash::of("secret"),
+            max_concurrent_requests: None,
         }])
     }
 

@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
+use super::connections::{BodyTimedOut, ReadDeadline};
 use super::error::ApiError;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -20,8 +21,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 /// Request body as handlers see it: already capped at the route's byte limit,
-/// so reading it can never buffer more than that.
-pub type ReqBody = Limited<Incoming>;
+/// so reading it can never buffer more than that, and failing once the
+/// request's read deadline passes (`[server] request_timeout_secs`).
+pub type ReqBody = Limited<ReadDeadline<Incoming>>;
 
 /// The byte limit applied to this request's body; in the request extensions.
 #[derive(Debug, Clone, Copy)]
@@ -63,7 +65,10 @@ pub async fn read_body(body: ReqBody, limit: u64) -> Result<Bytes, ApiError> {
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             Err(ApiError::BodyTooLarge { limit })
         }
-        Err(e) => Err(ApiError::BodyRead(e.to_string())),
+        Err(e) => match e.downcast_ref::<BodyTimedOut>() {
+            Some(t) => Err(ApiError::RequestTimeout { secs: t.secs }),
+            None => Err(ApiError::BodyRead(e.to_string())),
+        },
     }
 }
 

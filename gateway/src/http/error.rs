@@ -5,7 +5,7 @@
 //! [`ApiError::into_response`]. New failure kinds get a variant here rather
 //! than ad-hoc JSON in a handler, so status, type and code stay consistent.
 
-use http::header::{ALLOW, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
+use http::header::{ALLOW, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 use serde::Serialize;
 
@@ -13,6 +13,10 @@ use super::auth::Scope;
 use super::body::{Body, full};
 use super::routing::RouteError;
 use crate::engine::EngineError;
+
+/// `Retry-After` on answers to a caller over a connection or concurrency
+/// cap: slots free as other requests finish, so a second is a fair wait.
+pub const RETRY_AFTER_SECS: &str = "1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -71,6 +75,29 @@ pub enum ApiError {
     #[error("Could not read the request body: {0}")]
     BodyRead(String),
 
+    /// The body did not arrive within `[server] request_timeout_secs` of
+    /// the head (slow or stalled client); the connection is closed.
+    #[error(
+        "The request body did not arrive within {secs} s of the request head; send the whole request at once and retry"
+    )]
+    RequestTimeout { secs: u64 },
+
+    /// Over `[server] max_connections`; answered at accept and closed.
+    #[error("The server has too many open connections (limit {limit}); retry shortly")]
+    TooManyConnections { limit: usize },
+
+    /// Over `[server] max_connections_per_ip`; answered at accept and closed.
+    #[error(
+        "Too many open connections from your address (limit {limit}); reuse keep-alive connections or close idle ones, then retry"
+    )]
+    TooManyConnectionsFromIp { limit: usize },
+
+    /// The caller already has its most inference requests in progress.
+    #[error(
+        "Too many concurrent requests for {who} (limit {limit}); wait for one to finish (or a stream to end) and retry"
+    )]
+    ConcurrencyLimitExceeded { who: String, limit: u32 },
+
     #[error(
         "You didn't provide an API key. Send it in an Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY)."
     )]
@@ -121,6 +148,11 @@ impl ApiError {
             | ContextLengthExceeded { .. }
             | BodyRead(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => {
                 StatusCode::FORBIDDEN
@@ -145,7 +177,10 @@ impl ApiError {
             | InvalidParam { .. }
             | ContextLengthExceeded { .. }
             | BodyTooLarge { .. }
-            | BodyRead(_) => "invalid_request_error",
+            | BodyRead(_)
+            | RequestTimeout { .. } => "invalid_request_error",
+            TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => "rate_limit_error",
+            TooManyConnections { .. } => "server_error",
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
             Route(e) => e.error_type(),
@@ -166,6 +201,9 @@ impl ApiError {
             ContextLengthExceeded { .. } => "context_length_exceeded",
             BodyTooLarge { .. } => "request_too_large",
             BodyRead(_) => "body_read_failed",
+            RequestTimeout { .. } => "request_timeout",
+            TooManyConnections { .. } | TooManyConnectionsFromIp { .. } => "too_many_connections",
+            ConcurrencyLimitExceeded { .. } => "concurrency_limit_exceeded",
             MissingApiKey | InvalidApiKey => "invalid_api_key",
             InsufficientScope { .. } => "insufficient_scope",
             ZoneClosed { .. } => "api_closed",
@@ -272,6 +310,14 @@ impl ApiError {
             }
             ApiError::MissingApiKey | ApiError::InvalidApiKey => {
                 headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ApiError::TooManyConnections { .. }
+            | ApiError::TooManyConnectionsFromIp { .. }
+            | ApiError::ConcurrencyLimitExceeded { .. } => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            }
+            ApiError::RequestTimeout { .. } => {
+                headers.insert(CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}
         }

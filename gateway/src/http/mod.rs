@@ -25,8 +25,10 @@ pub mod adapters;
 pub mod admin_policies;
 pub mod auth;
 pub mod body;
+pub mod connections;
 pub mod error;
 mod handlers;
+pub mod inflight;
 pub mod jobs;
 pub mod metrics;
 pub mod models;
@@ -37,18 +39,18 @@ pub mod upstream;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::FutureExt;
 use http::header::{CONTENT_LENGTH, HeaderName, HeaderValue};
 use http::{Method, Request, Response};
 use http_body_util::Limited;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -60,7 +62,9 @@ use crate::engine::EngineOptions;
 use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 pub use auth::{Caller, KeyStore, Scope, Zone};
 pub use body::{Body, BodyLimit, BoxError, ReqBody};
+use connections::{ConnLimits, ReadDeadline};
 pub use error::ApiError;
+use inflight::{Concurrency, Guarded, Permit, SendWatch};
 use metrics::Metrics;
 pub use models::{LoadedModel, ModelLoader, ModelRegistry, ModelState};
 
@@ -76,6 +80,8 @@ pub struct AppState {
     /// The prompt-cache files, shared by every model's engine; `None` when
     /// the directory cannot be opened (logged at start).
     pub prompt_caches: Option<Arc<CacheStore>>,
+    /// Inference requests in progress per key, against `[server]` caps.
+    pub concurrency: Arc<Concurrency>,
     routes: Vec<Route>,
 }
 
@@ -105,9 +111,12 @@ impl AppState {
                 None
             }
         };
+        let concurrency =
+            Concurrency::new(config.server.max_concurrent_requests_per_key, &config.keys);
         Arc::new(AppState {
             config,
             keys,
+            concurrency,
             metrics: Metrics::default(),
             models,
             routing,
@@ -237,17 +246,26 @@ struct Outcome {
     route: &'static str,
     caller: Option<Caller>,
     response: Response<Body>,
+    /// The caller's concurrency slot, held until the answer's body is done.
+    permit: Option<Permit>,
 }
 
-async fn route(state: Arc<AppState>, req: Request<Incoming>, request_id: String) -> Outcome {
+async fn route(
+    state: Arc<AppState>,
+    req: Request<ReadDeadline<Incoming>>,
+    request_id: String,
+    peer: IpAddr,
+) -> Outcome {
     let path = req.uri().path().to_owned();
     let mut outcome = Outcome {
         route: metrics::UNMATCHED,
         caller: None,
         response: Response::default(),
+        permit: None,
     };
 
-    let caller = match Zone::of_path(&path) {
+    let zone = Zone::of_path(&path);
+    let caller = match zone {
         Zone::Public => None,
         Zone::Scoped(scope) => match state.keys.authorize(req.headers(), scope) {
             Ok(c) => Some(c),
@@ -289,6 +307,21 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, request_id: String)
         return outcome;
     };
     outcome.route = r.pattern;
+
+    // Inference work (every POST under /v1/) counts against the caller's
+    // concurrency cap, before its body is even read.
+    if zone == Zone::Scoped(Scope::Infer)
+        && r.method == Method::POST
+        && let Some(c) = &caller
+    {
+        match state.concurrency.acquire(c, peer) {
+            Ok(permit) => outcome.permit = permit,
+            Err(e) => {
+                outcome.response = e.into_response();
+                return outcome;
+            }
+        }
+    }
 
     let limit = r.body_limit.unwrap_or(state.config.max_body_bytes);
     let declared = req
@@ -366,12 +399,14 @@ fn request_id(req: &Request<Incoming>) -> String {
 #[derive(Debug, Clone, Copy)]
 pub struct Peer(pub SocketAddr);
 
-/// The whole life of one request: id, span, auth and routing, panic guard,
-/// metrics, access log.
+/// The whole life of one request: id, span, body deadline, auth and
+/// routing, panic guard, metrics, access log; the answer's body carries the
+/// caller's concurrency slot and reports to the connection's stall watch.
 async fn handle(
     state: Arc<AppState>,
     mut req: Request<Incoming>,
     peer: SocketAddr,
+    watch: Arc<SendWatch>,
 ) -> Result<Response<Body>, Infallible> {
     req.extensions_mut().insert(Peer(peer));
     let started = Instant::now();
@@ -380,10 +415,23 @@ async fn handle(
     let method = req.method().clone();
     let span =
         info_span!("request", id = %id, method = %method, path = %req.uri().path(), peer = %peer);
-    let out = route(Arc::clone(&state), req, id.clone())
+    let expired = Arc::new(AtomicBool::new(false));
+    let timeout = state.config.server.request_timeout();
+    let req = req.map(|b| ReadDeadline::new(b, timeout, Arc::clone(&expired)));
+    let out = route(Arc::clone(&state), req, id.clone(), peer.ip())
         .instrument(span.clone())
         .await;
     let mut resp = out.response;
+    if expired.load(Ordering::Relaxed) {
+        // Whatever the handler made of a body cut short, the answer is 408
+        // (and the connection closes: the rest of the body is not coming).
+        resp = ApiError::RequestTimeout {
+            secs: timeout.as_secs(),
+        }
+        .into_response();
+    }
+    let streamed = resp.body().size_hint().exact().is_none();
+    let mut resp = resp.map(|b| Guarded::wrap(b, streamed.then_some(watch), out.permit));
     let status = resp.status().as_u16();
     let elapsed = started.elapsed();
     state.metrics.observe(&method, out.route, status, elapsed);
@@ -440,17 +488,43 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
 
 /// Serves `listener` until `shutdown` completes, then stops accepting and
 /// gives in-flight requests up to `shutdown_grace` to finish.
+///
+/// Each connection is bounded (`[server]`): connections over the total or
+/// per-IP cap are answered 503/429 and closed at once; an idle connection,
+/// and a request head, get `keep_alive_timeout`; a connection whose client
+/// stops reading a streamed answer for `stream_stall_timeout` is dropped,
+/// which drops the answer and so cancels its generation.
 pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
+    let server = state.config.server.clone();
+    let limits = ConnLimits::new(
+        connections::effective_max_connections(server.max_connections),
+        server.max_connections_per_ip,
+    );
     if let Ok(addr) = listener.local_addr() {
         let open = state.keys.is_empty();
-        info!(%addr, open_inference = open, "listening");
+        info!(
+            %addr,
+            open_inference = open,
+            max_connections = limits.max(),
+            max_connections_per_ip = limits.per_ip(),
+            "listening"
+        );
     }
+    let (keep_alive, stall) = (server.keep_alive_timeout(), server.stream_stall_timeout());
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let permit = match limits.try_open(peer.ip()) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::debug!(%peer, error = %e, "connection refused");
+                            connections::refuse(stream, e);
+                            continue;
+                        }
+                    };
                     // Answers go out as soon as they are written, as
                     // nginx's `tcp_nodelay on` does for keep-alive clients;
                     // without it a small answer can wait for the client's
@@ -458,16 +532,32 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                     }
-                    let state = Arc::clone(&state);
-                    let service = service_fn(move |req| handle(Arc::clone(&state), req, peer));
+                    let watch = Arc::new(SendWatch::default());
+                    let service = {
+                        let (state, watch) = (Arc::clone(&state), Arc::clone(&watch));
+                        service_fn(move |req| {
+                            handle(Arc::clone(&state), req, peer, Arc::clone(&watch))
+                        })
+                    };
+                    // hyper's header timer also runs while a kept-alive
+                    // connection waits for its next request: it is the idle
+                    // timeout too.
                     let conn = hyper::server::conn::http1::Builder::new()
                         .timer(TokioTimer::new())
-                        .header_read_timeout(Duration::from_secs(30))
+                        .header_read_timeout(keep_alive)
                         .serve_connection(TokioIo::new(stream), service);
                     let conn = graceful.watch(conn);
                     tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(%peer, error = %e, "connection ended with an error");
+                        let _permit = permit;
+                        tokio::select! {
+                            ended = conn => if let Err(e) = ended {
+                                tracing::debug!(%peer, error = %e, "connection ended with an error");
+                            },
+                            () = watch.stalled(stall) => warn!(
+                                %peer,
+                                stall_secs = stall.as_secs(),
+                                "client stopped reading a streamed answer; cancelled it and closed the connection"
+                            ),
                         }
                     });
                 }

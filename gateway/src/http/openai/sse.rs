@@ -2,7 +2,11 @@
 //! `data: {chunk}` frame as it arrives, then `data: [DONE]`.
 //!
 //! The response body owns the engine's event stream, so a client that hangs
-//! up drops the body, which drops the stream and cancels the generation.
+//! up drops the body, which drops the stream and cancels the generation. A
+//! client that stays connected but stops reading is cut off the same way
+//! after `[server] stream_stall_timeout_secs` (see
+//! [`SendWatch`](crate::http::inflight::SendWatch)), so it cannot hold a
+//! batch slot until `max_tokens`.
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};

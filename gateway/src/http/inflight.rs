@@ -1,0 +1,317 @@
+//! What one caller may hold while its answers are in progress: a per-key cap
+//! on concurrent inference requests, and a bound on how long an answer may
+//! wait for a client that stopped reading.
+//!
+//! Both ride on the response body ([`Guarded`]), because a streamed answer
+//! holds its batch slot until the body is done, long after the handler
+//! returned: the permit is released and the stall watch cleared when the
+//! body ends or is dropped (stream finished, client gone, or cut off).
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use tokio::time::Instant;
+
+use super::auth::{ApiKey, Caller};
+use super::body::{Body, BoxError};
+use super::error::ApiError;
+
+// ------------------------------------------------------ per-key concurrency
+
+/// Inference requests in progress per API key (per client IP for open
+/// inference), against each key's cap.
+#[derive(Debug)]
+pub struct Concurrency {
+    default: u32,
+    per_key: HashMap<String, u32>,
+    counts: Mutex<HashMap<String, u32>>,
+}
+
+/// One request's slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct Permit {
+    owner: Arc<Concurrency>,
+    who: String,
+}
+
+impl Concurrency {
+    /// `default` applies to keys without their own `max_concurrent_requests`
+    /// and to open-inference callers; 0 means no cap.
+    pub fn new(default: u32, keys: &[ApiKey]) -> Arc<Self> {
+        let per_key = keys
+            .iter()
+            .filter_map(|k| Some((k.id.clone(), k.max_concurrent_requests?)))
+            .collect();
+        Arc::new(Concurrency {
+            default,
+            per_key,
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Takes a slot for `caller` (an anonymous caller is counted by `peer`),
+    /// or refuses with 429 when its cap is reached; `None` when uncapped.
+    pub fn acquire(
+        self: &Arc<Self>,
+        caller: &Caller,
+        peer: IpAddr,
+    ) -> Result<Option<Permit>, ApiError> {
+        let (who, limit) = if caller.is_anonymous() {
+            (format!("ip {}", peer.to_canonical()), self.default)
+        } else {
+            let limit = self
+                .per_key
+                .get(&caller.key_id)
+                .copied()
+                .unwrap_or(self.default);
+            (format!("API key '{}'", caller.key_id), limit)
+        };
+        if limit == 0 {
+            return Ok(None);
+        }
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let n = counts.entry(who.clone()).or_default();
+        if *n >= limit {
+            return Err(ApiError::ConcurrencyLimitExceeded { who, limit });
+        }
+        *n += 1;
+        Ok(Some(Permit {
+            owner: Arc::clone(self),
+            who,
+        }))
+    }
+
+    fn release(&self, who: &str) {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = counts.get_mut(who) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(who);
+            }
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.owner.release(&self.who);
+    }
+}
+
+// --------------------------------------------------------------- send stalls
+
+/// Shared by a connection's task and the answer it is sending: when the
+/// answer last handed data to hyper that hyper has not come back from.
+///
+/// hyper asks the body for its next frame as soon as it has room to buffer
+/// it, so "handed a frame and not asked again" means the socket is full: the
+/// client has stopped reading. Waiting on the engine is not a stall.
+#[derive(Debug)]
+pub struct SendWatch {
+    epoch: Instant,
+    /// Milliseconds after `epoch` (plus one) of the frame hyper has not come
+    /// back from; 0 while hyper is asking or no answer is streaming.
+    waiting_since: AtomicU64,
+}
+
+impl Default for SendWatch {
+    fn default() -> Self {
+        SendWatch {
+            epoch: Instant::now(),
+            waiting_since: AtomicU64::new(0),
+        }
+    }
+}
+
+impl SendWatch {
+    fn handed(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.waiting_since.store(ms, Ordering::Relaxed);
+    }
+
+    fn asked(&self) {
+        self.waiting_since.store(0, Ordering::Relaxed);
+    }
+
+    fn waiting_since(&self) -> Option<Instant> {
+        match self.waiting_since.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.epoch + Duration::from_millis(ms - 1)),
+        }
+    }
+
+    /// Completes once an answer has waited `limit` for the client to take
+    /// more data. Checks once per `limit` while nothing waits.
+    pub async fn stalled(&self, limit: Duration) {
+        loop {
+            match self.waiting_since() {
+                None => tokio::time::sleep(limit).await,
+                Some(since) if since.elapsed() >= limit => return,
+                Some(since) => tokio::time::sleep_until(since + limit).await,
+            }
+        }
+    }
+}
+
+/// A response body that holds the request's concurrency [`Permit`] until it
+/// is done, and reports to its connection's [`SendWatch`].
+pub struct Guarded {
+    inner: Body,
+    watch: Option<Arc<SendWatch>>,
+    _permit: Option<Permit>,
+}
+
+impl Guarded {
+    /// `watch` only for streamed answers: a whole answer is handed over in
+    /// one frame and holds nothing while the client reads it.
+    pub fn wrap(inner: Body, watch: Option<Arc<SendWatch>>, permit: Option<Permit>) -> Body {
+        if watch.is_none() && permit.is_none() {
+            return inner;
+        }
+        Guarded {
+            inner,
+            watch,
+            _permit: permit,
+        }
+        .boxed_unsync()
+    }
+}
+
+impl HttpBody for Guarded {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Some(w) = &this.watch {
+            w.asked();
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let (Some(w), Poll::Ready(Some(Ok(_)))) = (&this.watch, &polled)
+            && !this.inner.is_end_stream()
+        {
+            w.handed();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        if let Some(w) = &self.watch {
+            w.asked();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::http::auth::{KeyHash, Scope};
+
+    fn key(id: &str, cap: Option<u32>) -> ApiKey {
+        ApiKey {
+            id: id.into(),
+            tenant: "t".into(),
+            scopes: vec![Scope::Infer],
+            sha256: KeyHash::of(id),
+            max_concurrent_requests: cap,
+        }
+    }
+
+    fn caller(id: &str) -> Caller {
+        Caller {
+            key_id: id.into(),
+            tenant: "t".into(),
+            scopes: vec![Scope::Infer],
+        }
+    }
+
+    #[test]
+    fn per_key_caps_with_overrides() {
+        let c = Concurrency::new(2, &[key("a", None), key("b", Some(1)), key("c", Some(0))]);
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let a1 = c.acquire(&caller("a"), ip).unwrap();
+        let _a2 = c.acquire(&caller("a"), ip).unwrap();
+        let e = c.acquire(&caller("a"), ip).unwrap_err();
+        assert_eq!(e.code(), "concurrency_limit_exceeded");
+        assert_eq!(e.status(), 429);
+        let _b1 = c.acquire(&caller("b"), ip).unwrap();
+        assert!(c.acquire(&caller("b"), ip).is_err());
+        for _ in 0..10 {
+            assert!(c.acquire(&caller("c"), ip).unwrap().is_none());
+        }
+        drop(a1);
+        assert!(c.acquire(&caller("a"), ip).is_ok());
+    }
+
+    #[test]
+    fn open_inference_is_capped_per_ip() {
+        let c = Concurrency::new(1, &[]);
+        let anon = Caller {
+            key_id: Caller::ANONYMOUS.into(),
+            tenant: Caller::ANONYMOUS.into(),
+            scopes: vec![Scope::Infer],
+        };
+        let one = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1));
+        let two = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+        let _p = c.acquire(&anon, one).unwrap();
+        assert!(c.acquire(&anon, one).is_err());
+        assert!(c.acquire(&anon, two).is_ok());
+    }
+
+    #[tokio::test]
+    async fn stall_is_data_not_taken_not_engine_waits() {
+        let limit = Duration::from_millis(100);
+        let watch = Arc::new(SendWatch::default());
+        // Nothing handed: never stalled.
+        assert!(
+            tokio::time::timeout(limit * 3, watch.stalled(limit))
+                .await
+                .is_err()
+        );
+        // A frame handed and not asked for again: stalled after `limit`.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
+        let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+            let f = rx.recv().await?;
+            Some((f, rx))
+        });
+        let mut body = Guarded::wrap(
+            http_body_util::StreamBody::new(Box::pin(frames)).boxed_unsync(),
+            Some(watch.clone()),
+            None,
+        );
+        tx.send(Ok(Frame::data(Bytes::from_static(b"x")))).unwrap();
+        assert!(body.frame().await.is_some());
+        let started = Instant::now();
+        watch.stalled(limit).await;
+        assert!(started.elapsed() >= limit / 2);
+        // Asked again (client reading): no longer stalled.
+        let next = tokio::time::timeout(Duration::from_millis(10), body.frame()).await;
+        assert!(next.is_err(), "no frame yet");
+        assert!(watch.waiting_since().is_none());
+        drop(body);
+        assert!(watch.waiting_since().is_none());
+    }
+}
