@@ -91,6 +91,31 @@ pub struct AdapterInfo {
 struct Pair {
     a: Array,
     b_scaled: Array,
+    /// The same factors as plain f32 rows, for the native decode step; built
+    /// at mount when activations are f32 (always on CPU).
+    native: Option<NativePair>,
+}
+
+/// A pair's factors as the native decode step reads them: `a` transposed
+/// (`[r, in]`, so each of the r inner products reads one contiguous row)
+/// and `b_scaled` (`[r, out]`, so each update is one contiguous row).
+struct NativePair {
+    rank: usize,
+    a_t: Vec<f32>,
+    b_scaled: Vec<f32>,
+}
+
+impl NativePair {
+    fn new(a: &Array, b_scaled: &Array) -> MlxResult<NativePair> {
+        let a_t = a.t().contiguous()?;
+        let b_scaled = b_scaled.contiguous()?;
+        mlx_rs::transforms::eval([&a_t, &b_scaled])?;
+        Ok(NativePair {
+            rank: b_scaled.shape()[0] as usize,
+            a_t: a_t.as_slice::<f32>().to_vec(),
+            b_scaled: b_scaled.as_slice::<f32>().to_vec(),
+        })
+    }
 }
 
 /// A mounted adapter's arrays (on the engine thread) and its facts.
@@ -365,10 +390,22 @@ pub fn load(
         }
         let a = a.as_dtype(dtype).map_err(mlx)?;
         let b_scaled = multiply(&b.as_dtype(dtype).map_err(mlx)?, &scale).map_err(mlx)?;
-        pairs.insert((layer, projection), Pair { a, b_scaled });
+        pairs.insert(
+            (layer, projection),
+            Pair {
+                a,
+                b_scaled,
+                native: None,
+            },
+        );
     }
     let arrays: Vec<&Array> = pairs.values().flat_map(|p| [&p.a, &p.b_scaled]).collect();
     mlx_rs::transforms::eval(arrays).map_err(mlx)?;
+    if dtype == mlx_rs::Dtype::Float32 {
+        for pair in pairs.values_mut() {
+            pair.native = Some(NativePair::new(&pair.a, &pair.b_scaled).map_err(mlx)?);
+        }
+    }
     let size_bytes = std::fs::metadata(&config.weights).map_or(0, |m| m.len());
     Ok(Adapter {
         info: AdapterInfo {
@@ -422,6 +459,81 @@ pub fn apply(
         rows.push(residual(y.index(b..b + 1), &x.index(b..b + 1), stack)?);
     }
     concatenate(&rows, 0)
+}
+
+/// Whether the native decode step can add every residual of `stack`.
+pub fn is_native(stack: &AdapterStack) -> bool {
+    stack
+        .iter()
+        .all(|adapter| adapter.pairs.values().all(|pair| pair.native.is_some()))
+}
+
+/// Adds `stack`'s residuals on `(layer, projection)` to one row:
+/// `y += (x A) B_scaled` per adapter, in stacking order, as the MLX path's
+/// `addmm` does (the inner products first, in f32, then the update). For
+/// stacks that [`is_native`] accepts.
+pub fn add_native(
+    stack: &AdapterStack,
+    layer: usize,
+    projection: Projection,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let key = (layer, projection);
+    for adapter in stack {
+        if let Some(native) = adapter.pairs.get(&key).and_then(|p| p.native.as_ref()) {
+            low_rank_update(native, x, y);
+        }
+    }
+}
+
+/// `y += (x a) b` for one row, through the widest instructions the CPU has.
+fn low_rank_update(pair: &NativePair, x: &[f32], y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA, checked just above.
+        return unsafe { low_rank_update_fma(pair, x, y) };
+    }
+    low_rank_update_with(pair, x, y, |a, b, c| c + a * b);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn low_rank_update_fma(pair: &NativePair, x: &[f32], y: &mut [f32]) {
+    low_rank_update_with(pair, x, y, f32::mul_add);
+}
+
+/// The update with `fma(a, b, c) = a * b + c`; inlined into each caller so
+/// the loops vectorize for its instruction set.
+#[inline(always)]
+fn low_rank_update_with(
+    pair: &NativePair,
+    x: &[f32],
+    y: &mut [f32],
+    fma: impl Fn(f32, f32, f32) -> f32 + Copy,
+) {
+    const LANES: usize = 16;
+    let (input, output) = (x.len(), y.len());
+    for j in 0..pair.rank {
+        // Lanes summed apart, then together: independent chains vectorize.
+        let row = &pair.a_t[j * input..(j + 1) * input];
+        let mut lanes = [0.0f32; LANES];
+        let (row_chunks, row_rest) = row.as_chunks::<LANES>();
+        let (x_chunks, x_rest) = x.as_chunks::<LANES>();
+        for (r, v) in row_chunks.iter().zip(x_chunks) {
+            for i in 0..LANES {
+                lanes[i] = fma(r[i], v[i], lanes[i]);
+            }
+        }
+        let mut t = lanes.iter().sum::<f32>();
+        for (r, v) in row_rest.iter().zip(x_rest) {
+            t = fma(*r, *v, t);
+        }
+        let b = &pair.b_scaled[j * output..(j + 1) * output];
+        for (y, b) in y.iter_mut().zip(b) {
+            *y = fma(t, *b, *y);
+        }
+    }
 }
 
 fn same_stack(a: &AdapterStack, b: &AdapterStack) -> bool {

@@ -270,8 +270,9 @@ impl Transformer {
 
     /// One decode step: `tokens[b]` extends `caches[b]`; float32 logits,
     /// `[B * vocab]`. Runs natively, outside MLX's graph, when this thread
-    /// uses the native kernels, no sequence has adapters and the kernels read
-    /// every matrix of the model; else through MLX like any other step.
+    /// uses the native kernels, the kernels read every matrix of the model
+    /// and every adapter in the batch has its native copy (f32 activations);
+    /// else through MLX like any other step.
     pub fn decode(
         &self,
         tokens: &[u32],
@@ -279,9 +280,9 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
         let native = kernels::thread_choice() == KernelChoice::Native
-            && adapters.iter().all(|stack| stack.is_empty());
+            && adapters.iter().all(|stack| lora::is_native(stack));
         if native && let Some(decoder) = self.native_decoder() {
-            return decoder.step(&self.config, tokens, caches);
+            return decoder.step(&self.config, tokens, caches, adapters);
         }
         let inputs: Vec<[u32; 1]> = tokens.iter().map(|&token| [token]).collect();
         let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();

@@ -9,13 +9,16 @@
 //! as the MLX path (f32 throughout, the weights' true values); the tests
 //! check greedy tokens are identical.
 //!
-//! It covers base-model steps on models whose every matrix the kernels read
-//! (4/8-bit affine, groups of 32k); adapters and other layouts take the MLX
-//! path.
+//! It covers models whose every matrix the kernels read (4/8-bit affine,
+//! groups of 32k); other layouts take the MLX path. LoRA adapters are added
+//! here too, row by row after each base projection (`lora::add_native`), so
+//! a batch that mixes adapter stacks and plain rows is still one pass over
+//! the base weights.
 
 use super::{Attention, Block, Mlp, Transformer};
 use crate::engine::model::config::{Family, ModelConfig};
 use crate::engine::model::kv_cache::KvCache;
+use crate::engine::lora::{self, AdapterStack, Projection as Target};
 use crate::engine::model::weights::{Linear, MlxResult};
 use crate::mlx::kernels::{self, PackedMatrix};
 
@@ -304,14 +307,31 @@ impl NativeDecoder {
             + 4 * self.final_norm.len()
     }
 
-    /// One token for each sequence (`tokens[b]` extends `caches[b]`):
-    /// float32 logits, `[B * vocab]`.
+    /// One token for each sequence (`tokens[b]` extends `caches[b]`, with
+    /// the adapters `adapters[b]`, which `lora::is_native` accepts): float32
+    /// logits, `[B * vocab]`.
     pub(super) fn step(
         &self,
         config: &ModelConfig,
         tokens: &[u32],
         caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
+        let adapted = adapters.iter().any(|stack| !stack.is_empty());
+        // Each row's low-rank terms on `target`, after its base product.
+        let lora = |layer: usize, target: Target, x: &[f32], y: &mut [f32]| {
+            if !adapted {
+                return;
+            }
+            let (input, output) = (x.len() / tokens.len(), y.len() / tokens.len());
+            for ((stack, x), y) in adapters
+                .iter()
+                .zip(x.chunks(input))
+                .zip(y.chunks_mut(output))
+            {
+                lora::add_native(stack, layer, target, x, y);
+            }
+        };
         let c = config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let (q_width, kv_width) = (c.heads * head_dim, c.kv_heads * head_dim);
@@ -347,6 +367,9 @@ impl NativeDecoder {
                     (&block.v, &mut s.v),
                 ],
             );
+            lora(layer, Target::Q, &s.normed, &mut s.q);
+            lora(layer, Target::K, &s.normed, &mut s.k);
+            lora(layer, Target::V, &s.normed, &mut s.v);
             s.attended.resize(tokens.len() * q_width, 0.0);
             for (b, cache) in caches.iter_mut().enumerate() {
                 let q = &mut s.q[b * q_width..(b + 1) * q_width];
@@ -367,6 +390,7 @@ impl NativeDecoder {
                 layer_cache.attend_native(out, q, c.heads, scale);
             }
             block.o.apply(&s.attended, &mut s.projected);
+            lora(layer, Target::O, &s.attended, &mut s.projected);
             add_residual(
                 &mut x,
                 &mut s.projected,
@@ -378,11 +402,14 @@ impl NativeDecoder {
                 &s.normed,
                 &mut [(&block.gate, &mut s.gate), (&block.up, &mut s.up)],
             );
+            lora(layer, Target::Gate, &s.normed, &mut s.gate);
+            lora(layer, Target::Up, &s.normed, &mut s.up);
             let gelu = c.family == Family::Gemma3;
             for (g, u) in s.gate.iter_mut().zip(&s.up) {
                 *g = if gelu { gelu_approximate(*g) } else { silu(*g) } * u;
             }
             block.down.apply(&s.gate, &mut s.projected);
+            lora(layer, Target::Down, &s.gate, &mut s.projected);
             add_residual(
                 &mut x,
                 &mut s.projected,
