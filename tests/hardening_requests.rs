@@ -42,7 +42,10 @@ fn chat(model: &str, extra: Value) -> Value {
 fn server() -> (Server, String) {
     let s = ServerBuilder::new().model(support::real_model()).start();
     let ready = s.wait_for_status("/readyz", 200, Duration::from_secs(120));
-    let id = ready.json()["model"].as_str().expect("readyz names the model").to_owned();
+    let id = ready.json()["model"]
+        .as_str()
+        .expect("readyz names the model")
+        .to_owned();
     (s, id)
 }
 
@@ -142,6 +145,10 @@ fn prompt_text_that_cannot_fit_is_refused_before_tokenizing() {
         assert!(message.contains("refused before tokenizing"), "{message}");
     }
     // A prompt that fits is still served.
-    let r = post(&s, "/v1/completions", &json!({"model": m, "prompt": "Once", "max_tokens": 2}));
+    let r = post(
+        &s,
+        "/v1/completions",
+        &json!({"model": m, "prompt": "Once", "max_tokens": 2}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
 }

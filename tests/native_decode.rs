@@ -352,9 +352,20 @@ fn adapters_decode_natively_as_through_the_mlx_graph() {
             .zip(&mlx_logits)
             .map(|(a, b)| relative_error(a, b))
             .fold(0.0, f32::max);
-        eprintln!("{:?} with adapters: logits within {error:e}", model.config.family);
-        assert_eq!(native, mlx, "{:?}: greedy tokens differ", model.config.family);
-        assert!(error < 1e-4, "{:?}: logits differ by {error}", model.config.family);
+        eprintln!(
+            "{:?} with adapters: logits within {error:e}",
+            model.config.family
+        );
+        assert_eq!(
+            native, mlx,
+            "{:?}: greedy tokens differ",
+            model.config.family
+        );
+        assert!(
+            error < 1e-4,
+            "{:?}: logits differ by {error}",
+            model.config.family
+        );
         // The adapters changed something: the rows disagree with the plain one.
         assert!(native[0] != native[2] || native[1] != native[2]);
     }

@@ -146,11 +146,17 @@ fn no_body_is_served_around_the_router() {
         let r = s.request(
             "POST",
             path,
-            &[("authorization", &auth), ("content-type", "application/json")],
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+            ],
             Some(repeated.as_bytes()),
         );
         let e = r.api_error(400, "invalid_request_error", "invalid_json");
-        assert!(e["message"].as_str().unwrap().contains("appears twice"), "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("appears twice"),
+            "{e}"
+        );
     }
 }
 

@@ -559,10 +559,21 @@ mod tests {
         assert_eq!(parse_spec(" a , b ").unwrap(), vec!["a", "b"]);
         assert!(parse_spec("none").unwrap().is_empty() && parse_spec("").unwrap().is_empty());
         assert!(parse_spec("a+a").unwrap_err().contains("twice"));
-        assert!(parse_spec(&"a+".repeat(200_000)).unwrap_err().contains("twice"));
+        assert!(
+            parse_spec(&"a+".repeat(200_000))
+                .unwrap_err()
+                .contains("twice")
+        );
         let many: Vec<String> = (0..=MAX_STACK).map(|i| format!("a{i}")).collect();
-        assert!(parse_spec(&many.join("+")).unwrap_err().contains("too many"));
-        assert_eq!(parse_spec(&many[..MAX_STACK].join("+")).unwrap().len(), MAX_STACK);
+        assert!(
+            parse_spec(&many.join("+"))
+                .unwrap_err()
+                .contains("too many")
+        );
+        assert_eq!(
+            parse_spec(&many[..MAX_STACK].join("+")).unwrap().len(),
+            MAX_STACK
+        );
         assert!(parse_spec("a+../x").is_err());
         assert!(validate_id("sft-v2.1").is_ok());
         for bad in ["a+b", "a,b", "", "none", "../x", &"x".repeat(65)] {

@@ -8,7 +8,9 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use serde::Serialize;
-use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{
+    self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor,
+};
 use serde_json::{Map, Value};
 
 use super::connections::{BodyTimedOut, ReadDeadline};
@@ -188,7 +190,8 @@ mod tests {
 
     #[test]
     fn parses_as_serde_json_does() {
-        let body = r#"{"a": [1, -2, 3.5, 1e3, "s", null, true, {"b": {}}], "c": 18446744073709551615}"#;
+        let body =
+            r#"{"a": [1, -2, 3.5, 1e3, "s", null, true, {"b": {}}], "c": 18446744073709551615}"#;
         let ours = parse_json(body.as_bytes()).unwrap();
         let theirs: Value = serde_json::from_str(body).unwrap();
         assert_eq!(ours, theirs);

@@ -230,12 +230,14 @@ mod tests {
                 tenant: "t".into(),
                 scopes: vec![Scope::Admin],
                 sha256: KeyHash::of("admin-key"),
+                max_concurrent_requests: None,
             },
             ApiKey {
                 id: "app".into(),
                 tenant: "t".into(),
                 scopes: vec![Scope::Infer],
                 sha256: KeyHash::of("infer-key"),
+                max_concurrent_requests: None,
             },
         ]);
         let bearer = |t: &str| {

@@ -486,7 +486,11 @@ mod tests {
                         .map(|(k, v)| format!("\"{k}\": {v}"))
                         .collect();
                     let i = at.index(parts.len() + 1);
-                    parts.insert(i, r#""messages": [{"role": "user", "content": "hi"}], "prompt": "hi""#.to_owned());
+                    parts.insert(
+                        i,
+                        r#""messages": [{"role": "user", "content": "hi"}], "prompt": "hi""#
+                            .to_owned(),
+                    );
                     format!("{{{}}}", parts.join(", "))
                 })
         }

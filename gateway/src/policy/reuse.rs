@@ -85,7 +85,9 @@ struct Decisions {
 fn entry_bytes(key: &[u8], decision: &RouteDecision) -> usize {
     let strings = match decision {
         RouteDecision::Local { model } => model.len(),
-        RouteDecision::Upstream { name, model } => name.len() + model.as_ref().map_or(0, String::len),
+        RouteDecision::Upstream { name, model } => {
+            name.len() + model.as_ref().map_or(0, String::len)
+        }
         RouteDecision::Reject { message, .. } => message.len(),
     };
     ENTRY_OVERHEAD + key.len() + strings

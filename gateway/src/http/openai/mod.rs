@@ -111,8 +111,8 @@ where
         start()
     })
     .await
-        .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
-        .map_err(|e| ApiError::from_engine(e, prompt_param))
+    .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
+    .map_err(|e| ApiError::from_engine(e, prompt_param))
 }
 
 /// The engine's stream as a `Stream`; owning it, so dropping this cancels.

@@ -16,9 +16,9 @@
 //! the base weights.
 
 use super::{Attention, Block, Mlp, Transformer};
+use crate::engine::lora::{self, AdapterStack, Projection as Target};
 use crate::engine::model::config::{Family, ModelConfig};
 use crate::engine::model::kv_cache::KvCache;
-use crate::engine::lora::{self, AdapterStack, Projection as Target};
 use crate::engine::model::weights::{Linear, MlxResult};
 use crate::mlx::kernels::{self, PackedMatrix};
 
