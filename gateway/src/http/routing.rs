@@ -346,13 +346,15 @@ pub fn routing_facts<'a>(
 
 /// Reads the JSON body, routes the request and, for an upstream, proxies it.
 ///
-/// The body is parsed once ([`body::parse_json`]: repeated keys refused) and
-/// its routing fields are read by validation's own readers
-/// ([`validate::routing_fields`]), so the policy decides on exactly what
-/// would be served: a body those cannot read is a 400 here, never a request
-/// that skips the router. A proxied body is forwarded as received unless the
-/// decision rewrites its model; the upstream judges the fields this gateway
-/// does not read (tools, for one).
+/// The routing fields are read by validation's own readers
+/// ([`validate::routing_fields`]) from the body's top level, parsed with
+/// repeated keys refused ([`body::parse_json_fields`]), so the policy decides
+/// on exactly what would be served: a body those cannot read is a 400 here,
+/// never a request that skips the router. A body served here is then parsed
+/// whole ([`body::parse_json`]: repeated keys refused at any depth); the same
+/// top-level fields read the same either way. A proxied body is forwarded as
+/// received unless the decision rewrites its model; the upstream judges what
+/// this gateway does not read (tools, nested objects).
 pub async fn dispatch(
     cx: &Ctx,
     req: Request<ReqBody>,
@@ -361,8 +363,8 @@ pub async fn dispatch(
     let (head, body) = req.into_parts();
     let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
     let bytes = body::read_body(body, limit).await?;
-    let mut json = body::parse_json(&bytes)?;
-    let fields = validate::routing_fields(&json, endpoint)?;
+    let top = body::parse_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
+    let fields = validate::routing_fields(&top, endpoint)?;
     let destination =
         route_request(&cx.state, fields.model, || routing_facts(&head, &fields)).await?;
     let rewrite = match &destination {
@@ -372,19 +374,24 @@ pub async fn dispatch(
         } => (model != fields.model).then(|| model.clone()),
         Destination::Upstream { model: None, .. } => None,
     };
-    let rewritten = rewrite.is_some();
-    if let Some(model) = rewrite {
-        set_model(&mut json, model);
-    }
+    let whole = |rewrite: Option<String>| -> Result<Value, ApiError> {
+        let mut json = body::parse_json(&bytes)?;
+        if let Some(model) = rewrite {
+            set_model(&mut json, model);
+        }
+        Ok(json)
+    };
     match destination {
-        Destination::Local { .. } => Ok(Routed::Local(Local { json, head })),
+        Destination::Local { .. } => Ok(Routed::Local(Local {
+            json: whole(rewrite)?,
+            head,
+        })),
         Destination::Upstream { upstream, .. } => {
-            let body = if rewritten {
-                serde_json::to_vec(&json)
+            let body = match rewrite {
+                Some(model) => serde_json::to_vec(&whole(Some(model))?)
                     .map(Bytes::from)
-                    .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?
-            } else {
-                bytes
+                    .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?,
+                None => bytes.clone(),
             };
             let path_and_query = head
                 .uri
@@ -510,7 +517,11 @@ mod tests {
             fn the_router_decides_on_what_is_served(text in body()) {
                 let head = head();
                 let Ok(json) = body::parse_json(text.as_bytes()) else {
-                    // Refused: only ever for a repeated key here.
+                    // Refused: only ever for a repeated key here, which
+                    // routing's parse refuses too (they are all top-level).
+                    prop_assert!(
+                        body::parse_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
+                    );
                     let plain: Value = serde_json::from_str(&text).unwrap();
                     let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream"]
                         .iter()
@@ -520,7 +531,16 @@ mod tests {
                     return Ok(());
                 };
                 prop_assert_eq!(&json, &serde_json::from_str::<Value>(&text).unwrap());
+                let top = body::parse_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS);
+                prop_assert!(top.is_ok(), "{text}");
+                let top = top.unwrap();
                 for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+                    // What routing reads of the top level is what the whole
+                    // parse gives validation.
+                    prop_assert_eq!(
+                        validate::routing_fields(&top, endpoint).ok(),
+                        validate::routing_fields(&json, endpoint).ok()
+                    );
                     let served = match endpoint {
                         Endpoint::Chat => chat_request(&json).map(|r| r.common),
                         Endpoint::Completions => completion_request(&json).map(|r| r.common),

@@ -82,6 +82,9 @@ pub struct RoutingFields<'a> {
     pub stream: bool,
 }
 
+/// The top-level fields [`routing_fields`] reads, and nothing else.
+pub const ROUTING_FIELDS: [&str; 4] = ["model", "max_tokens", "max_completion_tokens", "stream"];
+
 pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
     let f = Fields::of(body)?;
     Ok(RoutingFields {
