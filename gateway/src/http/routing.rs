@@ -518,7 +518,7 @@ mod tests {
                 let head = head();
                 let Ok(json) = body::parse_json(text.as_bytes()) else {
                     // Refused: only ever for a repeated key here, which
-                    // routing's parse refuses too (they are all top-level).
+                    // routing's parse refuses too (all are routing fields).
                     prop_assert!(
                         body::parse_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
                     );
