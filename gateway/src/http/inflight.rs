@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -31,29 +31,52 @@ use super::error::ApiError;
 #[derive(Debug)]
 pub struct Concurrency {
     default: u32,
-    per_key: HashMap<String, u32>,
-    counts: Mutex<HashMap<String, u32>>,
+    /// A counter per configured key, made at start: taking a key's slot is
+    /// a lookup and an atomic add, nothing allocated or locked (it happens
+    /// on every inference request, proxied ones included).
+    keys: HashMap<String, Arc<Slots>>,
+    /// Open-inference callers, by client IP.
+    by_ip: Mutex<HashMap<String, u32>>,
+}
+
+/// One key's cap and the slots in use.
+#[derive(Debug)]
+struct Slots {
+    limit: u32,
+    used: AtomicU32,
 }
 
 /// One request's slot; dropping it frees the slot.
 #[derive(Debug)]
-pub struct Permit {
-    owner: Arc<Concurrency>,
-    who: String,
+pub struct Permit(Held);
+
+#[derive(Debug)]
+enum Held {
+    Key(Arc<Slots>),
+    Ip {
+        owner: Arc<Concurrency>,
+        who: String,
+    },
 }
 
 impl Concurrency {
     /// `default` applies to keys without their own `max_concurrent_requests`
     /// and to open-inference callers; 0 means no cap.
     pub fn new(default: u32, keys: &[ApiKey]) -> Arc<Self> {
-        let per_key = keys
+        let keys = keys
             .iter()
-            .filter_map(|k| Some((k.id.clone(), k.max_concurrent_requests?)))
+            .map(|k| {
+                let slots = Slots {
+                    limit: k.max_concurrent_requests.unwrap_or(default),
+                    used: AtomicU32::new(0),
+                };
+                (k.id.clone(), Arc::new(slots))
+            })
             .collect();
         Arc::new(Concurrency {
             default,
-            per_key,
-            counts: Mutex::new(HashMap::new()),
+            keys,
+            by_ip: Mutex::new(HashMap::new()),
         })
     }
 
@@ -64,33 +87,44 @@ impl Concurrency {
         caller: &Caller,
         peer: IpAddr,
     ) -> Result<Option<Permit>, ApiError> {
-        let (who, limit) = if caller.is_anonymous() {
-            (format!("ip {}", peer.to_canonical()), self.default)
-        } else {
-            let limit = self
-                .per_key
-                .get(&caller.key_id)
-                .copied()
-                .unwrap_or(self.default);
-            (format!("API key '{}'", caller.key_id), limit)
-        };
+        if !caller.is_anonymous()
+            && let Some(slots) = self.keys.get(&caller.key_id)
+        {
+            let limit = slots.limit;
+            if limit == 0 {
+                return Ok(None);
+            }
+            return match slots
+                .used
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < limit).then_some(n + 1)
+                }) {
+                Ok(_) => Ok(Some(Permit(Held::Key(Arc::clone(slots))))),
+                Err(_) => Err(ApiError::ConcurrencyLimitExceeded {
+                    who: format!("API key '{}'", caller.key_id),
+                    limit,
+                }),
+            };
+        }
+        let limit = self.default;
         if limit == 0 {
             return Ok(None);
         }
-        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let who = format!("ip {}", peer.to_canonical());
+        let mut counts = self.by_ip.lock().unwrap_or_else(|p| p.into_inner());
         let n = counts.entry(who.clone()).or_default();
         if *n >= limit {
             return Err(ApiError::ConcurrencyLimitExceeded { who, limit });
         }
         *n += 1;
-        Ok(Some(Permit {
+        Ok(Some(Permit(Held::Ip {
             owner: Arc::clone(self),
             who,
-        }))
+        })))
     }
 
-    fn release(&self, who: &str) {
-        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+    fn release_ip(&self, who: &str) {
+        let mut counts = self.by_ip.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = counts.get_mut(who) {
             *n -= 1;
             if *n == 0 {
@@ -102,7 +136,12 @@ impl Concurrency {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.owner.release(&self.who);
+        match &self.0 {
+            Held::Key(slots) => {
+                slots.used.fetch_sub(1, Ordering::AcqRel);
+            }
+            Held::Ip { owner, who } => owner.release_ip(who),
+        }
     }
 }
 
