@@ -111,6 +111,22 @@ fn amplifiers_are_capped_with_a_400_naming_the_field() {
         "object_above_max_properties",
     );
 
+    // A body served here that repeats a key, at any depth: refused whole.
+    let r = s.request(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(
+            format!(r#"{{"model": "{m}", "messages": [{{"role": "user", "content": "a", "content": "b"}}]}}"#)
+                .as_bytes(),
+        ),
+    );
+    let e = r.api_error(400, "invalid_request_error", "invalid_json");
+    assert!(
+        e["message"].as_str().unwrap().contains("appears twice"),
+        "{e}"
+    );
+
     // The model still serves after all of that.
     let r = post(
         &s,
