@@ -191,6 +191,22 @@ impl Zone {
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` header: `None` without
+/// the header, an invalid-key error when it holds no bearer token.
+pub fn bearer_token(headers: &HeaderMap) -> Option<Result<&str, ApiError>> {
+    let header = headers.get(AUTHORIZATION)?;
+    let token = header
+        .to_str()
+        .ok()
+        .and_then(|v| {
+            let (kind, rest) = v.split_once(' ')?;
+            kind.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        })
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::InvalidApiKey);
+    Some(token)
+}
+
 /// All keys the server accepts (config `[[keys]]` plus `MLXGATE_ADMIN_KEY`).
 #[derive(Debug, Clone, Default)]
 pub struct KeyStore {
@@ -245,18 +261,7 @@ impl KeyStore {
                 other => Err(ApiError::ZoneClosed { scope: other }),
             };
         }
-        let Some(header) = headers.get(AUTHORIZATION) else {
-            return Err(ApiError::MissingApiKey);
-        };
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                let (kind, rest) = v.split_once(' ')?;
-                kind.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-            })
-            .filter(|t| !t.is_empty())
-            .ok_or(ApiError::InvalidApiKey)?;
+        let token = bearer_token(headers).ok_or(ApiError::MissingApiKey)??;
         let key = self.lookup(token).ok_or(ApiError::InvalidApiKey)?;
         if !key.scopes.contains(&scope) {
             return Err(ApiError::InsufficientScope {

@@ -18,7 +18,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use http::header::AUTHORIZATION;
 use http::{HeaderMap, Method};
 
 use super::auth::{KeyHash, KeyStore, Scope};
@@ -36,16 +35,8 @@ pub fn authorize_scrape(
     headers: &HeaderMap,
     peer: Option<SocketAddr>,
 ) -> Result<(), ApiError> {
-    if let Some(header) = headers.get(AUTHORIZATION) {
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                let (kind, rest) = v.split_once(' ')?;
-                kind.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-            })
-            .filter(|t| !t.is_empty())
-            .ok_or(ApiError::InvalidApiKey)?;
+    if let Some(token) = super::auth::bearer_token(headers) {
+        let token = token?;
         if config
             .token_sha256
             .is_some_and(|h| h.ct_eq(&KeyHash::of(token)))
@@ -219,6 +210,8 @@ fn method_label(m: &Method) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use http::header::AUTHORIZATION;
+
     use super::*;
     use crate::http::auth::ApiKey;
 
