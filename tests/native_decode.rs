@@ -280,18 +280,10 @@ fn native_decode_reads_at_most_the_files_bytes_per_token() {
 /// A random rank-8 adapter on all seven projections of every layer of
 /// `model`, loaded as the engine mounts one.
 fn random_adapter(model: &Transformer, id: &str, seed: u64) -> std::rc::Rc<lora::Adapter> {
-    let c = &model.config;
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = LoraSpec {
-        layers: c.layers,
-        hidden_size: c.hidden_size,
-        q_dim: c.heads * c.head_dim,
-        kv_dim: c.kv_heads * c.head_dim,
-        intermediate_size: c.intermediate_size,
-        rank: 8,
-        scale: 2.0,
-        amplitude: 0.05,
         seed,
+        ..LoraSpec::for_config(&model.config, 2.0, 0.05)
     };
     write_random_lora(dir.path(), &spec).expect("write adapter");
     let adapter = lora::load(id, dir.path(), "any", &model.lora_targets()).expect("load adapter");

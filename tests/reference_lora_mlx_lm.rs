@@ -3,7 +3,9 @@
 //! trained by mlxgate (`engine::train`) loaded by mlx-lm
 //! (`mlx_lm.load(..., adapter_path=...)`). Either way mlxgate's greedy
 //! tokens with the adapter equal mlx-lm's for every reference prompt, and
-//! the first-step logits are within 1e-3.
+//! the first-step logits are within 1e-3. The greedy tokens are checked on
+//! both decode paths: MLX's graph and, where this CPU runs them, the native
+//! kernels (adapters added by `lora::add_native`).
 //!
 //! Needs the figures of `scripts/check-lora-against-mlx-lm.sh`, which runs
 //! these ignored-by-default tests with `MLXGATE_LORA_REFERENCE_JSON` (the
@@ -15,6 +17,8 @@ use std::rc::Rc;
 
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::lora::{self, AdapterStack};
+use mlxgate::engine::model::{KvCache, Transformer};
+use mlxgate::mlx::kernels::{self, KernelChoice};
 use serde_json::Value;
 
 /// The greedy choice, as the engine makes it.
@@ -42,6 +46,34 @@ fn mlxgate_trained_adapter_gives_the_same_greedy_tokens_in_mlx_lm() {
     );
 }
 
+/// `n` greedy tokens after `prompt` (prefilled through MLX), each decode
+/// step on `choice`'s path, as the engine's scheduler steps a sequence.
+fn greedy(
+    model: &Transformer,
+    prompt: &[u32],
+    adapters: &AdapterStack,
+    n: usize,
+    choice: KernelChoice,
+) -> Vec<u32> {
+    kernels::set_thread_choice(KernelChoice::Native);
+    let mut cache: KvCache = model.new_cache();
+    let first = model
+        .forward_with_adapters(&[prompt], &mut [&mut cache], &[adapters])
+        .unwrap();
+    first.eval().unwrap();
+    let mut token = argmax(first.as_slice::<f32>());
+    let mut tokens = vec![token];
+    while tokens.len() < n {
+        kernels::set_thread_choice(choice);
+        let logits = model
+            .decode(&[token], &mut [&mut cache], &[adapters])
+            .unwrap();
+        token = argmax(&logits);
+        tokens.push(token);
+    }
+    tokens
+}
+
 /// Compares mlxgate with the adapter (and without) to the mlx-lm figures
 /// named by `env`; returns them.
 fn same_greedy_tokens_as_mlx_lm(env: &str) -> Value {
@@ -66,6 +98,14 @@ fn same_greedy_tokens_as_mlx_lm(env: &str) -> Value {
     );
     let stack: AdapterStack = vec![Rc::new(adapter)];
     let none = AdapterStack::new();
+    if kernels::native_available() {
+        let read = model.native_decode_weight_bytes();
+        println!("native decode reads {read:?} bytes of weights per token");
+        assert!(
+            read.is_some() && lora::is_native(&stack),
+            "this CPU runs the native kernels, but this model or adapter does not decode on them"
+        );
+    }
 
     let mut changed = 0;
     for (index, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
@@ -77,7 +117,7 @@ fn same_greedy_tokens_as_mlx_lm(env: &str) -> Value {
                 .forward_with_adapters(&[&prompt], &mut [&mut cache], &[adapters])
                 .unwrap();
             first.eval().unwrap();
-            let mut step = first.as_slice::<f32>().to_vec();
+            let step = first.as_slice::<f32>();
             if let Some(logits) = case[key].get("logits_first").filter(|v| v.is_array()) {
                 let logits = numbers(logits, |v| v.as_f64().unwrap() as f32);
                 let diff = step
@@ -88,29 +128,26 @@ fn same_greedy_tokens_as_mlx_lm(env: &str) -> Value {
                 println!("case {index} {key}: first-step logits max |diff| = {diff:.3e}");
                 assert!(diff <= 1e-3, "case {index} {key}: logits differ by {diff}");
             }
-            let mut tokens = Vec::new();
-            for _ in 0..expected.len() {
-                let token = argmax(&step);
-                tokens.push(token);
-                let next = model
-                    .forward_with_adapters(&[&[token]], &mut [&mut cache], &[adapters])
-                    .unwrap();
-                next.eval().unwrap();
-                step = next.as_slice::<f32>().to_vec();
+            let mut paths = vec![KernelChoice::Mlx];
+            if kernels::native_available() {
+                paths.push(KernelChoice::Native);
             }
-            let same = tokens
-                .iter()
-                .zip(&expected)
-                .take_while(|(a, b)| a == b)
-                .count();
-            println!(
-                "case {index} {key}: greedy tokens identical: {same} of {}",
-                expected.len()
-            );
-            assert_eq!(
-                tokens, expected,
-                "case {index} {key}: diverges after {same} tokens"
-            );
+            for choice in paths {
+                let tokens = greedy(&model, &prompt, adapters, expected.len(), choice);
+                let same = tokens
+                    .iter()
+                    .zip(&expected)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                println!(
+                    "case {index} {key} ({choice:?} decode): greedy tokens identical: {same} of {}",
+                    expected.len()
+                );
+                assert_eq!(
+                    tokens, expected,
+                    "case {index} {key} ({choice:?} decode): diverges after {same} tokens"
+                );
+            }
         }
         let base = &case["base"]["tokens"];
         changed += usize::from(case["with_adapter"]["tokens"] != *base);

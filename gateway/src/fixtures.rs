@@ -199,6 +199,25 @@ impl LoraSpec {
         }
     }
 
+    /// Fits any loaded model: rank 8, on all seven projections of every layer.
+    pub fn for_config(
+        c: &crate::engine::model::ModelConfig,
+        scale: f32,
+        amplitude: f32,
+    ) -> LoraSpec {
+        LoraSpec {
+            layers: c.layers,
+            hidden_size: c.hidden_size,
+            q_dim: c.heads * c.head_dim,
+            kv_dim: c.kv_heads * c.head_dim,
+            intermediate_size: c.intermediate_size,
+            rank: 8,
+            scale,
+            amplitude,
+            seed: 1,
+        }
+    }
+
     /// Fits SmolLM2-135M.
     pub fn smollm2_135m() -> LoraSpec {
         LoraSpec {

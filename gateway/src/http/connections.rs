@@ -290,10 +290,17 @@ pub struct ReadDeadline<B> {
 }
 
 impl<B> ReadDeadline<B> {
-    pub fn new(inner: B, timeout: Duration, expired: Arc<AtomicBool>) -> Self {
+    /// The body must have arrived `timeout` after `started` (when the
+    /// request's head was read).
+    pub fn new(
+        inner: B,
+        started: std::time::Instant,
+        timeout: Duration,
+        expired: Arc<AtomicBool>,
+    ) -> Self {
         ReadDeadline {
             inner,
-            deadline: Instant::now() + timeout,
+            deadline: Instant::from_std(started) + timeout,
             secs: timeout.as_secs(),
             sleep: None,
             expired,
@@ -392,7 +399,7 @@ mod tests {
         let limit = Duration::from_millis(200);
         let whole = Full::new(Bytes::from_static(b"abc"));
         let flag = Arc::new(AtomicBool::new(false));
-        let body = ReadDeadline::new(whole, limit, flag.clone());
+        let body = ReadDeadline::new(whole, std::time::Instant::now(), limit, flag.clone());
         assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abc");
         assert!(!flag.load(Ordering::Relaxed));
 
@@ -402,7 +409,7 @@ mod tests {
             first,
             futures_util::stream::pending(),
         ));
-        let body = ReadDeadline::new(stalled, limit, flag.clone());
+        let body = ReadDeadline::new(stalled, std::time::Instant::now(), limit, flag.clone());
         let started = Instant::now();
         let err = body.collect().await.unwrap_err();
         assert!(err.downcast_ref::<BodyTimedOut>().is_some(), "{err}");

@@ -8,7 +8,7 @@ use http::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{self, Body, ReqBody, full};
-use super::{ApiError, Caller, Ctx, LoadedModel, Peer, Route};
+use super::{ApiError, Caller, Ctx, LoadedModel, Route};
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -35,7 +35,7 @@ pub async fn metrics(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         &cx.state.config.metrics,
         &cx.state.keys,
         req.headers(),
-        req.extensions().get::<Peer>().map(|p| p.0),
+        cx.peer,
     )?;
     let ready = cx.state.models.all_ready();
     let text = cx.state.metrics.render(ready)

@@ -8,6 +8,7 @@
 //! body ends or is dropped (stream finished, client gone, or cut off).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -186,18 +187,52 @@ impl SendWatch {
             ms => Some(self.epoch + Duration::from_millis(ms - 1)),
         }
     }
+}
 
-    /// Completes once an answer has waited `limit` for the client to take
-    /// more data. Checks once per `limit` while nothing waits.
-    pub async fn stalled(&self, limit: Duration) {
-        loop {
-            match self.waiting_since() {
-                None => tokio::time::sleep(limit).await,
-                Some(since) if since.elapsed() >= limit => return,
-                Some(since) => tokio::time::sleep_until(since + limit).await,
-            }
+/// Runs a connection to its end (`Some` of its output), or until an answer
+/// it is sending has waited `limit` for the client to take more data
+/// (`None`; the connection is dropped, which cancels the answer).
+///
+/// The watch is read right after each poll of the connection, in the same
+/// task that polls the answer's body: a frame handed and not asked for again
+/// by the time the connection waits is a full socket, and only then is a
+/// timer armed. A connection sending whole answers, or streaming tokens as
+/// the engine makes them, never touches a timer.
+pub async fn until_stalled<F: Future>(
+    conn: F,
+    watch: &SendWatch,
+    limit: Duration,
+) -> Option<F::Output> {
+    let mut conn = std::pin::pin!(conn);
+    let mut timer: Option<(Instant, Pin<Box<tokio::time::Sleep>>)> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = conn.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
         }
-    }
+        let Some(since) = watch.waiting_since() else {
+            return Poll::Pending;
+        };
+        let due = since + limit;
+        let sleep = match &mut timer {
+            Some((armed, sleep)) => {
+                if *armed != due {
+                    sleep.as_mut().reset(due);
+                    *armed = due;
+                }
+                sleep
+            }
+            None => {
+                &mut timer
+                    .insert((due, Box::pin(tokio::time::sleep_until(due))))
+                    .1
+            }
+        };
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
 }
 
 /// A response body that holds the request's concurrency [`Permit`] until it
@@ -320,37 +355,56 @@ mod tests {
         assert!(c.acquire(&anon, two).is_ok());
     }
 
+    /// A stand-in for hyper's connection: asks `body` for frames while
+    /// `reading` says the client takes them, and otherwise stops asking.
+    async fn connection(mut body: Body, reading: Arc<std::sync::atomic::AtomicBool>) {
+        loop {
+            if reading.load(Ordering::Relaxed) {
+                if body.frame().await.is_none() {
+                    return;
+                }
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+
     #[tokio::test]
     async fn stall_is_data_not_taken_not_engine_waits() {
         let limit = Duration::from_millis(100);
-        let watch = Arc::new(SendWatch::default());
-        // Nothing handed: never stalled.
-        assert!(
-            tokio::time::timeout(limit * 3, watch.stalled(limit))
-                .await
-                .is_err()
-        );
-        // A frame handed and not asked for again: stalled after `limit`.
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
         let frames = futures_util::stream::unfold(rx, |mut rx| async move {
             let f = rx.recv().await?;
             Some((f, rx))
         });
-        let mut body = Guarded::wrap(
+        let watch = Arc::new(SendWatch::default());
+        let body = Guarded::wrap(
             http_body_util::StreamBody::new(Box::pin(frames)).boxed_unsync(),
             Some(watch.clone()),
             None,
         );
+        let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let conn = tokio::spawn({
+            let (watch, reading) = (watch.clone(), reading.clone());
+            async move { until_stalled(connection(body, reading), &watch, limit).await }
+        });
+        // The engine is slow (no frame for 3 limits) and the client reads
+        // every frame: never a stall.
+        tokio::time::sleep(limit * 3).await;
+        for _ in 0..5 {
+            tx.send(Ok(Frame::data(Bytes::from_static(b"x")))).unwrap();
+            tokio::time::sleep(limit / 2).await;
+        }
+        assert!(!conn.is_finished(), "cut off while the client was reading");
+        // The client stops reading: the next frame is handed and never
+        // followed by another ask, so the connection is cut after `limit`.
+        reading.store(false, Ordering::Relaxed);
         tx.send(Ok(Frame::data(Bytes::from_static(b"x")))).unwrap();
-        assert!(body.frame().await.is_some());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"y")))).unwrap();
         let started = Instant::now();
-        watch.stalled(limit).await;
+        let ended = tokio::time::timeout(limit * 5, conn).await;
+        assert!(matches!(ended, Ok(Ok(None))), "stalled: {ended:?}");
         assert!(started.elapsed() >= limit / 2);
-        // Asked again (client reading): no longer stalled.
-        let next = tokio::time::timeout(Duration::from_millis(10), body.frame()).await;
-        assert!(next.is_err(), "no frame yet");
-        assert!(watch.waiting_since().is_none());
-        drop(body);
-        assert!(watch.waiting_since().is_none());
     }
 }

@@ -33,7 +33,7 @@ pub fn authorize_scrape(
     config: &MetricsConfig,
     keys: &KeyStore,
     headers: &HeaderMap,
-    peer: Option<SocketAddr>,
+    peer: SocketAddr,
 ) -> Result<(), ApiError> {
     if let Some(token) = super::auth::bearer_token(headers) {
         let token = token?;
@@ -55,7 +55,7 @@ pub fn authorize_scrape(
     if config.token_sha256.is_some() {
         return Err(ApiError::MissingApiKey);
     }
-    let loopback = peer.is_some_and(|p| p.ip().to_canonical().is_loopback());
+    let loopback = peer.ip().to_canonical().is_loopback();
     if config.open_on_loopback && loopback {
         return Ok(());
     }
@@ -239,15 +239,16 @@ mod tests {
             h
         };
         let none = HeaderMap::new();
-        let local: Option<SocketAddr> = Some("127.0.0.1:5000".parse().unwrap());
-        let mapped: Option<SocketAddr> = Some("[::ffff:127.0.0.1]:5000".parse().unwrap());
-        let remote: Option<SocketAddr> = Some("192.0.2.7:5000".parse().unwrap());
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:5000".parse().unwrap();
+        let remote: SocketAddr = "192.0.2.7:5000".parse().unwrap();
+        let other: SocketAddr = "[2001:db8::1]:5000".parse().unwrap();
         let code = |r: Result<(), ApiError>| r.map_err(|e| (e.status().as_u16(), e.code()));
 
         let open = MetricsConfig::default();
         assert_eq!(code(authorize_scrape(&open, &keys, &none, local)), Ok(()));
         assert_eq!(code(authorize_scrape(&open, &keys, &none, mapped)), Ok(()));
-        for peer in [remote, None] {
+        for peer in [remote, other] {
             assert_eq!(
                 code(authorize_scrape(&open, &keys, &none, peer)),
                 Err((403, "metrics_forbidden"))

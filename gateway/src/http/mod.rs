@@ -39,7 +39,7 @@ pub mod upstream;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -155,6 +155,9 @@ pub struct Ctx {
     /// Values of the `{name}` segments of the matched pattern.
     pub params: Vec<(&'static str, String)>,
     pub request_id: String,
+    /// The connection's peer (for handlers whose access depends on it,
+    /// such as `/metrics`).
+    pub peer: SocketAddr,
 }
 
 impl Ctx {
@@ -254,9 +257,9 @@ async fn route(
     state: Arc<AppState>,
     req: Request<ReadDeadline<Incoming>>,
     request_id: String,
-    peer: IpAddr,
+    peer: SocketAddr,
 ) -> Outcome {
-    let path = req.uri().path().to_owned();
+    let path = req.uri().path();
     let mut outcome = Outcome {
         route: metrics::UNMATCHED,
         caller: None,
@@ -264,7 +267,7 @@ async fn route(
         permit: None,
     };
 
-    let zone = Zone::of_path(&path);
+    let zone = Zone::of_path(path);
     let caller = match zone {
         Zone::Public => None,
         Zone::Scoped(scope) => match state.keys.authorize(req.headers(), scope) {
@@ -280,7 +283,7 @@ async fn route(
     let mut allowed: Vec<&str> = Vec::new();
     let mut found = None;
     for r in &state.routes {
-        if let Some(params) = r.matches(&path) {
+        if let Some(params) = r.matches(path) {
             if r.method == req.method() {
                 found = Some((r, params));
                 break;
@@ -294,12 +297,12 @@ async fn route(
         let err = if allowed.is_empty() {
             ApiError::UnknownRoute {
                 method: req.method().to_string(),
-                path,
+                path: path.to_owned(),
             }
         } else {
             ApiError::MethodNotAllowed {
                 method: req.method().to_string(),
-                path,
+                path: path.to_owned(),
                 allowed: allowed.join(", "),
             }
         };
@@ -314,7 +317,7 @@ async fn route(
         && r.method == Method::POST
         && let Some(c) = &caller
     {
-        match state.concurrency.acquire(c, peer) {
+        match state.concurrency.acquire(c, peer.ip()) {
             Ok(permit) => outcome.permit = permit,
             Err(e) => {
                 outcome.response = e.into_response();
@@ -343,6 +346,7 @@ async fn route(
         state: Arc::clone(&state),
         params,
         request_id,
+        peer,
     };
     let handler = r.handler;
     outcome.response = match AssertUnwindSafe(handler(cx, req)).catch_unwind().await {
@@ -394,31 +398,36 @@ fn request_id(req: &Request<Incoming>) -> String {
     format!("{:016x}{:08x}", nonce, NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-/// The connection's peer address, in every request's extensions (for
-/// handlers whose access depends on it, such as `/metrics`).
-#[derive(Debug, Clone, Copy)]
-pub struct Peer(pub SocketAddr);
+/// What a connection's requests share with it (one request at a time: HTTP/1).
+#[derive(Debug, Default)]
+struct ConnectionState {
+    /// Whether the answer being sent waits on a client that stopped reading.
+    watch: Arc<SendWatch>,
+    /// Set when the current request's body missed its deadline; reset at
+    /// each request's start.
+    body_expired: Arc<AtomicBool>,
+}
 
 /// The whole life of one request: id, span, body deadline, auth and
 /// routing, panic guard, metrics, access log; the answer's body carries the
 /// caller's concurrency slot and reports to the connection's stall watch.
 async fn handle(
     state: Arc<AppState>,
-    mut req: Request<Incoming>,
+    req: Request<Incoming>,
     peer: SocketAddr,
-    watch: Arc<SendWatch>,
+    conn: Arc<ConnectionState>,
 ) -> Result<Response<Body>, Infallible> {
-    req.extensions_mut().insert(Peer(peer));
     let started = Instant::now();
     let _in_flight = state.metrics.start();
     let id = request_id(&req);
     let method = req.method().clone();
     let span =
         info_span!("request", id = %id, method = %method, path = %req.uri().path(), peer = %peer);
-    let expired = Arc::new(AtomicBool::new(false));
     let timeout = state.config.server.request_timeout();
-    let req = req.map(|b| ReadDeadline::new(b, timeout, Arc::clone(&expired)));
-    let out = route(Arc::clone(&state), req, id.clone(), peer.ip())
+    let expired = &conn.body_expired;
+    expired.store(false, Ordering::Relaxed);
+    let req = req.map(|b| ReadDeadline::new(b, started, timeout, Arc::clone(expired)));
+    let out = route(Arc::clone(&state), req, id.clone(), peer)
         .instrument(span.clone())
         .await;
     let mut resp = out.response;
@@ -430,8 +439,15 @@ async fn handle(
         }
         .into_response();
     }
+    // A streamed answer holds the caller's slot until it is done and is
+    // watched for a client that stops reading; a whole answer (of known
+    // length) is done being made, so its slot is free as it goes out.
     let streamed = resp.body().size_hint().exact().is_none();
-    let mut resp = resp.map(|b| Guarded::wrap(b, streamed.then_some(watch), out.permit));
+    let mut resp = if streamed {
+        resp.map(|b| Guarded::wrap(b, Some(Arc::clone(&conn.watch)), out.permit))
+    } else {
+        resp
+    };
     let status = resp.status().as_u16();
     let elapsed = started.elapsed();
     state.metrics.observe(&method, out.route, status, elapsed);
@@ -532,11 +548,12 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                     }
-                    let watch = Arc::new(SendWatch::default());
+                    let shared = Arc::new(ConnectionState::default());
+                    let watch = Arc::clone(&shared.watch);
                     let service = {
-                        let (state, watch) = (Arc::clone(&state), Arc::clone(&watch));
+                        let state = Arc::clone(&state);
                         service_fn(move |req| {
-                            handle(Arc::clone(&state), req, peer, Arc::clone(&watch))
+                            handle(Arc::clone(&state), req, peer, Arc::clone(&shared))
                         })
                     };
                     // hyper's header timer also runs while a kept-alive
@@ -549,11 +566,12 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                     let conn = graceful.watch(conn);
                     tokio::spawn(async move {
                         let _permit = permit;
-                        tokio::select! {
-                            ended = conn => if let Err(e) = ended {
+                        match inflight::until_stalled(conn, &watch, stall).await {
+                            Some(Ok(())) => {}
+                            Some(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "connection ended with an error");
-                            },
-                            () = watch.stalled(stall) => warn!(
+                            }
+                            None => warn!(
                                 %peer,
                                 stall_secs = stall.as_secs(),
                                 "client stopped reading a streamed answer; cancelled it and closed the connection"

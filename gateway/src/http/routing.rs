@@ -348,7 +348,7 @@ pub fn routing_facts<'a>(
 ///
 /// The routing fields are read by validation's own readers
 /// ([`validate::routing_fields`]) from the body's top level, parsed with
-/// repeated keys refused ([`body::parse_json_fields`]), so the policy decides
+/// repeated keys refused ([`body::pick_json_fields`]), so the policy decides
 /// on exactly what would be served: a body those cannot read is a 400 here,
 /// never a request that skips the router. A body served here is then parsed
 /// whole ([`body::parse_json`]: repeated keys refused at any depth); the same
@@ -363,8 +363,8 @@ pub async fn dispatch(
     let (head, body) = req.into_parts();
     let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
     let bytes = body::read_body(body, limit).await?;
-    let top = body::parse_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
-    let fields = validate::routing_fields(&top, endpoint)?;
+    let picked = body::pick_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
+    let fields = validate::picked_routing_fields(&picked, endpoint)?;
     let destination =
         route_request(&cx.state, fields.model, || routing_facts(&head, &fields)).await?;
     let rewrite = match &destination {
@@ -520,7 +520,7 @@ mod tests {
                     // Refused: only ever for a repeated key here, which
                     // routing's parse refuses too (all are routing fields).
                     prop_assert!(
-                        body::parse_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
+                        body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
                     );
                     let plain: Value = serde_json::from_str(&text).unwrap();
                     let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream"]
@@ -531,15 +531,15 @@ mod tests {
                     return Ok(());
                 };
                 prop_assert_eq!(&json, &serde_json::from_str::<Value>(&text).unwrap());
-                let top = body::parse_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS);
+                let top = body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS);
                 prop_assert!(top.is_ok(), "{text}");
                 let top = top.unwrap();
                 for endpoint in [Endpoint::Chat, Endpoint::Completions] {
                     // What routing reads of the top level is what the whole
                     // parse gives validation.
                     prop_assert_eq!(
-                        validate::routing_fields(&top, endpoint).ok(),
-                        validate::routing_fields(&json, endpoint).ok()
+                        format!("{:?}", validate::picked_routing_fields(&top, endpoint)),
+                        format!("{:?}", validate::routing_fields(&json, endpoint))
                     );
                     let served = match endpoint {
                         Endpoint::Chat => chat_request(&json).map(|r| r.common),

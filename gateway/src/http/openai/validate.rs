@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use super::engine::{ChatMessage, Prompt, SamplingParams};
 use crate::engine::lora;
 use crate::http::ApiError;
+use crate::http::body::Picked;
 
 /// Most stop sequences OpenAI accepts.
 pub const MAX_STOP: usize = 4;
@@ -86,10 +87,29 @@ pub struct RoutingFields<'a> {
 pub const ROUTING_FIELDS: [&str; 4] = ["model", "max_tokens", "max_completion_tokens", "stream"];
 
 pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
-    let f = Fields::of(body)?;
+    read_routing(&Fields::of(body)?, endpoint)
+}
+
+/// [`routing_fields`] of the routing fields alone, as routing picks them
+/// from a body ([`crate::http::body::pick_json_fields`] with
+/// [`ROUTING_FIELDS`]): the same readers over the same values.
+pub fn picked_routing_fields(
+    picked: &Picked<{ ROUTING_FIELDS.len() }>,
+    endpoint: Endpoint,
+) -> Result<RoutingFields<'_>, ApiError> {
+    let f = match picked {
+        Picked::Object(values) => Fields {
+            obj: Object::Picked(&ROUTING_FIELDS, values),
+        },
+        Picked::NotObject(body) => Fields::of(body)?,
+    };
+    read_routing(&f, endpoint)
+}
+
+fn read_routing<'a>(f: &Fields<'a>, endpoint: Endpoint) -> Result<RoutingFields<'a>, ApiError> {
     Ok(RoutingFields {
-        model: model(&f)?,
-        max_tokens: max_tokens(&f, endpoint)?,
+        model: model(f)?,
+        max_tokens: max_tokens(f, endpoint)?,
         stream: f.bool("stream")?.unwrap_or(false),
     })
 }
@@ -231,7 +251,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         model,
         max_tokens,
         stream,
-    } = routing_fields(f.body, endpoint)?;
+    } = read_routing(f, endpoint)?;
     if f.positive_int("n")?.is_some_and(|n| n > 1) {
         return Err(unsupported(
             "n",
@@ -577,8 +597,15 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 
 /// The top-level object of a request body, read one typed field at a time.
 struct Fields<'a> {
-    body: &'a Value,
-    obj: &'a Map<String, Value>,
+    obj: Object<'a>,
+}
+
+/// The object validation reads: a whole body, or only the fields routing
+/// picked (names and values side by side).
+#[derive(Clone, Copy)]
+enum Object<'a> {
+    Whole(&'a Map<String, Value>),
+    Picked(&'a [&'a str], &'a [Option<Value>]),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -591,7 +618,9 @@ enum Bound {
 impl<'a> Fields<'a> {
     fn of(body: &'a Value) -> Result<Self, ApiError> {
         match body {
-            Value::Object(obj) => Ok(Fields { body, obj }),
+            Value::Object(obj) => Ok(Fields {
+                obj: Object::Whole(obj),
+            }),
             other => Err(ApiError::InvalidRequest {
                 message: format!(
                     "The request body must be a JSON object, not {}.",
@@ -604,7 +633,14 @@ impl<'a> Fields<'a> {
 
     /// The field, with `null` read as absent.
     fn get(&self, name: &str) -> Option<&'a Value> {
-        self.obj.get(name).filter(|v| !v.is_null())
+        let value = match self.obj {
+            Object::Whole(obj) => obj.get(name),
+            Object::Picked(names, values) => names
+                .iter()
+                .position(|n| *n == name)
+                .and_then(|i| values[i].as_ref()),
+        };
+        value.filter(|v| !v.is_null())
     }
 
     fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
