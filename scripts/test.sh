@@ -8,6 +8,8 @@ step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 step "format"
 cargo fmt --all --check
+step "layers (dependencies point down: docs/ARCHITECTURE.md)"
+scripts/check-layers.sh
 step "Wasm policies"
 scripts/build-policies.sh
 step "clippy"

@@ -285,3 +285,74 @@ fn load_counts_live_streams_and_a_dropped_stream_frees_its_slot() {
     }
     assert_eq!(engine.current_load(), (0, 0));
 }
+
+/// A fault while working on one sequence (an injected panic in its
+/// prefill or its decode step, or a decode step that errors; debug builds)
+/// fails that sequence's request only: a sequence batched with it finishes
+/// exactly as it does alone, and the engine serves the next request. With
+/// Gemma 3 the good prompt is longer than the sliding window, so rolling
+/// its cache back covers sliding layers too.
+#[test]
+#[cfg_attr(
+    not(debug_assertions),
+    ignore = "faults are injected by debug builds only"
+)]
+fn a_faulty_sequence_fails_alone_and_the_engine_keeps_serving() {
+    use mlxgate::engine::{EngineError, EngineOptions, Faults};
+    const MARK: u32 = 256;
+    let good = prompt();
+    assert!(!good.contains(&MARK));
+    // Greedy, end-of-text suppressed: every answer has its 12 tokens.
+    let request = |p: &[u32]| GenerateRequest::greedy(Prompt::Tokens(p.to_vec()), 12).suppressing(&[2]);
+    for architecture in [Architecture::Llama, Architecture::Gemma3] {
+        for faults in [
+            Faults { decode_panic: Some(MARK), ..Faults::default() },
+            Faults { decode_error: Some(MARK), ..Faults::default() },
+            Faults { prefill_panic: Some(MARK), ..Faults::default() },
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
+            let mut options = EngineOptions { faults, ..EngineOptions::default() };
+            // No prefix reuse: each run of the good prompt prefills it whole.
+            options.prompt_cache.memory_bytes = 0;
+            let engine = EngineHandle::load_with(dir.path(), options).unwrap();
+            let alone = collect(&engine, request(&good));
+            assert_eq!(alone.2, 12);
+
+            // Sent together, the faulty request joins the good one's batch.
+            let with = engine.generate(request(&good)).unwrap();
+            let mut faulty = engine.generate(request(&[3, MARK, 5])).unwrap();
+            let mut failure = None;
+            while let Some(event) = faulty.blocking_next() {
+                match event {
+                    Err(e) => failure = Some(e),
+                    Ok(GenerateEvent::Finished { .. }) => panic!("{faults:?}: the faulty request finished"),
+                    Ok(_) => {}
+                }
+            }
+            match failure {
+                Some(EngineError::Internal(message)) => {
+                    assert!(message.contains("injected"), "{message}")
+                }
+                other => panic!("{architecture:?} {faults:?}: {other:?}"),
+            }
+            let mut text = String::new();
+            let mut stream = with;
+            let mut finished = None;
+            while let Some(event) = stream.blocking_next() {
+                match event.unwrap_or_else(|e| panic!("{architecture:?} {faults:?}: the good request failed: {e}")) {
+                    GenerateEvent::Delta { text: delta, .. } => text.push_str(&delta),
+                    GenerateEvent::Finished { reason, usage } => {
+                        finished = Some((reason, usage.completion_tokens))
+                    }
+                }
+            }
+            assert_eq!(
+                (text, finished),
+                (alone.0.clone(), Some((alone.1, alone.2))),
+                "{architecture:?} {faults:?}: batched with a fault vs alone"
+            );
+            assert_eq!(collect(&engine, request(&good)), alone, "served after the fault");
+        }
+    }
+}

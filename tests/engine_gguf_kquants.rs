@@ -1057,7 +1057,7 @@ fn sentencepiece_tokenizer_is_built_from_gguf_scores() {
 fn model_summary_reads_files_mlx_cannot_load() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = small_file(dir.path());
-    let summary = mlxgate::mlx::ModelSummary::load(&path).unwrap();
+    let summary = mlxgate::engine::model::ModelSummary::load(&path).unwrap();
     assert_eq!(summary.architecture, "llama");
     assert_eq!((summary.tensor_count, summary.quantized_count), (2, 2));
     assert_eq!(summary.bytes, 2 * 144 + 210);

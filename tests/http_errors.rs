@@ -124,3 +124,54 @@ fn test_routes_are_absent_unless_enabled() {
     s.get("/__test/panic")
         .api_error(404, "not_found_error", "unknown_url");
 }
+
+/// A fault on the engine thread while generating one request (an injected
+/// panic in its decode step; debug builds serving `test_routes` only)
+/// answers that request 500 in the OpenAI shape, and the model keeps
+/// serving: it stays ready and the next request gets the same answer as
+/// before the fault.
+#[test]
+#[cfg_attr(
+    not(debug_assertions),
+    ignore = "faults are injected by debug builds only"
+)]
+fn an_engine_fault_fails_its_request_and_the_model_keeps_serving() {
+    use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), &TinyModelSpec::new(Architecture::Llama)).unwrap();
+    let s = ServerBuilder::new()
+        .config("test_routes = true\n")
+        .model(dir.path())
+        .env("MLXGATE_TEST_ENGINE_FAULTS", "decode_panic=256,prefill_panic=257")
+        .start();
+    let ready = s.wait_for_status("/readyz", 200, std::time::Duration::from_secs(60));
+    let model = ready.json()["model"].as_str().unwrap().to_owned();
+    let complete = |prompt: &[u32], stream: bool| {
+        let body = serde_json::json!({
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logit_bias": {"2": -100}, "stream": stream,
+        });
+        s.request(
+            "POST",
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            Some(body.to_string().as_bytes()),
+        )
+    };
+    let answer = |prompt: &[u32]| {
+        let r = complete(prompt, false);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+    };
+    let before = answer(&[3, 4, 5]);
+    for marked in [[3, 256, 5], [3, 257, 5]] {
+        let e = complete(&marked, false).api_error(500, "server_error", "internal_error");
+        assert!(e["message"].as_str().unwrap().contains("injected"), "{e}");
+        // Streamed, the failure is an error event after the 200 head.
+        let r = complete(&marked, true);
+        assert_eq!(r.status, 200);
+        assert!(r.text().contains("internal_error"), "{}", r.text());
+        assert_eq!(s.get("/readyz").status, 200);
+        assert_eq!(answer(&[3, 4, 5]), before);
+    }
+}

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use mlx_rs::Array;
 use mlx_rs::io::GgufFile;
 use mlx_rs::ops::{dequantize, matmul, quantize, quantized_matmul};
-use mlxgate::mlx::ModelSummary;
+use mlxgate::engine::model::ModelSummary;
 
 /// Deterministic pseudo-random floats in [-1, 1) (no RNG dependency needed).
 fn values(count: usize, seed: u64) -> Vec<f32> {

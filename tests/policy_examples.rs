@@ -149,7 +149,7 @@ fn alias_router_bad_config_is_refused_at_upload() {
         matches!(err, PolicyError::InitRejected(ref m) if m.contains("alias-router config")),
         "{err}"
     );
-    assert_eq!(err.status(), 422);
+    assert_eq!(common::status(&err), 422);
 }
 
 #[test]

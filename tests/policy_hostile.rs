@@ -65,7 +65,7 @@ fn each_misbehaviour_is_contained_and_the_policy_recovers() {
         let start = Instant::now();
         let err = host.route_with("hostile", &facts(model), &[]).unwrap_err();
         assert!(!err.is_fail_open(), "fail_closed policy");
-        assert_eq!(err.status(), 503);
+        assert_eq!(common::status(&err), 503);
         assert_eq!(failure(err), expected, "model {model}");
         assert!(
             start.elapsed() < Duration::from_secs(2),
@@ -196,7 +196,7 @@ fn hostile_behaviour_at_upload_is_refused() {
             ),
             "{config}: {err}"
         );
-        assert_eq!(err.status(), 422);
+        assert_eq!(common::status(&err), 422);
     }
     let err = up("fail-init");
     assert!(
@@ -290,7 +290,7 @@ fn upload_validation_errors_are_distinct() {
 
     let e = up("x", router, b"definitely not wasm");
     assert!(matches!(e, PolicyError::NotWasm(_)), "{e}");
-    assert_eq!(e.status(), 400);
+    assert_eq!(common::status(&e), 400);
     let e = up("x", router, b"");
     assert!(matches!(e, PolicyError::NotWasm(_)), "{e}");
     // The smallest core module: magic + version 1.
@@ -300,7 +300,7 @@ fn upload_validation_errors_are_distinct() {
     let good = wasm("alias-router");
     let e = up("x", router, &good[..good.len() / 2]);
     assert!(matches!(e, PolicyError::Malformed(_)), "{e}");
-    assert_eq!(e.status(), 400);
+    assert_eq!(common::status(&e), 400);
 
     let e = up("x", router, &wasm("alpaca-to-chat"));
     assert!(
@@ -314,7 +314,7 @@ fn upload_validation_errors_are_distinct() {
         ),
         "{e}"
     );
-    assert_eq!(e.status(), 422);
+    assert_eq!(common::status(&e), 422);
     let e = up("x", PolicyKind::DatasetTransform, &good);
     assert!(matches!(e, PolicyError::WrongKind { .. }), "{e}");
     let e = up("x", router, &wasm("wrong-version"));
@@ -374,6 +374,6 @@ fn upload_validation_errors_are_distinct() {
         .upload("x", router, &good, opts(&"x".repeat(2 << 20)))
         .unwrap_err();
     assert!(matches!(e, PolicyError::ConfigTooLarge { .. }), "{e}");
-    assert_eq!(e.status(), 413);
+    assert_eq!(common::status(&e), 413);
     assert!(host.list().is_empty());
 }

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::http::auth::{ApiKey, KeyHash, Scope};
-use crate::http::upstream::{UpstreamSpec, validate_specs};
+use crate::auth::{ApiKey, KeyHash, Scope};
+use crate::upstream::{UpstreamSpec, validate_specs};
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
 pub const DEFAULT_PORT: u16 = 8080;

@@ -5,6 +5,8 @@
 //! nothing of MLX; `mlx` wraps the runtime and model files; `policy` hosts Wasm
 //! guests; `config` is the one place settings are resolved.
 
+pub mod app;
+pub mod auth;
 pub mod config;
 pub mod engine;
 pub mod fixtures;
@@ -12,3 +14,5 @@ pub mod http;
 pub mod jobs;
 pub mod mlx;
 pub mod policy;
+pub mod upstream;
+pub mod util;

@@ -310,7 +310,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             // Report on the setup even where serving would be refused.
             let config = args.resolve_unvalidated()?;
             init_tracing(cli.log_format);
-            print!("{}", mlxgate::mlx::doctor_report(&config.model));
+            print!("{}", mlxgate::engine::doctor_report(&config.model));
             Ok(())
         }
     }

@@ -9,6 +9,11 @@ use mlxgate::policy::{
     PolicyOptions, RequestFacts,
 };
 
+/// The HTTP status a policy error answers with.
+pub fn status(e: &mlxgate::policy::PolicyError) -> u16 {
+    mlxgate::http::error::policy_status(e).as_u16()
+}
+
 /// Bytes of a guest built by `scripts/build-policies.sh`.
 pub fn wasm(crate_name: &str) -> Vec<u8> {
     wasm_for("wasm32-unknown-unknown", crate_name)

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod convert;
+mod doctor;
 pub mod lora;
 pub mod model;
 mod output;
@@ -21,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 pub use api::*;
+pub use doctor::doctor_report;
 pub use model::LoadError;
 use model::Transformer;
 use prompt_cache::{
@@ -46,6 +48,46 @@ pub struct EngineOptions {
     /// Which quantized matmul the engine thread runs (native CPU kernels or
     /// MLX's own); see [`crate::mlx::kernels`].
     pub kernels: KernelChoice,
+    /// Faults to inject, for tests of fault isolation (debug builds only;
+    /// release builds ignore them).
+    #[doc(hidden)]
+    pub faults: Faults,
+}
+
+/// Faults a debug build injects into sequences whose prompt holds a marker
+/// token, to show that one failing sequence fails its own request only.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Panic while prefilling a prompt that holds this token.
+    pub prefill_panic: Option<u32>,
+    /// Panic in any decode step whose batch has such a sequence.
+    pub decode_panic: Option<u32>,
+    /// Fail (an MLX error) any decode step whose batch has such a sequence.
+    pub decode_error: Option<u32>,
+}
+
+impl Faults {
+    /// From `prefill_panic=7,decode_error=9` (a test's environment).
+    pub fn parse(spec: &str) -> Result<Faults, String> {
+        let mut faults = Faults::default();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, token) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}`: expected name=token"))?;
+            let token = token
+                .parse()
+                .map_err(|_| format!("`{part}`: the token must be a number"))?;
+            let slot = match name {
+                "prefill_panic" => &mut faults.prefill_panic,
+                "decode_panic" => &mut faults.decode_panic,
+                "decode_error" => &mut faults.decode_error,
+                _ => return Err(format!("`{name}`: no such fault")),
+            };
+            *slot = Some(token);
+        }
+        Ok(faults)
+    }
 }
 
 impl Default for EngineOptions {
@@ -57,6 +99,7 @@ impl Default for EngineOptions {
                 auto_save_min_tokens: None,
             },
             kernels: KernelChoice::default_for_process(),
+            faults: Faults::default(),
         }
     }
 }
@@ -110,7 +153,7 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads a `.gguf` file or an HF / mlx-community directory. Blocking.
     pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
-        let id = crate::mlx::model_id(path);
+        let id = model::model_id(path);
         if path.is_dir() && path.join("config.json").is_file() {
             let transformer = model::load_hf_dir(path)?;
             let codec = TextCodec::from_hf_dir(path, &[])?;
@@ -161,7 +204,7 @@ impl EngineHandle {
         let (jobs, receiver) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let scheduler_queued = Arc::clone(&queued);
-        let name = format!("engine-{}", crate::mlx::model_id(&path));
+        let name = format!("engine-{}", model::model_id(&path));
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
@@ -216,6 +259,7 @@ impl EngineHandle {
                         scheduler_queued,
                         caching,
                     )
+                    .with_faults(options.faults)
                     .run(receiver);
                 }
             })

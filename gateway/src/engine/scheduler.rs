@@ -9,7 +9,14 @@
 //! prompt's prefill; after prefill and at the end, the sequence's cache is
 //! offered to the in-memory tier (and, for long prompts in automatic mode,
 //! written to a file in the background).
+//!
+//! A fault while working on one sequence fails that sequence's request
+//! only: prefill, snapshots and mounts run under `catch_unwind`, and a
+//! decode step that fails (an error or a panic) is retried one sequence at
+//! a time from caches rolled back to before it, so the others go on and
+//! the one at fault gets [`EngineError::Internal`]. The model keeps serving.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -31,6 +38,8 @@ use super::prompt_cache::{
 };
 use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
+use super::Faults;
+use crate::util::panic_message;
 
 /// Longest slice of a prompt run through the model at once: bounds the
 /// attention scores' memory for long prompts.
@@ -99,6 +108,27 @@ struct Sequence {
     generated: usize,
     max_new_tokens: usize,
     last_token: u32,
+    /// An injected fault this sequence's decode steps hit (tests only).
+    fault: Option<Fault>,
+}
+
+/// A fault injected into a sequence's decode steps ([`Faults`]).
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Panic,
+    Error,
+}
+
+/// Runs `work`, turning a panic into an error message.
+fn guarded<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(work)).map_err(|p| panic_message(&*p))
+}
+
+/// Ends a sequence's request with an internal error.
+fn fail(seq: Sequence, why: &str) {
+    let _ = seq
+        .events
+        .send(Err(EngineError::Internal(format!("generation failed: {why}"))));
 }
 
 /// The engine thread's prompt-cache state.
@@ -120,6 +150,7 @@ pub struct Scheduler {
     adapters: HashMap<String, std::rc::Rc<Adapter>>,
     /// The model id adapters' recorded base models are checked against.
     model_id: String,
+    faults: Faults,
 }
 
 impl Scheduler {
@@ -141,7 +172,16 @@ impl Scheduler {
             memory,
             adapters: HashMap::new(),
             model_id,
+            faults: Faults::default(),
         }
+    }
+
+    /// Injects `faults` (debug builds only: tests of fault isolation).
+    pub fn with_faults(mut self, faults: Faults) -> Scheduler {
+        if cfg!(debug_assertions) {
+            self.faults = faults;
+        }
+        self
     }
 
     fn mount(&mut self, id: &str, path: &std::path::Path) -> Result<AdapterInfo, EngineError> {
@@ -189,16 +229,32 @@ impl Scheduler {
                     jobs.try_recv()
                 };
                 match next {
-                    Ok(Command::Generate(job)) => running.extend(self.start(job)),
+                    Ok(Command::Generate(job)) => {
+                        let events = job.events.clone();
+                        match guarded(|| self.start(job)) {
+                            Ok(seq) => running.extend(seq),
+                            Err(why) => {
+                                tracing::error!(error = %why, "prefill panicked; failing its request");
+                                let error = format!("generation failed: {why}");
+                                let _ = events.send(Err(EngineError::Internal(error)));
+                            }
+                        }
+                    }
                     Ok(Command::Snapshot {
                         prompt,
                         scope,
                         reply,
                     }) => {
-                        let _ = reply.send(self.snapshot(&prompt, &scope));
+                        let result = guarded(|| self.snapshot(&prompt, &scope));
+                        let _ = reply.send(result.unwrap_or_else(|why| {
+                            Err(EngineError::Internal(format!("snapshot failed: {why}")))
+                        }));
                     }
                     Ok(Command::Mount { id, path, reply }) => {
-                        let _ = reply.send(self.mount(&id, &path));
+                        let result = guarded(|| self.mount(&id, &path));
+                        let _ = reply.send(result.unwrap_or_else(|why| {
+                            Err(EngineError::Internal(format!("mount failed: {why}")))
+                        }));
                     }
                     Ok(Command::Unmount { id, reply }) => {
                         let _ = reply.send(self.adapters.remove(&id).is_some());
@@ -216,12 +272,48 @@ impl Scheduler {
             if running.is_empty() {
                 continue;
             }
-            if let Err(error) = self.decode_step(&mut running) {
-                let error = EngineError::Internal(error.to_string());
-                for seq in running.drain(..) {
-                    let _ = seq.events.send(Err(error.clone()));
+            self.step_isolated(&mut running);
+        }
+    }
+
+    /// One decode step for every running sequence. If it fails (an error or
+    /// a panic) each cache is rolled back to before it and each sequence is
+    /// stepped alone, so only the one at fault fails.
+    fn step_isolated(&mut self, running: &mut Vec<Sequence>) {
+        let why = match guarded(|| self.decode_step(running)) {
+            Ok(Ok(())) => return,
+            Ok(Err(error)) => error.to_string(),
+            Err(panic) => panic,
+        };
+        if running.len() == 1 {
+            tracing::error!(error = %why, "decode step failed; failing its request");
+            running.drain(..).for_each(|seq| fail(seq, &why));
+            return;
+        }
+        tracing::warn!(
+            error = %why,
+            sequences = running.len(),
+            "a batched decode step failed; stepping each sequence alone"
+        );
+        for mut seq in std::mem::take(running) {
+            match seq.cache.rewound(seq.history.len()) {
+                Some(cache) => seq.cache = cache,
+                None => {
+                    fail(seq, &format!("{why} (its cache cannot be rolled back)"));
+                    continue;
                 }
             }
+            let mut alone = vec![seq];
+            let why = match guarded(|| self.decode_step(&mut alone)) {
+                Ok(Ok(())) => {
+                    running.append(&mut alone);
+                    continue;
+                }
+                Ok(Err(error)) => error.to_string(),
+                Err(panic) => panic,
+            };
+            tracing::error!(error = %why, "decode step failed; failing its request");
+            alone.drain(..).for_each(|seq| fail(seq, &why));
         }
     }
 
@@ -264,7 +356,14 @@ impl Scheduler {
             generated: 0,
             max_new_tokens: job.max_new_tokens,
             last_token: 0,
+            fault: self.fault_of(&job.prompt),
         };
+        if cfg!(debug_assertions)
+            && let Some(marker) = self.faults.prefill_panic
+            && job.prompt.contains(&marker)
+        {
+            panic!("injected prefill fault");
+        }
         let logits = match self.prefill(&job.prompt[cached_tokens..], &mut seq.cache, &seq.adapters)
         {
             Ok(logits) => logits,
@@ -438,8 +537,31 @@ impl Scheduler {
         logits.ok_or_else(|| mlx_rs::error::Exception::custom("empty prompt"))
     }
 
-    /// One token for every running sequence, as one batch.
+    /// The decode fault injected into a sequence with `prompt` (tests only).
+    fn fault_of(&self, prompt: &[u32]) -> Option<Fault> {
+        let marked = |marker: Option<u32>| marker.is_some_and(|m| prompt.contains(&m));
+        if marked(self.faults.decode_panic) {
+            Some(Fault::Panic)
+        } else if marked(self.faults.decode_error) {
+            Some(Fault::Error)
+        } else {
+            None
+        }
+    }
+
+    /// One token for every running sequence, as one batch. On an error (or
+    /// a panic) before the sequences are advanced, `running` is left as it
+    /// was, its caches possibly one position into the step.
     fn decode_step(&mut self, running: &mut Vec<Sequence>) -> Result<(), mlx_rs::error::Exception> {
+        if cfg!(debug_assertions) {
+            match running.iter().find_map(|seq| seq.fault) {
+                Some(Fault::Panic) => panic!("injected decode fault"),
+                Some(Fault::Error) => {
+                    return Err(mlx_rs::error::Exception::custom("injected decode fault"));
+                }
+                None => {}
+            }
+        }
         let tokens: Vec<u32> = running.iter().map(|seq| seq.last_token).collect();
         let mut all = {
             let (stacks, mut caches): (Vec<&AdapterStack>, Vec<&mut KvCache>) = running
@@ -453,10 +575,15 @@ impl Scheduler {
         let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {
             seq.history.push(seq.last_token);
-            if self.accept(&mut seq, &mut all[index * vocab..(index + 1) * vocab]) {
-                keep.push(seq);
-            } else {
-                finished.push(seq);
+            let logits = &mut all[index * vocab..(index + 1) * vocab];
+            // Sampling and detokenizing are one sequence's own work.
+            match guarded(|| self.accept(&mut seq, logits)) {
+                Ok(true) => keep.push(seq),
+                Ok(false) => finished.push(seq),
+                Err(why) => {
+                    tracing::error!(error = %why, "sampling panicked; failing its request");
+                    fail(seq, &why);
+                }
             }
         }
         *running = keep;

@@ -552,19 +552,7 @@ fn chat_environment(template: String) -> Result<Environment<'static>, String> {
 
 /// A few templates print today's date; plain UTC formatting of the common codes.
 fn strftime_now(format: &str) -> String {
-    let days = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86_400) as i64;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let crate::util::time::Date { year, month, day } = crate::util::time::Date::today();
     const MONTHS: [&str; 12] = [
         "January",
         "February",

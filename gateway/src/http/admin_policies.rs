@@ -11,8 +11,8 @@
 //! - `PUT /admin/bindings/{router|adapter-selector}` with `{"policy": "name"}`
 //!   (or `{"policy": null}` to unbind).
 //!
-//! One [`PolicyHost`] per data dir per process, opened on first use (see
-//! [`policy_host`]). Errors keep the OpenAI error shape; `code` is the
+//! The server's one [`PolicyHost`] ([`crate::app::Policies`]), opened on
+//! first use. Errors keep the OpenAI error shape; `code` is the
 //! [`PolicyError::code`].
 
 use std::collections::HashMap;
@@ -58,37 +58,15 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-fn hosts() -> &'static Mutex<HashMap<PathBuf, Arc<PolicyHost>>> {
-    static HOSTS: OnceLock<Mutex<HashMap<PathBuf, Arc<PolicyHost>>>> = OnceLock::new();
-    HOSTS.get_or_init(Default::default)
-}
-
-/// The process's policy host for `data_dir`, opened (and its stored policies
-/// loaded) on first use. One per directory: two hosts on one directory would
-/// overwrite each other's bindings.
-pub fn open_host(data_dir: &Path) -> Result<Arc<PolicyHost>, PolicyError> {
-    let key = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    let mut map = hosts().lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(h) = map.get(&key) {
-        return Ok(h.clone());
-    }
-    let host = Arc::new(PolicyHost::open(HostConfig::new(data_dir))?);
-    for e in host.load_errors() {
-        tracing::warn!(error = %e, "policy store");
-    }
-    map.insert(key, host.clone());
-    Ok(host)
-}
-
-/// The policy host of this server's data dir.
+/// The policy host of this server's data dir, opened on first use.
 pub fn policy_host(state: &AppState) -> Result<Arc<PolicyHost>, PolicyError> {
-    open_host(&state.config.data_dir)
+    state.policies.open()
 }
 
 /// Policy metrics in Prometheus text, for `/metrics`. Empty when no policy
 /// was ever stored under the data dir (so scrapes create no directories).
 pub fn render_metrics(state: &AppState) -> String {
-    if !state.config.data_dir.join("policies").is_dir() {
+    if !state.policies.stored() {
         return String::new();
     }
     match policy_host(state) {
@@ -98,28 +76,6 @@ pub fn render_metrics(state: &AppState) -> String {
             String::new()
         }
     }
-}
-
-/// A policy error as an OpenAI-shaped error response.
-pub fn error_response(e: &PolicyError) -> Response<Body> {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let kind = match e.status() {
-        404 => "not_found_error",
-        409 => "conflict_error",
-        s if s >= 500 => "server_error",
-        _ => "invalid_request_error",
-    };
-    let body = json!({"error": {
-        "message": e.to_string(),
-        "type": kind,
-        "param": null,
-        "code": e.code(),
-    }});
-    let mut resp = Response::new(full(body.to_string()));
-    *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    resp
 }
 
 /// Runs blocking host work (compiling takes tens of milliseconds) off the
@@ -261,15 +217,12 @@ async fn put(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
                 sha256 = %info.sha256, "policy uploaded");
             body::json(status, &info)
         }
-        Err(e) => Ok(error_response(&e)),
+        Err(e) => Err(e.into()),
     }
 }
 
 async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let host = match policy_host(&cx.state) {
-        Ok(h) => h,
-        Err(e) => return Ok(error_response(&e)),
-    };
+    let host = policy_host(&cx.state)?;
     body::json(
         StatusCode::OK,
         &json!({
@@ -285,10 +238,7 @@ async fn list(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 
 async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let name = name_param(&cx);
-    let host = match policy_host(&cx.state) {
-        Ok(h) => h,
-        Err(e) => return Ok(error_response(&e)),
-    };
+    let host = policy_host(&cx.state)?;
     match host.get(&name) {
         Ok(info) => {
             let metrics = host.metrics().into_iter().find(|m| m.name == name);
@@ -297,7 +247,7 @@ async fn get(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
             v["metrics"] = serde_json::to_value(metrics).unwrap_or_default();
             body::json(StatusCode::OK, &v)
         }
-        Err(e) => Ok(error_response(&e)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -307,7 +257,7 @@ async fn delete(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let n = name.clone();
     match blocking(move || policy_host(&state)?.remove(&n)).await? {
         Ok(()) => body::json(StatusCode::OK, &json!({"name": name, "deleted": true})),
-        Err(e) => Ok(error_response(&e)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -333,7 +283,7 @@ async fn put_binding(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     .await?;
     match res {
         Ok(()) => body::json(StatusCode::OK, &json!({"kind": kind, "policy": b.policy})),
-        Err(e) => Ok(error_response(&e)),
+        Err(e) => Err(e.into()),
     }
 }
 

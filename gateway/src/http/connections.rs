@@ -34,6 +34,8 @@ pub struct ConnLimits {
     max: usize,
     per_ip: usize,
     open: Mutex<Open>,
+    /// Refusals being written now ([`ConnLimits::refuse`]).
+    refusing: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Default)]
@@ -55,6 +57,7 @@ impl ConnLimits {
             max: max.max(1),
             per_ip: per_ip.clamp(1, max.max(1)),
             open: Mutex::new(Open::default()),
+            refusing: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -185,29 +188,30 @@ pub fn effective_max_connections(configured: usize) -> usize {
 /// Refusals being written at once; connections beyond are closed unanswered,
 /// so a flood cannot turn refusals into a second way to run out of descriptors.
 const MAX_REFUSING: usize = 64;
-static REFUSING: AtomicUsize = AtomicUsize::new(0);
 
-/// Answers a connection over a cap with `err` (503/429, `Retry-After`) and
-/// closes it, in a task bounded to a few seconds. The request head is read
-/// first (up to a second) so the answer is not lost to a reset, and a
-/// liveness probe (`GET /healthz`) still gets its 200: a busy server is alive,
-/// and must not be restarted for being busy.
-pub fn refuse(stream: TcpStream, err: ApiError) {
-    if REFUSING.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
-        REFUSING.fetch_sub(1, Ordering::AcqRel);
-        return; // dropping `stream` closes it
-    }
-    struct Slot;
-    impl Drop for Slot {
-        fn drop(&mut self) {
-            REFUSING.fetch_sub(1, Ordering::AcqRel);
+impl ConnLimits {
+    /// Answers a connection over a cap with `err` (503/429, `Retry-After`) and
+    /// closes it, in a task bounded to a few seconds. The request head is read
+    /// first (up to a second) so the answer is not lost to a reset, and a
+    /// liveness probe (`GET /healthz`) still gets its 200: a busy server is alive,
+    /// and must not be restarted for being busy.
+    pub fn refuse(&self, stream: TcpStream, err: ApiError) {
+        if self.refusing.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
+            self.refusing.fetch_sub(1, Ordering::AcqRel);
+            return; // dropping `stream` closes it
         }
+        struct Slot(Arc<AtomicUsize>);
+        impl Drop for Slot {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let slot = Slot(Arc::clone(&self.refusing));
+        tokio::spawn(async move {
+            let _slot = slot;
+            let _ = tokio::time::timeout(Duration::from_secs(3), answer_and_close(stream, err)).await;
+        });
     }
-    let slot = Slot;
-    tokio::spawn(async move {
-        let _slot = slot;
-        let _ = tokio::time::timeout(Duration::from_secs(3), answer_and_close(stream, err)).await;
-    });
 }
 
 async fn answer_and_close(mut stream: TcpStream, err: ApiError) {

@@ -13,6 +13,9 @@ use super::auth::Scope;
 use super::body::{Body, full};
 use super::routing::RouteError;
 use crate::engine::EngineError;
+use crate::engine::prompt_cache::SaveError;
+use crate::jobs::JobError;
+use crate::policy::PolicyError;
 
 /// `Retry-After` on answers to a caller over a connection or concurrency
 /// cap: slots free as other requests finish, so a second is a fair wait.
@@ -133,6 +136,46 @@ pub enum ApiError {
     /// upstream failure; carries its own status and code.
     #[error(transparent)]
     Route(#[from] RouteError),
+
+    /// A policy operation of the admin API that failed (upload, bind, ...).
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+/// The status of a policy failure: the admin API's answer or, for a
+/// call, the request's.
+pub fn policy_status(e: &PolicyError) -> StatusCode {
+    use PolicyError::*;
+    match e {
+        InvalidName(_) | InvalidLimits(_) | NotWasm(_) | CoreModule | Malformed(_)
+        | NotBindable(_) => StatusCode::BAD_REQUEST,
+        TooLarge { .. } | ConfigTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        WrongKind { .. }
+        | IncompatibleVersion { .. }
+        | MissingExport { .. }
+        | UnsatisfiedImports(_)
+        | InterfaceMismatch(_)
+        | InitRejected(_)
+        | ValidationFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        NotFound(_) => StatusCode::NOT_FOUND,
+        KindMismatch { .. } | InUse { .. } => StatusCode::CONFLICT,
+        Storage(_) | Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        NotBound(_) | Guest { .. } => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// OpenAI's `type` for an error known only by its status (a router's
+/// `reject(status, ...)`, a policy failure).
+pub fn type_for_status(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        409 => "conflict_error",
+        429 => "rate_limit_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    }
 }
 
 impl ApiError {
@@ -160,6 +203,7 @@ impl ApiError {
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Route(e) => e.status(),
+            Policy(e) => policy_status(e),
         }
     }
 
@@ -184,6 +228,7 @@ impl ApiError {
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
             Route(e) => e.error_type(),
+            Policy(e) => type_for_status(policy_status(e)),
         }
     }
 
@@ -211,6 +256,7 @@ impl ApiError {
             EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
             Route(e) => e.code(),
+            Policy(e) => e.code(),
         }
     }
 
@@ -270,6 +316,24 @@ impl ApiError {
         }
     }
 
+    /// Maps a failure to save a named prompt cache; `param` names the
+    /// request field that asked for it.
+    pub fn from_save(e: SaveError, param: &'static str) -> ApiError {
+        match e {
+            e @ SaveError::NameTaken(_) => ApiError::Conflict {
+                message: format!("{}.", capitalized(&e.to_string())),
+                code: "prompt_cache_name_taken",
+            },
+            // 400, not 507: retrying cannot help (and SDKs retry 5xx); deleting can.
+            e @ SaveError::OverBudget { .. } => ApiError::InvalidParam {
+                message: format!("{}.", capitalized(&e.to_string())),
+                param: param.to_owned(),
+                code: "prompt_cache_budget_exceeded",
+            },
+            SaveError::File(e) => ApiError::Internal(format!("cannot write the prompt cache: {e}")),
+        }
+    }
+
     /// The OpenAI error JSON, as sent in a response body or an SSE `error` event.
     pub fn to_json(&self) -> Vec<u8> {
         #[derive(Serialize)]
@@ -322,6 +386,44 @@ impl ApiError {
             _ => {}
         }
         resp
+    }
+}
+
+/// `s` with its first letter in upper case (domain errors are written as
+/// clauses; OpenAI's messages are sentences).
+fn capitalized(s: &str) -> String {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
+}
+
+impl From<super::upstream::UpstreamError> for ApiError {
+    fn from(e: super::upstream::UpstreamError) -> Self {
+        ApiError::Route(RouteError::Upstream(e))
+    }
+}
+
+impl From<JobError> for ApiError {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::Config(c) => ApiError::InvalidRequest {
+                message: c.message,
+                param: Some(c.param),
+            },
+            JobError::NotFound(id) => ApiError::NotFound {
+                message: format!("No job `{id}`"),
+                code: "job_not_found",
+            },
+            e @ JobError::Finished { .. } => ApiError::Conflict {
+                message: e.to_string(),
+                code: "job_finished",
+            },
+            e @ (JobError::Ledger(_) | JobError::Internal(_)) => {
+                tracing::error!(error = %e, "jobs service");
+                ApiError::Internal(format!("jobs service: {e}"))
+            }
+        }
     }
 }
 

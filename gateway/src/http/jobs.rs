@@ -62,25 +62,22 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-fn services() -> &'static Mutex<HashMap<PathBuf, Arc<Jobs>>> {
-    static SERVICES: OnceLock<Mutex<HashMap<PathBuf, Arc<Jobs>>>> = OnceLock::new();
-    SERVICES.get_or_init(Default::default)
-}
+/// The server's jobs service, opened (and its ledger recovered) once, at
+/// start or on first use.
+#[derive(Default)]
+pub struct JobsService(Mutex<Option<Arc<Jobs>>>);
 
 /// The jobs service of `state`'s data dir, opened (and recovered) once.
 /// Must run inside the tokio runtime: recovery schedules queued jobs.
 pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
-    let dir = &state.config.data_dir;
-    let _ = std::fs::create_dir_all(dir);
-    let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
-    let mut map = services().lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(j) = map.get(&key) {
+    let mut slot = state.jobs.0.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(j) = slot.as_ref() {
         return Ok(Arc::clone(j));
     }
-    let data_dir: PathBuf = dir.clone();
-    let policies: PolicyProvider = Arc::new(move || {
-        super::admin_policies::open_host(Path::new(&data_dir)).map_err(|e| e.to_string())
-    });
+    let dir = &state.config.data_dir;
+    let _ = std::fs::create_dir_all(dir);
+    let policies = Arc::clone(&state.policies);
+    let policies: PolicyProvider = Arc::new(move || policies.open().map_err(|e| e.to_string()));
     let services = Services {
         policies: Some(policies),
         adapter_stores: state.config.adapter_stores(),
@@ -88,7 +85,7 @@ pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
     };
     let jobs = Jobs::open(dir, state.config.jobs.clone(), services)?;
     jobs.start()?;
-    map.insert(key, Arc::clone(&jobs));
+    *slot = Some(Arc::clone(&jobs));
     Ok(jobs)
 }
 
@@ -119,29 +116,8 @@ pub async fn stop(state: &AppState) {
     }
 }
 
-fn api_error(e: JobError) -> ApiError {
-    match e {
-        JobError::Config(c) => ApiError::InvalidRequest {
-            message: c.message,
-            param: Some(c.param),
-        },
-        JobError::NotFound(id) => ApiError::NotFound {
-            message: format!("No job `{id}`"),
-            code: "job_not_found",
-        },
-        e @ JobError::Finished { .. } => ApiError::Conflict {
-            message: e.to_string(),
-            code: "job_finished",
-        },
-        e @ (JobError::Ledger(_) | JobError::Internal(_)) => {
-            tracing::error!(error = %e, "jobs service");
-            ApiError::Internal(format!("jobs service: {e}"))
-        }
-    }
-}
-
 fn jobs(cx: &Ctx) -> Result<Arc<Jobs>, ApiError> {
-    service(&cx.state).map_err(api_error)
+    Ok(service(&cx.state)?)
 }
 
 fn bad(param: &str, message: String) -> ApiError {
@@ -185,9 +161,9 @@ fn caller(req: &Request<ReqBody>) -> Result<Caller, ApiError> {
 /// The job `id` if `caller` may see it; another tenant's job is "not found",
 /// exactly as one that does not exist.
 async fn owned_job(cx: &Ctx, caller: &Caller, id: &str) -> Result<JobRow, ApiError> {
-    let row = jobs(cx)?.get(id).await.map_err(api_error)?;
+    let row = jobs(cx)?.get(id).await?;
     if !row.visible_to(&caller.tenant, caller.has(Scope::Admin)) {
-        return Err(api_error(JobError::NotFound(id.to_owned())));
+        return Err(JobError::NotFound(id.to_owned()).into());
     }
     Ok(row)
 }
@@ -206,7 +182,7 @@ async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let row = jobs(&cx)?
         .submit(kind, b.config, Some(caller.key_id), Some(caller.tenant))
         .await
-        .map_err(api_error)?;
+        ?;
     body::json(StatusCode::CREATED, &row)
 }
 
@@ -242,7 +218,7 @@ async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         }
         page.cursor = Some(c.clone());
     }
-    let listing = jobs(&cx)?.list(filter, page).await.map_err(api_error)?;
+    let listing = jobs(&cx)?.list(filter, page).await?;
     body::json(StatusCode::OK, &listing)
 }
 
@@ -262,7 +238,7 @@ async fn cancel(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let id = id_param(&cx)?;
     // The owner never changes, so checking before cancelling is enough.
     owned_job(&cx, &caller(&req)?, &id).await?;
-    let row = jobs(&cx)?.cancel(&id).await.map_err(api_error)?;
+    let row = jobs(&cx)?.cancel(&id).await?;
     body::json(StatusCode::OK, &row)
 }
 
@@ -280,7 +256,7 @@ async fn events(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             .parse::<u64>()
             .map_err(|_| bad("Last-Event-ID", format!("`{s}` is not an event id")))?,
     };
-    let stream = jobs(&cx)?.follow(&id, after).await.map_err(api_error)?;
+    let stream = jobs(&cx)?.follow(&id, after).await?;
     let frames = stream.map(|item| {
         let text = match item {
             Followed::Event(e) => {

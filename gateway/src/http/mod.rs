@@ -58,6 +58,7 @@ use tokio::net::TcpListener;
 use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::config::Config;
+use crate::app::Policies;
 use crate::engine::EngineOptions;
 use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 pub use auth::{Caller, KeyStore, Scope, Zone};
@@ -82,6 +83,13 @@ pub struct AppState {
     pub prompt_caches: Option<Arc<CacheStore>>,
     /// Inference requests in progress per key, against `[server]` caps.
     pub concurrency: Arc<Concurrency>,
+    /// The policy host of the data dir, opened on first use.
+    pub policies: Arc<Policies>,
+    /// The jobs service, opened at start.
+    pub jobs: jobs::JobsService,
+    /// Prompts being prepared (templated, tokenized) at once: one per core
+    /// ([`openai::start_blocking`]).
+    pub preparing: Arc<tokio::sync::Semaphore>,
     routes: Vec<Route>,
 }
 
@@ -113,10 +121,16 @@ impl AppState {
         };
         let concurrency =
             Concurrency::new(config.server.max_concurrent_requests_per_key, &config.keys);
+        let policies = Arc::new(Policies::new(config.data_dir.clone()));
         Arc::new(AppState {
             config,
             keys,
             concurrency,
+            policies,
+            jobs: jobs::JobsService::default(),
+            preparing: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             metrics: Metrics::default(),
             models,
             routing,
@@ -135,13 +149,24 @@ impl AppState {
                 auto_save_min_tokens: (c.auto_save_min_tokens > 0)
                     .then_some(c.auto_save_min_tokens),
             },
+            faults: self.injected_faults(),
             ..EngineOptions::default()
         }
     }
-}
 
-fn unix_secs(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    /// Engine faults for tests of fault isolation: `MLXGATE_TEST_ENGINE_FAULTS`
+    /// (`decode_panic=TOKEN,...`, see [`crate::engine::Faults`]), read only
+    /// by debug builds serving `test_routes` (loopback only).
+    fn injected_faults(&self) -> crate::engine::Faults {
+        if !(cfg!(debug_assertions) && self.config.test_routes) {
+            return crate::engine::Faults::default();
+        }
+        let spec = std::env::var("MLXGATE_TEST_ENGINE_FAULTS").unwrap_or_default();
+        crate::engine::Faults::parse(&spec).unwrap_or_else(|e| {
+            error!(error = %e, "MLXGATE_TEST_ENGINE_FAULTS ignored");
+            crate::engine::Faults::default()
+        })
+    }
 }
 
 // ---------------------------------------------------------------- routing
@@ -353,11 +378,7 @@ async fn route(
         Ok(Ok(resp)) => resp,
         Ok(Err(e)) => e.into_response(),
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = crate::util::panic_message(&*panic);
             error!(panic = %what, "handler panicked");
             ApiError::Internal("internal error; the server log has details".into()).into_response()
         }
@@ -537,7 +558,7 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                         Ok(p) => p,
                         Err(e) => {
                             tracing::debug!(%peer, error = %e, "connection refused");
-                            connections::refuse(stream, e);
+                            limits.refuse(stream, e);
                             continue;
                         }
                     };

@@ -233,7 +233,7 @@ fn load_one(
             ModelState::Ready(LoadedModel {
                 id,
                 path: path.clone(),
-                created: super::unix_secs(created),
+                created: crate::util::time::unix_secs_at(created),
                 engine,
             })
         }

@@ -24,13 +24,12 @@
 //! combination of them (`policy/reuse.rs`); a reused decision is a table
 //! lookup, answered inline without a thread hop.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
 use serde_json::Value;
 
-use super::admin_policies::open_host;
 use super::body::{self, Body, BodyLimit, ReqBody};
 use super::openai::validate::{self, Endpoint, RoutingFields};
 use super::upstream::{self, Outgoing, Upstream, UpstreamError, UpstreamSpec, Upstreams};
@@ -64,18 +63,15 @@ pub static POLICY_HEADERS: [HeaderName; 3] = [
 /// Longest header value passed to a policy; longer ones are cut.
 const MAX_HEADER_VALUE: usize = 256;
 
-/// Routing state shared by all requests: the upstreams and the policy host.
+/// Routing state shared by all requests: the upstreams.
 pub struct Routing {
     pub upstreams: Upstreams,
-    /// Opened on the first request that finds a policy store.
-    host: OnceLock<Arc<PolicyHost>>,
 }
 
 impl Routing {
     pub fn new(upstreams: &[UpstreamSpec]) -> Routing {
         Routing {
             upstreams: Upstreams::new(upstreams),
-            host: OnceLock::new(),
         }
     }
 }
@@ -117,15 +113,7 @@ impl RouteError {
 
     /// The OpenAI `type` field.
     pub fn error_type(&self) -> &'static str {
-        match self.status().as_u16() {
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            409 => "conflict_error",
-            429 => "rate_limit_error",
-            s if s >= 500 => "server_error",
-            _ => "invalid_request_error",
-        }
+        super::error::type_for_status(self.status())
     }
 
     pub fn code(&self) -> &'static str {
@@ -134,12 +122,6 @@ impl RouteError {
             RouteError::PolicyFailed(_) => "policy_failed",
             RouteError::Upstream(e) => e.code(),
         }
-    }
-}
-
-impl From<UpstreamError> for ApiError {
-    fn from(e: UpstreamError) -> Self {
-        ApiError::Route(RouteError::Upstream(e))
     }
 }
 
@@ -183,18 +165,18 @@ pub fn request_facts<'a>(
 /// The policy host, if this data dir has a policy store. Cached once found,
 /// so the common case costs one atomic load.
 pub(crate) async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteError> {
-    if let Some(h) = state.routing.host.get() {
-        return Ok(Some(Arc::clone(h)));
+    if let Some(h) = state.policies.opened() {
+        return Ok(Some(h));
     }
-    if !state.config.data_dir.join("policies").is_dir() {
+    if !state.policies.stored() {
         return Ok(None);
     }
-    let dir = state.config.data_dir.clone();
-    let opened = tokio::task::spawn_blocking(move || open_host(&dir))
+    let policies = Arc::clone(&state.policies);
+    let opened = tokio::task::spawn_blocking(move || policies.open())
         .await
         .map_err(|e| RouteError::PolicyFailed(format!("policy host task failed: {e}")))?;
     match opened {
-        Ok(h) => Ok(Some(Arc::clone(state.routing.host.get_or_init(|| h)))),
+        Ok(h) => Ok(Some(h)),
         Err(e) => {
             tracing::error!(error = %e, "cannot open the policy store; refusing routed requests");
             Err(RouteError::PolicyFailed(format!(

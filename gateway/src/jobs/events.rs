@@ -12,7 +12,8 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use super::types::{JobEvent, StoredEvent, now_secs};
+use super::types::{JobEvent, StoredEvent};
+use crate::util::time::unix_secs_f64;
 
 /// The appending side of one job's log.
 pub struct EventLog {
@@ -65,7 +66,7 @@ impl EventLog {
         let mut w = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let stored = StoredEvent {
             seq: w.next_seq,
-            ts: now_secs(),
+            ts: unix_secs_f64(),
             event,
         };
         w.next_seq += 1;

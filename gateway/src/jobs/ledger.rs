@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde_json::Value;
 
-use super::types::{JobKind, JobRow, JobStatus, rfc3339_now};
+use super::types::{JobKind, JobRow, JobStatus};
+use crate::util::time::rfc3339_now;
 
 const JOBS: TableDefinition<&str, &str> = TableDefinition::new("jobs");
 const INDEX: TableDefinition<&str, ()> = TableDefinition::new("jobs_index");

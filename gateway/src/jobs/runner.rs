@@ -20,6 +20,7 @@ use serde_json::Value;
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
 
+use crate::util::panic_message;
 use super::config::{JobsConfig, PathGuard};
 use super::events::{EventLog, LogReader};
 use super::kinds::{AdapterMounts, ConfigError, Env, PolicyProvider, Spec};
@@ -174,13 +175,6 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| JobError::Internal(format!("a blocking jobs task failed: {e}")))
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
 }
 
 impl Jobs {

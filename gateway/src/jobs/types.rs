@@ -282,37 +282,6 @@ pub struct StoredEvent {
     pub event: JobEvent,
 }
 
-/// Unix seconds now, fractional.
-pub fn now_secs() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// RFC 3339 UTC timestamp with milliseconds, without a date-time crate.
-pub fn rfc3339_now() -> String {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (h, m, s) = (rem / 3600, rem % 3600 / 60, rem % 60);
-    // Civil-from-days (proleptic Gregorian), days since 1970-01-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{:03}Z",
-        d.subsec_millis()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,12 +338,5 @@ mod tests {
         assert!(JobStatus::Running.can_become(JobStatus::Zombie));
         assert!(!JobStatus::Done.can_become(JobStatus::Running));
         assert!(!JobStatus::Queued.can_become(JobStatus::Done));
-    }
-
-    #[test]
-    fn rfc3339_shape() {
-        let t = rfc3339_now();
-        assert_eq!(t.len(), 24, "{t}");
-        assert!(t.starts_with("20") && t.ends_with('Z'), "{t}");
     }
 }

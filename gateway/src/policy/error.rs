@@ -1,7 +1,8 @@
 //! Errors of the policy host. Upload errors each say why a component was
-//! refused (400: not usable bytes; 422: a component of the wrong shape or
+//! refused (not usable bytes, or a component of the wrong shape or
 //! behaviour); call errors carry the policy's `on_error` so callers can fail
-//! open (default route) or closed (503).
+//! open (default route) or closed. The HTTP statuses they answer with are
+//! `http::error`'s ([`crate::http::error::policy_status`]).
 
 use serde::Serialize;
 
@@ -144,27 +145,6 @@ pub enum PolicyError {
 }
 
 impl PolicyError {
-    /// HTTP status for the admin API or, for call errors, for the request.
-    pub fn status(&self) -> u16 {
-        use PolicyError::*;
-        match self {
-            InvalidName(_) | InvalidLimits(_) | NotWasm(_) | CoreModule | Malformed(_)
-            | NotBindable(_) => 400,
-            TooLarge { .. } | ConfigTooLarge { .. } => 413,
-            WrongKind { .. }
-            | IncompatibleVersion { .. }
-            | MissingExport { .. }
-            | UnsatisfiedImports(_)
-            | InterfaceMismatch(_)
-            | InitRejected(_)
-            | ValidationFailed { .. } => 422,
-            NotFound(_) => 404,
-            KindMismatch { .. } | InUse { .. } => 409,
-            Storage(_) | Engine(_) => 500,
-            NotBound(_) | Guest { .. } => 503,
-        }
-    }
-
     /// Whether a caller should proceed with its default behaviour: nothing
     /// bound, or the policy failed and is configured `fail_open`.
     pub fn is_fail_open(&self) -> bool {

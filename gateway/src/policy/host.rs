@@ -233,9 +233,7 @@ impl PolicyHost {
             limits,
             on_error: opts.on_error,
             config: opts.config,
-            uploaded_at: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            uploaded_at: crate::util::time::unix_secs(),
             version: previous.map_or(1, |p| p.info.version + 1),
             origin: LoadOrigin::Uploaded,
             bound_as: vec![],

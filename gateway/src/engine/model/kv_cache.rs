@@ -499,6 +499,29 @@ impl KvCache {
             offset: tokens,
         })
     }
+
+    /// This cache as it was when it covered `tokens` positions, after a
+    /// decode step that failed part way (some layers may hold one more
+    /// position, views, no copy). `None` when a layer no longer holds what
+    /// the next step needs (a sliding layer trimmed by the failed step).
+    pub fn rewound(&self, tokens: usize) -> Option<KvCache> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            // What a layer holds between steps: every position, or the
+            // window's last `window - 1` for a sliding layer.
+            let held = layer.window.map_or(tokens, |w| w.saturating_sub(1).min(tokens));
+            if layer.start != tokens - held || layer.start + layer.len() < tokens {
+                return None;
+            }
+            let mut layer = layer.clone();
+            layer.truncate(held);
+            layers.push(layer);
+        }
+        Some(KvCache {
+            layers,
+            offset: tokens,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod gguf;
 pub mod kv_cache;
+mod summary;
 pub mod transformer;
 pub mod weights;
 
@@ -16,6 +17,7 @@ use mlx_rs::io::GgufFile;
 pub use config::{Family, ModelConfig};
 pub use gguf::{GgufMetadata, GgufReader, LayoutTarget};
 pub use kv_cache::KvCache;
+pub use summary::{ModelFileError, ModelSummary, model_id};
 pub use transformer::Transformer;
 use weights::WeightMap;
 

@@ -383,9 +383,7 @@ impl CacheStore {
         layers: &[LayerBytes],
     ) -> Result<Planned, CacheFileError> {
         validate_name(name).map_err(|e| CacheFileError::Io(self.path_of(name), e))?;
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let created = crate::util::time::unix_secs();
         Planned::new(name, owner, created, fingerprint, tokens, layers)
             .map_err(|e| CacheFileError::Io(self.path_of(name), e))
     }

@@ -6,7 +6,8 @@ use serde_json::Value;
 use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
-use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
+use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
+use crate::util::time::unix_secs;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -24,6 +25,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages) = (model.engine.clone(), chat.messages);
     let stream = start_blocking(
+        &cx,
         move || {
             request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
             engine.generate(request)
@@ -34,7 +36,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let engine_err = |e| ApiError::from_engine(e, "messages");
 
     let id = format!("chatcmpl-{}", cx.request_id);
-    let created = now_secs();
+    let created = unix_secs();
     let logprobs = chat.common.logprobs.is_some();
     if chat.common.stream {
         let mut framer = Framer::new(Kind::Chat, id, created, model.id);

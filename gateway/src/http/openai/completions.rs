@@ -5,7 +5,8 @@ use serde_json::Value;
 
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
-use super::{HandlerResult, collect, events, generate_request, now_secs, start_blocking, validate};
+use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
+use crate::util::time::unix_secs;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -22,11 +23,11 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = completion.prompt.clone();
     let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let engine = model.engine.clone();
-    let stream = start_blocking(move || engine.generate(request), "prompt").await?;
+    let stream = start_blocking(&cx, move || engine.generate(request), "prompt").await?;
     let engine_err = |e| ApiError::from_engine(e, "prompt");
 
     let id = format!("cmpl-{}", cx.request_id);
-    let created = now_secs();
+    let created = unix_secs();
     let logprobs = completion.common.logprobs.is_some();
     if completion.common.stream {
         let mut framer = Framer::new(Kind::Completion, id, created, model.id);

@@ -90,19 +90,16 @@ pub async fn generate_request(
 /// core is prepared at a time (the others wait here, holding no thread), so
 /// a burst of long prompts costs bounded threads and memory.
 pub async fn start_blocking<F>(
+    cx: &Ctx,
     start: F,
     prompt_param: &'static str,
 ) -> Result<GenerationStream, ApiError>
 where
     F: FnOnce() -> Result<GenerationStream, EngineError> + Send + 'static,
 {
-    static PREPARING: LazyLock<Arc<Semaphore>> = LazyLock::new(|| {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Arc::new(Semaphore::new(cores))
-    });
     // The permit moves into the task: a client that leaves while its prompt
     // is being tokenized does not free a slot before the work ends.
-    let permit = Arc::clone(&PREPARING)
+    let permit = Arc::clone(&cx.state.preparing)
         .acquire_owned()
         .await
         .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?;
@@ -128,13 +125,6 @@ pub fn events(
 /// Identifies this server build in responses (`system_fingerprint`).
 pub fn system_fingerprint() -> String {
     format!("fp_mlxgate_{}", env!("CARGO_PKG_VERSION"))
-}
-
-/// Unix seconds now, for `created`.
-pub fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 /// A whole generation, for a non-streamed response.

@@ -22,7 +22,7 @@ use super::openai::validate::{self, CacheContent};
 use super::openai::{HandlerResult, engine::prompt_cache::CacheInfo};
 use super::{ApiError, Ctx, Route};
 use crate::engine::Prompt;
-use crate::engine::prompt_cache::{CacheScope, CacheStore, SaveError};
+use crate::engine::prompt_cache::{CacheScope, CacheStore};
 
 pub fn routes() -> Vec<Route> {
     vec![
@@ -158,31 +158,8 @@ async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     .await
     .map_err(|e| ApiError::Internal(format!("saving the prompt cache failed: {e}")))?
     .map_err(|e| ApiError::from_engine(e, param))?
-    .map_err(|e| save_error(e, param))?;
+    .map_err(|e| ApiError::from_save(e, param))?;
     body::json(StatusCode::CREATED, &object(&info))
-}
-
-fn save_error(e: SaveError, param: &'static str) -> ApiError {
-    match e {
-        e @ SaveError::NameTaken(_) => ApiError::Conflict {
-            message: format!("{}.", capitalized(&e.to_string())),
-            code: "prompt_cache_name_taken",
-        },
-        // 400, not 507: retrying cannot help (and SDKs retry 5xx); deleting can.
-        e @ SaveError::OverBudget { .. } => ApiError::InvalidParam {
-            message: format!("{}.", capitalized(&e.to_string())),
-            param: param.to_owned(),
-            code: "prompt_cache_budget_exceeded",
-        },
-        SaveError::File(e) => ApiError::Internal(format!("cannot write the prompt cache: {e}")),
-    }
-}
-
-fn capitalized(s: &str) -> String {
-    let mut chars = s.chars();
-    chars
-        .next()
-        .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
 }
 
 /// Prometheus text for every ready model's prompt-cache counters and the

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use mlx_rs::io::{GgufError, GgufFile};
 
-use crate::engine::model::GgufReader;
+use super::GgufReader;
 
 /// Why a model file could not be loaded. Each variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +30,7 @@ pub enum ModelFileError {
     Gguf {
         path: PathBuf,
         #[source]
-        source: crate::engine::model::gguf::GgufError,
+        source: super::gguf::GgufError,
     },
     /// The file loaded but lacks metadata every model needs.
     #[error("model file {path} has no `{key}` metadata")]

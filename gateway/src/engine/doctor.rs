@@ -4,8 +4,9 @@ use std::fmt::Write;
 use std::path::Path;
 use std::time::Instant;
 
-use super::kernels::KernelChoice;
-use super::{ModelSummary, RuntimeInfo};
+use super::model::ModelSummary;
+use crate::mlx::RuntimeInfo;
+use crate::mlx::kernels::KernelChoice;
 
 /// Describes the MLX runtime and tries to load `model`. Never fails: problems
 /// are part of the report.

@@ -1,0 +1,292 @@
+//! Upstream endpoints as configured (`[[upstreams]]`): their specs, the
+//! checks on them, and how a base URL maps the gateway's `/v1` paths onto
+//! the upstream's. No networking here; the proxy that talks to them is
+//! `http::upstream`.
+
+use std::fmt;
+
+use http::Uri;
+use serde::Deserialize;
+
+/// Default for `timeout_secs`: connect plus first byte of the answer. A
+/// non-streamed completion sends its first byte only when it is done.
+pub const DEFAULT_TIMEOUT_SECS: f64 = 60.0;
+
+/// One `[[upstreams]]` entry.
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSpec {
+    /// What router policies call it.
+    pub name: String,
+    /// `http://host:port/v1`: a request for `/v1/chat/completions` goes to
+    /// `{base_url}/chat/completions`.
+    pub base_url: String,
+    /// Environment variable holding the upstream's API key (preferred).
+    pub api_key_env: Option<String>,
+    /// The API key itself, for keys that are not secret (local servers).
+    pub api_key: Option<String>,
+    /// Connect plus first byte, in seconds (fractions allowed).
+    pub timeout_secs: Option<f64>,
+    /// Models sent here when no router policy decides (none bound, or a
+    /// `fail_open` one failed): a static route table. A bound router
+    /// overrides it.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl UpstreamSpec {
+    /// An upstream at `base_url` with no key, the default timeout and no
+    /// static models.
+    pub fn new(name: &str, base_url: &str) -> UpstreamSpec {
+        UpstreamSpec {
+            name: name.into(),
+            base_url: base_url.into(),
+            api_key_env: None,
+            api_key: None,
+            timeout_secs: None,
+            models: vec![],
+        }
+    }
+}
+
+impl fmt::Debug for UpstreamSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamSpec")
+            .field("name", &self.name)
+            .field("base_url", &self.base_url)
+            .field("api_key_env", &self.api_key_env)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("timeout_secs", &self.timeout_secs)
+            .field("models", &self.models)
+            .finish()
+    }
+}
+
+/// Checks `[[upstreams]]`: unique plain names, `http://` base URLs, at most
+/// one key source and its environment variable set, a sane timeout.
+pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    let mut models = std::collections::HashSet::new();
+    for s in specs {
+        let ok_name = (1..=64).contains(&s.name.len())
+            && s.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !ok_name {
+            return Err(format!(
+                "invalid upstream name `{}`: use 1-64 characters from [A-Za-z0-9_.-]",
+                s.name
+            ));
+        }
+        if !seen.insert(s.name.as_str()) {
+            return Err(format!("upstream name `{}` is used twice", s.name));
+        }
+        if let Some(m) = s.models.iter().find(|m| !models.insert(m.as_str())) {
+            return Err(format!("model `{m}` is listed by two upstreams"));
+        }
+        Base::parse(&s.base_url).map_err(|e| format!("upstream `{}`: {e}", s.name))?;
+        if s.api_key.is_some() && s.api_key_env.is_some() {
+            return Err(format!(
+                "upstream `{}`: set api_key or api_key_env, not both",
+                s.name
+            ));
+        }
+        if let Some(var) = &s.api_key_env
+            && std::env::var_os(var).is_none_or(|v| v.is_empty())
+        {
+            return Err(format!(
+                "upstream `{}`: environment variable {var} (api_key_env) is not set",
+                s.name
+            ));
+        }
+        let t = s.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS);
+        if !(t.is_finite() && t > 0.0 && t <= 3600.0) {
+            return Err(format!(
+                "upstream `{}`: timeout_secs must be in (0, 3600], not {t}",
+                s.name
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Scheme, authority and path prefix of a base URL.
+#[derive(Debug, Clone)]
+pub(crate) struct Base {
+    pub(crate) authority: http::uri::Authority,
+    /// Without a trailing `/`; may be empty.
+    pub(crate) prefix: String,
+}
+
+impl Base {
+    pub(crate) fn parse(url: &str) -> Result<Base, String> {
+        let uri: Uri = url
+            .parse()
+            .map_err(|e| format!("invalid base_url `{url}`: {e}"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(format!(
+                    "base_url `{url}`: https is not supported (no TLS client is built in); put a local TLS proxy in front"
+                ));
+            }
+            _ => return Err(format!("base_url `{url}` must start with http://")),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("base_url `{url}` has no host"))?;
+        if uri.query().is_some() {
+            return Err(format!("base_url `{url}` must not have a query"));
+        }
+        let prefix = normalize_path(uri.path())
+            .map_err(|why| format!("base_url `{url}`: its path is not plain: {why}"))?;
+        Ok(Base { authority, prefix })
+    }
+
+    /// The upstream request target (origin form, as sent on the wire) for a
+    /// gateway path under `/v1`, already normalized ([`normalize_path`]):
+    /// `/v1/x` goes to `{prefix}/x`.
+    pub(crate) fn target_for(&self, path: &str) -> Result<Uri, String> {
+        let rest = match path.strip_prefix("/v1") {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => rest,
+            _ => return Err(format!("only paths under /v1 are proxied, not `{path}`")),
+        };
+        let mut target = String::with_capacity(self.prefix.len() + rest.len() + 1);
+        target.push_str(&self.prefix);
+        target.push_str(rest);
+        if target.is_empty() {
+            target.push('/');
+        }
+        Uri::try_from(target).map_err(|e| format!("cannot build the upstream URL: {e}"))
+    }
+
+    /// `host:port` to connect to (port 80 when the URL names none).
+    pub(crate) fn socket_authority(&self) -> String {
+        let port = self.authority.port_u16().unwrap_or(80);
+        format!("{}:{port}", self.authority.host())
+    }
+}
+
+/// Gateway paths that are proxied; their upstream targets are built once.
+pub(crate) const PROXIED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// `path` with repeated `/` collapsed and no trailing `/` (`""` for the
+/// root). Refuses what an upstream could resolve to another path than the
+/// one the gateway routed: `.` and `..` segments, and `%2e`, `%2f`, `%5c`
+/// or `\`, which some servers decode into them.
+pub(crate) fn normalize_path(path: &str) -> Result<String, &'static str> {
+    let mut out = String::with_capacity(path.len());
+    for seg in path.split('/').filter(|s| !s.is_empty()) {
+        if seg == "." || seg == ".." {
+            return Err("it has a `.` or `..` segment");
+        }
+        let b = seg.as_bytes();
+        let encoded = b.windows(3).any(|w| {
+            w[0] == b'%'
+                && matches!(
+                    (w[1], w[2].to_ascii_lowercase()),
+                    (b'2', b'e' | b'f') | (b'5', b'c')
+                )
+        });
+        if encoded || b.contains(&b'\\') {
+            return Err("it has an encoded `.`, `/` or `\\`");
+        }
+        out.push('/');
+        out.push_str(seg);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, url: &str) -> UpstreamSpec {
+        UpstreamSpec::new(name, url)
+    }
+
+    #[test]
+    fn base_urls_map_paths_under_v1() {
+        let b = Base::parse("http://127.0.0.1:9000/v1/").unwrap();
+        assert_eq!(
+            b.target_for("/v1/chat/completions").unwrap().to_string(),
+            "/v1/chat/completions"
+        );
+        assert_eq!(b.socket_authority(), "127.0.0.1:9000");
+        let b = Base::parse("http://h:1").unwrap();
+        assert_eq!(
+            b.target_for("/v1/completions").unwrap().to_string(),
+            "/completions"
+        );
+        assert_eq!(b.target_for("/v1").unwrap().to_string(), "/");
+        assert!(b.target_for("/v1x").is_err());
+        assert!(b.target_for("/admin").is_err());
+        // The base path is normalized once, at parse time.
+        let b = Base::parse("http://h:1//api//v1/").unwrap();
+        assert_eq!(
+            b.target_for("/v1/models").unwrap().to_string(),
+            "/api/v1/models"
+        );
+        assert!(Base::parse("http://h:1/api/../admin").is_err());
+        assert_eq!(
+            Base::parse("http://example.com/api/v1")
+                .unwrap()
+                .socket_authority(),
+            "example.com:80"
+        );
+        assert!(Base::parse("https://api.openai.com/v1").is_err());
+        assert!(Base::parse("ftp://x/v1").is_err());
+        assert!(Base::parse("not a url").is_err());
+    }
+
+    #[test]
+    fn paths_are_normalized() {
+        assert_eq!(
+            normalize_path("//v1///chat/completions/").unwrap(),
+            "/v1/chat/completions"
+        );
+        assert_eq!(normalize_path("/").unwrap(), "");
+        for bad in [
+            "/v1/../admin",
+            "/v1/./x",
+            "/v1/%2e%2E/admin",
+            "/v1/a%2Fb",
+            "/v1/a%5cb",
+            "/v1/a\\b",
+        ] {
+            assert!(normalize_path(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn specs_are_validated() {
+        assert!(validate_specs(&[spec("a", "http://x/v1"), spec("b", "http://y/v1")]).is_ok());
+        assert!(validate_specs(&[spec("a", "http://x/v1"), spec("a", "http://y/v1")]).is_err());
+        assert!(validate_specs(&[spec("a b", "http://x/v1")]).is_err());
+        let (mut a, mut b) = (spec("a", "http://x/v1"), spec("b", "http://y/v1"));
+        a.models = vec!["m".into()];
+        b.models = vec!["m".into()];
+        assert!(
+            validate_specs(&[a, b])
+                .unwrap_err()
+                .contains("two upstreams")
+        );
+        let mut s = spec("a", "http://x/v1");
+        s.api_key = Some("k".into());
+        s.api_key_env = Some("MLXGATE_TEST_NO_SUCH_VAR".into());
+        assert!(validate_specs(&[s.clone()]).is_err());
+        s.api_key = None;
+        assert!(validate_specs(&[s]).unwrap_err().contains("not set"));
+        let mut s = spec("a", "http://x/v1");
+        s.timeout_secs = Some(0.0);
+        assert!(validate_specs(&[s]).is_err());
+    }
+
+    #[test]
+    fn debug_redacts_the_key() {
+        let mut s = spec("a", "http://x/v1");
+        s.api_key = Some("sk-secret".into());
+        assert!(!format!("{s:?}").contains("sk-secret"));
+    }
+}
