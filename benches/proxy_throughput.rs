@@ -16,11 +16,12 @@
 //! `PROXY_THROUGHPUT_PROFILE=none`,
 //! `=policy`, `=called` or `=nginx` only loads that target, for a profiler.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+#[path = "common/mod.rs"]
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// Rounds unless `PROXY_THROUGHPUT_ROUNDS` says otherwise (more rounds give
 /// steadier medians on a noisy machine).
@@ -289,21 +290,6 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-fn wait_listening(addr: SocketAddr, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "{what} did not listen on {addr}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The trivial upstream: one runtime thread, a fixed JSON answer.
 fn start_upstream() -> SocketAddr {
     use http_body_util::{BodyExt, Full};
@@ -345,25 +331,17 @@ fn start_upstream() -> SocketAddr {
 }
 
 /// A raw HTTP/1.1 exchange on a fresh connection: (status, body).
+/// An admin request to the gateway: status and answer text.
 fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {ADMIN}\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).expect("write");
-    s.write_all(body).expect("write");
-    let mut r = BufReader::new(s);
-    let mut status = String::new();
-    r.read_line(&mut status).expect("read");
-    let mut rest = String::new();
-    let _ = r.read_to_string(&mut rest);
-    let code = status
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, rest)
+    let auth = format!("Bearer {ADMIN}");
+    common::request(
+        addr,
+        method,
+        path,
+        &[("Authorization", auth.as_str())],
+        body,
+    )
+    .expect("request to the gateway")
 }
 
 struct Gateway {
@@ -373,7 +351,7 @@ struct Gateway {
 
 impl Gateway {
     fn start(dir: &Path, upstream: SocketAddr) -> Gateway {
-        let port = free_port();
+        let port = common::free_port();
         let hash: String = {
             use sha2::Digest;
             sha2::Sha256::digest(KEY.as_bytes())
@@ -396,25 +374,10 @@ impl Gateway {
             || PathBuf::from(env!("CARGO_BIN_EXE_mlxgate")),
             PathBuf::from,
         );
-        let child = Command::new(bin)
-            .arg("serve")
-            .arg("--config")
-            .arg(&config)
-            .args(["--port", &port.to_string()])
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .arg("--model")
-            .arg(dir.join("no-model.gguf"))
-            .env("MLXGATE_ADMIN_KEY", ADMIN)
-            // One log line per request would dominate; nginx logs nothing either.
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start mlxgate");
+        let model = dir.join("no-model.gguf");
+        let child = common::spawn_gateway(&bin, &config, port, &dir.join("data"), &model, ADMIN);
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        wait_listening(addr, "mlxgate");
+        common::wait_listening(addr, "mlxgate");
         // Both routers send the bench's tenant/model to upstream `up`.
         let tenants = "%7B%22tenants%22%3A%7B%22bench%22%3A%7B%22upstream%22%3A%22up%22%7D%7D%7D";
         for (name, crate_name, config) in [
@@ -468,7 +431,7 @@ struct Nginx {
 
 impl Nginx {
     fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Nginx {
-        let port = free_port();
+        let port = common::free_port();
         let root = dir.join("nginx");
         std::fs::create_dir_all(&root).expect("nginx dir");
         let conf = root.join("nginx.conf");
@@ -498,7 +461,7 @@ impl Nginx {
             .spawn()
             .expect("start nginx");
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        wait_listening(addr, "nginx");
+        common::wait_listening(addr, "nginx");
         Nginx { child, addr }
     }
 
