@@ -303,16 +303,29 @@ fn a_faulty_sequence_fails_alone_and_the_engine_keeps_serving() {
     let good = prompt();
     assert!(!good.contains(&MARK));
     // Greedy, end-of-text suppressed: every answer has its 12 tokens.
-    let request = |p: &[u32]| GenerateRequest::greedy(Prompt::Tokens(p.to_vec()), 12).suppressing(&[2]);
+    let request =
+        |p: &[u32]| GenerateRequest::greedy(Prompt::Tokens(p.to_vec()), 12).suppressing(&[2]);
     for architecture in [Architecture::Llama, Architecture::Gemma3] {
         for faults in [
-            Faults { decode_panic: Some(MARK), ..Faults::default() },
-            Faults { decode_error: Some(MARK), ..Faults::default() },
-            Faults { prefill_panic: Some(MARK), ..Faults::default() },
+            Faults {
+                decode_panic: Some(MARK),
+                ..Faults::default()
+            },
+            Faults {
+                decode_error: Some(MARK),
+                ..Faults::default()
+            },
+            Faults {
+                prefill_panic: Some(MARK),
+                ..Faults::default()
+            },
         ] {
             let dir = tempfile::tempdir().unwrap();
             write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
-            let mut options = EngineOptions { faults, ..EngineOptions::default() };
+            let mut options = EngineOptions {
+                faults,
+                ..EngineOptions::default()
+            };
             // No prefix reuse: each run of the good prompt prefills it whole.
             options.prompt_cache.memory_bytes = 0;
             let engine = EngineHandle::load_with(dir.path(), options).unwrap();
@@ -326,7 +339,9 @@ fn a_faulty_sequence_fails_alone_and_the_engine_keeps_serving() {
             while let Some(event) = faulty.blocking_next() {
                 match event {
                     Err(e) => failure = Some(e),
-                    Ok(GenerateEvent::Finished { .. }) => panic!("{faults:?}: the faulty request finished"),
+                    Ok(GenerateEvent::Finished { .. }) => {
+                        panic!("{faults:?}: the faulty request finished")
+                    }
                     Ok(_) => {}
                 }
             }
@@ -340,7 +355,9 @@ fn a_faulty_sequence_fails_alone_and_the_engine_keeps_serving() {
             let mut stream = with;
             let mut finished = None;
             while let Some(event) = stream.blocking_next() {
-                match event.unwrap_or_else(|e| panic!("{architecture:?} {faults:?}: the good request failed: {e}")) {
+                match event.unwrap_or_else(|e| {
+                    panic!("{architecture:?} {faults:?}: the good request failed: {e}")
+                }) {
                     GenerateEvent::Delta { text: delta, .. } => text.push_str(&delta),
                     GenerateEvent::Finished { reason, usage } => {
                         finished = Some((reason, usage.completion_tokens))
@@ -352,7 +369,11 @@ fn a_faulty_sequence_fails_alone_and_the_engine_keeps_serving() {
                 (alone.0.clone(), Some((alone.1, alone.2))),
                 "{architecture:?} {faults:?}: batched with a fault vs alone"
             );
-            assert_eq!(collect(&engine, request(&good)), alone, "served after the fault");
+            assert_eq!(
+                collect(&engine, request(&good)),
+                alone,
+                "served after the fault"
+            );
         }
     }
 }

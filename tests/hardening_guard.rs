@@ -275,7 +275,7 @@ fn a_full_call_queue_fails_at_once_under_the_policys_on_error() {
     assert!(asked.elapsed() < Duration::from_millis(500));
     assert_eq!(err.failure_kind(), Some(FailureKind::Capacity), "{err}");
     assert!(!err.is_fail_open());
-    assert_eq!(err.status(), 503);
+    assert_eq!(common::status(&err), 503);
     assert!(err.to_string().contains("queued"), "{err}");
     for c in [running, queued] {
         let e = rt.block_on(c).unwrap_err();

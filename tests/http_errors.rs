@@ -142,7 +142,10 @@ fn an_engine_fault_fails_its_request_and_the_model_keeps_serving() {
     let s = ServerBuilder::new()
         .config("test_routes = true\n")
         .model(dir.path())
-        .env("MLXGATE_TEST_ENGINE_FAULTS", "decode_panic=256,prefill_panic=257")
+        .env(
+            "MLXGATE_TEST_ENGINE_FAULTS",
+            "decode_panic=256,prefill_panic=257",
+        )
         .start();
     let ready = s.wait_for_status("/readyz", 200, std::time::Duration::from_secs(60));
     let model = ready.json()["model"].as_str().unwrap().to_owned();

@@ -26,6 +26,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use std::collections::HashMap;
 
+use super::Faults;
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
 use super::lora::{self, Adapter, AdapterInfo, AdapterStack};
 use super::model::{KvCache, Transformer};
@@ -38,7 +39,6 @@ use super::prompt_cache::{
 };
 use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
-use super::Faults;
 use crate::util::panic_message;
 
 /// Longest slice of a prompt run through the model at once: bounds the
@@ -126,9 +126,9 @@ fn guarded<T>(work: impl FnOnce() -> T) -> Result<T, String> {
 
 /// Ends a sequence's request with an internal error.
 fn fail(seq: Sequence, why: &str) {
-    let _ = seq
-        .events
-        .send(Err(EngineError::Internal(format!("generation failed: {why}"))));
+    let _ = seq.events.send(Err(EngineError::Internal(format!(
+        "generation failed: {why}"
+    ))));
 }
 
 /// The engine thread's prompt-cache state.

@@ -16,19 +16,16 @@
 //! [`PolicyError::code`].
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::Arc;
 
-use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::body::{self, Body, ReqBody, full};
+use super::body::{self, Body, ReqBody};
 use super::{ApiError, AppState, Ctx, Route};
 use crate::policy::{
-    HostConfig, Limits, OnError, PolicyError, PolicyHost, PolicyKind, PolicyOptions,
-    render_prometheus,
+    Limits, OnError, PolicyError, PolicyHost, PolicyKind, PolicyOptions, render_prometheus,
 };
 
 type HandlerResult = Result<Response<Body>, ApiError>;

@@ -51,14 +51,29 @@ pub fn bearer_token(headers: &HeaderMap) -> Option<Result<&str, ApiError>> {
 }
 
 /// All keys the server accepts (config `[[keys]]` plus `MLXGATE_ADMIN_KEY`).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct KeyStore {
     keys: Vec<ApiKey>,
+    /// The caller of each key, in `keys`' order, made once.
+    callers: Vec<Caller>,
+    /// The caller of open inference (no keys configured).
+    anonymous: Caller,
+}
+
+impl Default for KeyStore {
+    fn default() -> Self {
+        KeyStore::new(Vec::new())
+    }
 }
 
 impl KeyStore {
     pub fn new(keys: Vec<ApiKey>) -> Self {
-        KeyStore { keys }
+        let callers = keys.iter().map(ApiKey::caller).collect();
+        KeyStore {
+            keys,
+            callers,
+            anonymous: Caller::anonymous(Scope::Infer),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -73,7 +88,7 @@ impl KeyStore {
             Some(c) if c.has(scope) => Ok(()),
             _ if self.is_empty() => Err(ApiError::ZoneClosed { scope }),
             c => Err(ApiError::InsufficientScope {
-                key_id: c.map_or_else(|| Caller::ANONYMOUS.into(), |c| c.key_id.clone()),
+                key_id: c.map_or_else(|| Caller::ANONYMOUS.into(), |c| c.key_id.to_string()),
                 scope,
             }),
         }
@@ -82,11 +97,15 @@ impl KeyStore {
     /// Finds the key whose digest matches `presented`. Every key is compared,
     /// so timing does not depend on which (if any) matched.
     pub fn lookup(&self, presented: &str) -> Option<&ApiKey> {
+        self.position(presented).map(|i| &self.keys[i])
+    }
+
+    fn position(&self, presented: &str) -> Option<usize> {
         let digest = KeyHash::of(presented);
         let mut found = None;
-        for key in &self.keys {
+        for (i, key) in self.keys.iter().enumerate() {
             if key.sha256.ct_eq(&digest) && found.is_none() {
-                found = Some(key);
+                found = Some(i);
             }
         }
         found
@@ -100,23 +119,20 @@ impl KeyStore {
     pub fn authorize(&self, headers: &HeaderMap, scope: Scope) -> Result<Caller, ApiError> {
         if self.keys.is_empty() {
             return match scope {
-                Scope::Infer => Ok(Caller::anonymous(scope)),
+                Scope::Infer => Ok(self.anonymous.clone()),
                 other => Err(ApiError::ZoneClosed { scope: other }),
             };
         }
         let token = bearer_token(headers).ok_or(ApiError::MissingApiKey)??;
-        let key = self.lookup(token).ok_or(ApiError::InvalidApiKey)?;
-        if !key.scopes.contains(&scope) {
+        let i = self.position(token).ok_or(ApiError::InvalidApiKey)?;
+        let caller = &self.callers[i];
+        if !caller.has(scope) {
             return Err(ApiError::InsufficientScope {
-                key_id: key.id.clone(),
+                key_id: caller.key_id.to_string(),
                 scope,
             });
         }
-        Ok(Caller {
-            key_id: key.id.clone(),
-            tenant: key.tenant.clone(),
-            scopes: key.scopes.clone(),
-        })
+        Ok(caller.clone())
     }
 }
 
@@ -161,7 +177,7 @@ mod tests {
             Err(ApiError::InsufficientScope { .. })
         ));
         let c = s.authorize(&bearer("bearer secret"), Scope::Infer).unwrap();
-        assert_eq!((c.key_id.as_str(), c.tenant.as_str()), ("k1", "acme"));
+        assert_eq!((&*c.key_id, &*c.tenant), ("k1", "acme"));
     }
 
     #[test]

@@ -209,7 +209,8 @@ impl ConnLimits {
         let slot = Slot(Arc::clone(&self.refusing));
         tokio::spawn(async move {
             let _slot = slot;
-            let _ = tokio::time::timeout(Duration::from_secs(3), answer_and_close(stream, err)).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), answer_and_close(stream, err)).await;
         });
     }
 }

@@ -100,7 +100,7 @@ async fn test_whoami(_cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         .ok_or_else(|| ApiError::Internal("no caller in a /v1 request".into()))?;
     body::json(
         StatusCode::OK,
-        &json!({"key_id": c.key_id, "tenant": c.tenant, "scopes": c.scopes}),
+        &json!({"key_id": &*c.key_id, "tenant": &*c.tenant, "scopes": &*c.scopes}),
     )
 }
 

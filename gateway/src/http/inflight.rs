@@ -35,7 +35,7 @@ pub struct Concurrency {
     /// A counter per configured key, made at start: taking a key's slot is
     /// a lookup and an atomic add, nothing allocated or locked (it happens
     /// on every inference request, proxied ones included).
-    keys: HashMap<String, Arc<Slots>>,
+    keys: HashMap<String, Arc<Slots>, crate::util::FnvBuild>,
     /// Open-inference callers, by client IP.
     by_ip: Mutex<HashMap<String, u32>>,
 }
@@ -89,7 +89,7 @@ impl Concurrency {
         peer: IpAddr,
     ) -> Result<Option<Permit>, ApiError> {
         if !caller.is_anonymous()
-            && let Some(slots) = self.keys.get(&caller.key_id)
+            && let Some(slots) = self.keys.get(&*caller.key_id)
         {
             let limit = slots.limit;
             if limit == 0 {
@@ -318,7 +318,7 @@ mod tests {
         Caller {
             key_id: id.into(),
             tenant: "t".into(),
-            scopes: vec![Scope::Infer],
+            scopes: [Scope::Infer].into(),
         }
     }
 
@@ -346,7 +346,7 @@ mod tests {
         let anon = Caller {
             key_id: Caller::ANONYMOUS.into(),
             tenant: Caller::ANONYMOUS.into(),
-            scopes: vec![Scope::Infer],
+            scopes: [Scope::Infer].into(),
         };
         let one = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1));
         let two = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));

@@ -22,8 +22,7 @@
 //! first use.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -180,9 +179,13 @@ async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         cx.state.keys.require(Some(&caller), Scope::Admin)?;
     }
     let row = jobs(&cx)?
-        .submit(kind, b.config, Some(caller.key_id), Some(caller.tenant))
-        .await
-        ?;
+        .submit(
+            kind,
+            b.config,
+            Some(caller.key_id.to_string()),
+            Some(caller.tenant.to_string()),
+        )
+        .await?;
     body::json(StatusCode::CREATED, &row)
 }
 
@@ -190,7 +193,7 @@ async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let caller = caller(&req)?;
     let q = query(&req);
     let mut filter = Filter {
-        tenant: (!caller.has(Scope::Admin)).then(|| caller.tenant.clone()),
+        tenant: (!caller.has(Scope::Admin)).then(|| caller.tenant.to_string()),
         ..Filter::default()
     };
     if let Some(s) = q.get("status").filter(|s| !s.is_empty()) {

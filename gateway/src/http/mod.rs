@@ -57,8 +57,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tracing::{Instrument, error, info, info_span, warn};
 
-use crate::config::Config;
 use crate::app::Policies;
+use crate::config::Config;
 use crate::engine::EngineOptions;
 use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 pub use auth::{Caller, KeyStore, Scope, Zone};
@@ -480,8 +480,8 @@ async fn handle(
             route = out.route,
             status,
             elapsed_ms = elapsed.as_micros() as f64 / 1e3,
-            key_id = out.caller.as_ref().map(|c| c.key_id.as_str()),
-            tenant = out.caller.as_ref().map(|c| c.tenant.as_str()),
+            key_id = out.caller.as_ref().map(|c| &*c.key_id),
+            tenant = out.caller.as_ref().map(|c| &*c.tenant),
             "request done"
         )
     });

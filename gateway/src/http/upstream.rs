@@ -19,8 +19,6 @@
 
 mod pool;
 
-
-use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -37,11 +35,10 @@ use http::header::{
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
-use serde::Deserialize;
 
 use super::body::{Body, BoxError};
-pub use crate::upstream::{DEFAULT_TIMEOUT_SECS, UpstreamSpec, validate_specs};
 use crate::upstream::{Base, PROXIED_PATHS, normalize_path};
+pub use crate::upstream::{DEFAULT_TIMEOUT_SECS, UpstreamSpec, validate_specs};
 use pool::{Lease, Pool};
 
 /// After a failure an upstream reports unhealthy for this long (or until a

@@ -20,12 +20,12 @@ use serde_json::Value;
 use tokio::sync::{Semaphore, watch};
 use tracing::{info, warn};
 
-use crate::util::panic_message;
 use super::config::{JobsConfig, PathGuard};
 use super::events::{EventLog, LogReader};
 use super::kinds::{AdapterMounts, ConfigError, Env, PolicyProvider, Spec};
 use super::ledger::{Filter, Ledger, LedgerError, Listing, Page, Patch};
 use super::types::{JobEvent, JobKind, JobRow, JobStatus, StoredEvent};
+use crate::util::panic_message;
 
 /// How a job body stops short.
 #[derive(Debug, thiserror::Error)]

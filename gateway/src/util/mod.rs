@@ -11,3 +11,31 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
+
+/// FNV-1a, for small maps whose keys come from the operator's config (key
+/// ids), never from clients: a few instructions per byte where the
+/// standard SipHash costs a couple of hundred per lookup, and nothing to
+/// defend against flooding.
+#[derive(Clone, Copy)]
+pub struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// A `HashMap` hasher builder for [`Fnv`].
+pub type FnvBuild = std::hash::BuildHasherDefault<Fnv>;

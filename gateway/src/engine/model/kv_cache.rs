@@ -509,7 +509,9 @@ impl KvCache {
         for layer in &self.layers {
             // What a layer holds between steps: every position, or the
             // window's last `window - 1` for a sliding layer.
-            let held = layer.window.map_or(tokens, |w| w.saturating_sub(1).min(tokens));
+            let held = layer
+                .window
+                .map_or(tokens, |w| w.saturating_sub(1).min(tokens));
             if layer.start != tokens - held || layer.start + layer.len() < tokens {
                 return None;
             }

@@ -7,10 +7,10 @@ use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
 use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
-use crate::util::time::unix_secs;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
+use crate::util::time::unix_secs;
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     // Routing first: a router policy may send this request upstream or refuse it.

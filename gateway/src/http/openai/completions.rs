@@ -6,10 +6,10 @@ use serde_json::Value;
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
 use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
-use crate::util::time::unix_secs;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
+use crate::util::time::unix_secs;
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     // Routing first: a router policy may send this request upstream or refuse it.

@@ -15,12 +15,10 @@ pub mod validate;
 
 pub use crate::engine;
 
-use std::sync::{Arc, LazyLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
 
 use futures_util::{Stream, StreamExt};
 use http::{Method, Response};
-use tokio::sync::Semaphore;
 
 use crate::engine::{
     EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
