@@ -174,11 +174,14 @@ impl AppState {
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, ApiError>> + Send>>;
 pub type Handler = fn(Ctx, Request<ReqBody>) -> HandlerFuture;
 
+/// Values of a route pattern's `{name}` segments, by name.
+pub type RouteParams = Vec<(&'static str, String)>;
+
 /// Per-request context handed to handlers next to the request.
 pub struct Ctx {
     pub state: Arc<AppState>,
     /// Values of the `{name}` segments of the matched pattern.
-    pub params: Vec<(&'static str, String)>,
+    pub params: RouteParams,
     pub request_id: String,
     /// The connection's peer (for handlers whose access depends on it,
     /// such as `/metrics`).
@@ -219,7 +222,7 @@ impl Route {
         self
     }
 
-    fn matches(&self, path: &str) -> Option<Vec<(&'static str, String)>> {
+    fn matches(&self, path: &str) -> Option<RouteParams> {
         // Most patterns have no parameter: one comparison, no splitting
         // (every request is matched against the table in order).
         if !self.pattern.contains('{') {
@@ -284,73 +287,57 @@ async fn route(
     request_id: String,
     peer: SocketAddr,
 ) -> Outcome {
-    let path = req.uri().path();
     let mut outcome = Outcome {
         route: metrics::UNMATCHED,
         caller: None,
         response: Response::default(),
         permit: None,
     };
-
-    let zone = Zone::of_path(path);
-    let caller = match zone {
-        Zone::Public => None,
-        Zone::Scoped(scope) => match state.keys.authorize(req.headers(), scope) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                outcome.response = e.into_response();
-                return outcome;
-            }
-        },
-    };
-    outcome.caller = caller.clone();
-
-    let mut allowed: Vec<&str> = Vec::new();
-    let mut found = None;
-    for r in &state.routes {
-        if let Some(params) = r.matches(path) {
-            if r.method == req.method() {
-                found = Some((r, params));
-                break;
-            }
-            // A 405 is still counted under the route's pattern.
-            outcome.route = r.pattern;
-            allowed.push(r.method.as_str());
+    let (r, params, limit) = match admit(&state, &req, peer, &mut outcome) {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            outcome.response = e.into_response();
+            return outcome;
         }
-    }
-    let Some((r, params)) = found else {
-        let err = if allowed.is_empty() {
-            ApiError::UnknownRoute {
-                method: req.method().to_string(),
-                path: path.to_owned(),
-            }
-        } else {
-            ApiError::MethodNotAllowed {
-                method: req.method().to_string(),
-                path: path.to_owned(),
-                allowed: allowed.join(", "),
-            }
-        };
-        outcome.response = err.into_response();
-        return outcome;
     };
-    outcome.route = r.pattern;
+    let mut req = req.map(|b| Limited::new(b, usize::try_from(limit).unwrap_or(usize::MAX)));
+    req.extensions_mut().insert(BodyLimit(limit));
+    if let Some(c) = outcome.caller.clone() {
+        req.extensions_mut().insert(c);
+    }
+    let handler = r.handler;
+    let cx = Ctx {
+        state,
+        params,
+        request_id,
+        peer,
+    };
+    outcome.response = call_handler(handler, cx, req).await;
+    outcome
+}
 
-    // Inference work (every POST under /v1/) counts against the caller's
-    // concurrency cap, before its body is even read.
+/// Everything decided before a handler runs: who is calling (auth by URL
+/// zone), which route, the caller's concurrency slot for inference work
+/// (every POST under `/v1/`, taken before the body is read) and the body's
+/// byte limit; or the refusal. Fills `outcome` as it learns.
+fn admit<'s>(
+    state: &'s AppState,
+    req: &Request<ReadDeadline<Incoming>>,
+    peer: SocketAddr,
+    outcome: &mut Outcome,
+) -> Result<(&'s Route, RouteParams, u64), ApiError> {
+    let path = req.uri().path();
+    let zone = Zone::of_path(path);
+    if let Zone::Scoped(scope) = zone {
+        outcome.caller = Some(state.keys.authorize(req.headers(), scope)?);
+    }
+    let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
     if zone == Zone::Scoped(Scope::Infer)
         && r.method == Method::POST
-        && let Some(c) = &caller
+        && let Some(c) = &outcome.caller
     {
-        match state.concurrency.acquire(c, peer.ip()) {
-            Ok(permit) => outcome.permit = permit,
-            Err(e) => {
-                outcome.response = e.into_response();
-                return outcome;
-            }
-        }
+        outcome.permit = state.concurrency.acquire(c, peer.ip())?;
     }
-
     let limit = r.body_limit.unwrap_or(state.config.max_body_bytes);
     let declared = req
         .headers()
@@ -358,23 +345,45 @@ async fn route(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
-        outcome.response = ApiError::BodyTooLarge { limit }.into_response();
-        return outcome;
+        return Err(ApiError::BodyTooLarge { limit });
     }
-    let mut req = req.map(|b| Limited::new(b, usize::try_from(limit).unwrap_or(usize::MAX)));
-    req.extensions_mut().insert(BodyLimit(limit));
-    if let Some(c) = caller {
-        req.extensions_mut().insert(c);
-    }
+    Ok((r, params, limit))
+}
 
-    let cx = Ctx {
-        state: Arc::clone(&state),
-        params,
-        request_id,
-        peer,
-    };
-    let handler = r.handler;
-    outcome.response = match AssertUnwindSafe(handler(cx, req)).catch_unwind().await {
+/// The route for `method` on `path`: 404, or 405 naming the methods the
+/// path allows. `pattern` is set to the route's pattern as soon as the path
+/// matches one (a 405 counts under it too).
+fn match_route<'r>(
+    routes: &'r [Route],
+    method: &Method,
+    path: &str,
+    pattern: &mut &'static str,
+) -> Result<(&'r Route, RouteParams), ApiError> {
+    let mut allowed: Vec<&str> = Vec::new();
+    for r in routes {
+        if let Some(params) = r.matches(path) {
+            *pattern = r.pattern;
+            if r.method == method {
+                return Ok((r, params));
+            }
+            allowed.push(r.method.as_str());
+        }
+    }
+    let (method, path) = (method.to_string(), path.to_owned());
+    Err(if allowed.is_empty() {
+        ApiError::UnknownRoute { method, path }
+    } else {
+        ApiError::MethodNotAllowed {
+            method,
+            path,
+            allowed: allowed.join(", "),
+        }
+    })
+}
+
+/// Runs a handler; its error, or a panic, becomes the error answer.
+async fn call_handler(handler: Handler, cx: Ctx, req: Request<ReqBody>) -> Response<Body> {
+    match AssertUnwindSafe(handler(cx, req)).catch_unwind().await {
         Ok(Ok(resp)) => resp,
         Ok(Err(e)) => e.into_response(),
         Err(panic) => {
@@ -382,8 +391,7 @@ async fn route(
             error!(panic = %what, "handler panicked");
             ApiError::Internal("internal error; the server log has details".into()).into_response()
         }
-    };
-    outcome
+    }
 }
 
 // ---------------------------------------------------------------- requests
