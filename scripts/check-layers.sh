@@ -54,8 +54,8 @@ if echo "$loops" | grep -qE 'loop|cycle'; then
 fi
 
 # Below the http layer nothing speaks HTTP: no server or client crates.
-# Files still allowed to (the CLI clients until they move to cli/); empty it then.
-TRANSPORT_ALLOW=${TRANSPORT_ALLOW-'jobs/cli.rs policy/cli.rs'}
+# Files still allowed to (none now: the CLI clients live in cli/, above http).
+TRANSPORT_ALLOW=${TRANSPORT_ALLOW-}
 transport=$(grep -rnE --include='*.rs' '^[[:space:]]*(pub )?use (hyper|hyper_util|http_body_util)(::|;)|^[[:space:]]*(pub )?use http::|\bhyper::|tokio::net::' \
   "$SRC/config.rs" "$SRC/engine" "$SRC/policy" "$SRC/jobs" "$SRC/mlx" 2>/dev/null || true)
 for f in $TRANSPORT_ALLOW; do transport=$(echo "$transport" | grep -v "^$SRC/$f:" || true); done

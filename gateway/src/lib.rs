@@ -7,6 +7,7 @@
 
 pub mod app;
 pub mod auth;
+pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod fixtures;

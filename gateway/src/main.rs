@@ -58,20 +58,20 @@ enum Command {
     Doctor(ConfigArgs),
     /// Manage Wasm policies: push, list, rm, bind (see guest-sdk/README.md).
     #[command(subcommand)]
-    Policy(mlxgate::policy::cli::PolicyCommand),
+    Policy(mlxgate::cli::policy::PolicyCommand),
     /// Dataset tools: run a dataset-transform policy over a JSONL file.
     #[command(subcommand)]
-    Dataset(mlxgate::policy::cli::DatasetCommand),
+    Dataset(mlxgate::cli::policy::DatasetCommand),
     /// Background jobs on a running gateway: submit, list, show, watch, cancel.
     #[command(subcommand)]
-    Jobs(mlxgate::jobs::cli::JobsCommand),
+    Jobs(mlxgate::cli::jobs::JobsCommand),
     /// Prompt caches on a running gateway: save, list, show, rm; and
     /// inspect a cache file offline.
     #[command(subcommand)]
-    Cache(mlxgate::http::prompt_caches::cli::CacheCommand),
+    Cache(mlxgate::cli::cache::CacheCommand),
     /// LoRA adapters on a running gateway: list, available, mount, unmount.
     #[command(subcommand)]
-    Adapters(mlxgate::http::adapters::cli::AdaptersCommand),
+    Adapters(mlxgate::cli::adapters::AdaptersCommand),
     /// Convert a GGUF model into an mlx-community style directory
     /// (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
     /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
@@ -282,11 +282,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", KeyHash::of(&key).to_hex());
             Ok(())
         }
-        Command::Policy(cmd) => mlxgate::policy::cli::run_policy(cmd),
-        Command::Dataset(cmd) => mlxgate::policy::cli::run_dataset(cmd),
-        Command::Jobs(cmd) => mlxgate::jobs::cli::run(cmd),
-        Command::Cache(cmd) => mlxgate::http::prompt_caches::cli::run(cmd),
-        Command::Adapters(cmd) => mlxgate::http::adapters::cli::run(cmd),
+        Command::Policy(cmd) => mlxgate::cli::policy::run_policy(cmd),
+        Command::Dataset(cmd) => mlxgate::cli::policy::run_dataset(cmd),
+        Command::Jobs(cmd) => mlxgate::cli::jobs::run(cmd),
+        Command::Cache(cmd) => mlxgate::cli::cache::run(cmd),
+        Command::Adapters(cmd) => mlxgate::cli::adapters::run(cmd),
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {

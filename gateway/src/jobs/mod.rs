@@ -13,7 +13,6 @@
 //!
 //! This module knows nothing of HTTP.
 
-pub mod cli;
 pub mod config;
 pub mod events;
 pub mod kinds;

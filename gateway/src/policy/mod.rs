@@ -9,7 +9,6 @@
 //! maps [`PolicyError::status`] and renders [`render_prometheus`].
 
 mod bindings;
-pub mod cli;
 mod engine;
 mod error;
 mod host;

@@ -8,8 +8,6 @@
 //! store for everyone else (the form `POST /v1/adapters` takes), so
 //! inference keys do not learn the server's directory layout.
 
-pub mod cli;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;

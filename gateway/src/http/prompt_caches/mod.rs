@@ -11,8 +11,6 @@
 //! With no API keys configured there are no tenants: everyone is the
 //! operator.
 
-pub mod cli;
-
 use http::{Method, Request, StatusCode};
 use serde_json::{Value, json};
 

@@ -9,8 +9,8 @@ use clap::{Args, Subcommand};
 use http::Method;
 use serde_json::{Value, json};
 
+use super::remote::{Remote, call_and_print};
 use crate::engine::prompt_cache::file::{MappedFile, read_header};
-use crate::jobs::cli::{Remote, call_and_print};
 
 #[derive(Subcommand, Debug)]
 pub enum CacheCommand {

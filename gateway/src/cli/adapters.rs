@@ -6,7 +6,7 @@ use clap::Subcommand;
 use http::Method;
 use serde_json::json;
 
-use crate::jobs::cli::{Remote, call_and_print};
+use super::remote::{Remote, call_and_print};
 
 #[derive(Subcommand, Debug)]
 pub enum AdaptersCommand {

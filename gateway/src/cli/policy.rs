@@ -1,7 +1,8 @@
 //! `mlxgate policy ...` and `mlxgate dataset transform ...`.
 //!
-//! `policy` commands talk to a running gateway's admin API (`--url`, admin key
-//! from `MLXGATE_ADMIN_KEY`), so the server picks changes up at once; with
+//! `policy` commands talk to a running gateway's admin API (`--url`; the key
+//! is `MLXGATE_ADMIN_KEY`, else `MLXGATE_API_KEY`: [`super::remote`]), so the
+//! server picks changes up at once; with
 //! `--data-dir` they work on a data dir directly instead (server stopped).
 //! `dataset transform` runs a dataset-transform policy in-process, from the
 //! policies stored in a data dir.
@@ -12,26 +13,22 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, anyhow, bail};
-use bytes::Bytes;
+use anyhow::Context;
 use clap::{Args, Subcommand};
-use http::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
-use http::{Method, Request};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
-use serde_json::json;
+use http::Method;
+use serde_json::{Value, json};
 
-use super::jsonl::{Batch, JsonlBatches};
-use super::{
+use super::remote::{Payload, Remote, call_blocking};
+use crate::policy::jsonl::{Batch, JsonlBatches};
+use crate::policy::{
     HostConfig, Limits, OnError, PolicyHost, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome,
 };
 
 /// Where `policy` commands act.
 #[derive(Args, Debug, Clone)]
 pub struct Target {
-    /// Base URL of the running gateway (admin key from MLXGATE_ADMIN_KEY).
-    #[arg(long, env = "MLXGATE_URL", default_value = "http://127.0.0.1:8080")]
-    url: String,
+    #[command(flatten)]
+    remote: Remote,
     /// Act on this data dir directly instead of a running gateway (stop the
     /// server first: it would not see the change and could overwrite it).
     #[arg(long, value_name = "DIR")]
@@ -148,7 +145,7 @@ pub fn run_policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                     )
                 }
                 None => {
-                    let v = admin(&t, Method::GET, "/admin/policies", None)?;
+                    let v = admin(&t, Method::GET, "/admin/policies", Payload::None)?;
                     let infos: Vec<PolicyInfo> = serde_json::from_value(v["data"].clone())
                         .context("unexpected answer from the gateway")?;
                     let b = |k: &str| v["bindings"][k].as_str().map(str::to_string);
@@ -171,7 +168,7 @@ pub fn run_policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                         &target,
                         Method::DELETE,
                         &format!("/admin/policies/{name}"),
-                        None,
+                        Payload::None,
                     )?;
                 }
             }
@@ -190,12 +187,11 @@ pub fn run_policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                     }
                 }
                 None => {
-                    let body = serde_json::to_vec(&json!({ "policy": name }))?;
                     admin(
                         &target,
                         Method::PUT,
                         &format!("/admin/bindings/{kind}"),
-                        Some(body),
+                        Payload::Json(json!({ "policy": name })),
                     )?;
                 }
             }
@@ -260,7 +256,7 @@ fn push(a: PushArgs) -> anyhow::Result<()> {
                 q.push_str(&format!("&memory_mb={v}"));
             }
             let path = format!("/admin/policies/{}?{q}", a.name);
-            let v = admin(&a.target, Method::PUT, &path, Some(bytes))?;
+            let v = admin(&a.target, Method::PUT, &path, Payload::Wasm(bytes))?;
             serde_json::from_value(v).context("unexpected answer from the gateway")?
         }
     };
@@ -326,69 +322,9 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
-/// One admin API call; non-2xx answers become errors carrying the
-/// gateway's message.
-fn admin(
-    t: &Target,
-    method: Method,
-    path: &str,
-    body: Option<Vec<u8>>,
-) -> anyhow::Result<serde_json::Value> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    let (status, bytes) = rt.block_on(http_call(&t.url, method, path, body))?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_else(
-        |_| json!({ "error": { "message": String::from_utf8_lossy(&bytes).into_owned() } }),
-    );
-    if !status.is_success() {
-        let msg = v["error"]["message"].as_str().unwrap_or("(no message)");
-        let code = v["error"]["code"].as_str().unwrap_or("");
-        bail!("gateway answered {status}: {msg} [{code}]");
-    }
-    Ok(v)
-}
-
-async fn http_call(
-    url: &str,
-    method: Method,
-    path: &str,
-    body: Option<Vec<u8>>,
-) -> anyhow::Result<(http::StatusCode, Bytes)> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("--url must start with http:// (got {url})"))?
-        .trim_end_matches('/');
-    let (authority, base) = match rest.split_once('/') {
-        Some((a, b)) => (a, format!("/{b}")),
-        None => (rest, String::new()),
-    };
-    let stream = tokio::net::TcpStream::connect(authority)
-        .await
-        .with_context(|| format!("cannot connect to {url}; is the gateway running?"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    let mut req = Request::builder()
-        .method(method)
-        .uri(format!("{base}{path}"))
-        .header(HOST, authority);
-    if body.is_some() {
-        let ct = if path.starts_with("/admin/bindings") {
-            "application/json"
-        } else {
-            "application/wasm"
-        };
-        req = req.header(CONTENT_TYPE, ct);
-    }
-    if let Ok(key) = std::env::var("MLXGATE_ADMIN_KEY") {
-        req = req.header(AUTHORIZATION, format!("Bearer {key}"));
-    }
-    let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
-    let resp = sender.send_request(req).await?;
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await?.to_bytes();
-    Ok((status, bytes))
+/// One admin API call on the running gateway.
+fn admin(t: &Target, method: Method, path: &str, payload: Payload) -> anyhow::Result<Value> {
+    call_blocking(&t.remote, method, path, payload)
 }
 
 /// Runs a `dataset` subcommand.

@@ -1,5 +1,5 @@
 //! `mlxgate jobs submit|list|show|watch|cancel`: a client of a running
-//! gateway's `/api/jobs` (`--url`, key from `MLXGATE_API_KEY`). `watch`
+//! gateway's `/api/jobs` (`--url`; the key rule is [`super::remote`]'s). `watch`
 //! follows the job's event stream with a progress bar, reconnecting with
 //! `Last-Event-ID` if the connection drops.
 
@@ -7,24 +7,25 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail};
-use bytes::Bytes;
-use clap::{Args, Subcommand};
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use anyhow::{Context, bail};
+use clap::Subcommand;
+use http::Method;
+use http::header::ACCEPT;
+use http_body_util::BodyExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
-use super::types::{JobEvent, StoredEvent};
+use super::remote::{Payload, Remote, api_failure, print};
+use crate::jobs::types::{JobEvent, StoredEvent};
 
-/// Where the gateway is (shared by the CLI's other API clients).
-#[derive(Args, Debug, Clone)]
-pub struct Remote {
-    /// Base URL of the running gateway (key from MLXGATE_API_KEY).
-    #[arg(long, env = "MLXGATE_URL", default_value = "http://127.0.0.1:8080")]
-    url: String,
+/// One JSON call to the gateway.
+async fn call(
+    r: &Remote,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<Value> {
+    super::remote::call(r, method, path, body.map_or(Payload::None, Payload::Json)).await
 }
 
 #[derive(Subcommand, Debug)]
@@ -92,13 +93,6 @@ pub fn run(cmd: JobsCommand) -> anyhow::Result<()> {
     rt.block_on(run_async(cmd))
 }
 
-fn print(v: &Value) {
-    println!(
-        "{}",
-        serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
-    );
-}
-
 async fn run_async(cmd: JobsCommand) -> anyhow::Result<()> {
     match cmd {
         JobsCommand::Submit {
@@ -153,99 +147,6 @@ async fn run_async(cmd: JobsCommand) -> anyhow::Result<()> {
     }
 }
 
-/// A connection to the gateway and the path prefix of `--url`.
-async fn connect(
-    url: &str,
-) -> anyhow::Result<(
-    hyper::client::conn::http1::SendRequest<Full<Bytes>>,
-    String,
-    String,
-)> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("--url must start with http:// (got {url})"))?
-        .trim_end_matches('/');
-    let (authority, base) = match rest.split_once('/') {
-        Some((a, b)) => (a.to_owned(), format!("/{b}")),
-        None => (rest.to_owned(), String::new()),
-    };
-    let stream = tokio::net::TcpStream::connect(&authority)
-        .await
-        .with_context(|| format!("cannot connect to {url}; is the gateway running?"))?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    Ok((sender, authority, base))
-}
-
-fn request(
-    authority: &str,
-    method: Method,
-    uri: String,
-    body: Option<Value>,
-) -> anyhow::Result<Request<Full<Bytes>>> {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header(HOST, authority);
-    if let Ok(key) = std::env::var("MLXGATE_API_KEY") {
-        req = req.header(AUTHORIZATION, format!("Bearer {key}"));
-    }
-    let bytes = match body {
-        Some(b) => {
-            req = req.header(CONTENT_TYPE, "application/json");
-            Bytes::from(b.to_string())
-        }
-        None => Bytes::new(),
-    };
-    Ok(req.body(Full::new(bytes))?)
-}
-
-fn api_failure(status: StatusCode, bytes: &[u8]) -> anyhow::Error {
-    let v: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
-    let msg = v["error"]["message"]
-        .as_str()
-        .map(str::to_owned)
-        .unwrap_or_else(|| String::from_utf8_lossy(bytes).into_owned());
-    let code = v["error"]["code"].as_str().unwrap_or("");
-    anyhow!("gateway answered {status}: {msg} [{code}]")
-}
-
-/// [`call`] from synchronous code, printing the answer as pretty JSON: what
-/// the CLI's one-request commands (`cache`, `adapters`) do.
-pub(crate) fn call_and_print(
-    r: &Remote,
-    method: Method,
-    path: &str,
-    body: Option<Value>,
-) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    let answer = rt.block_on(call(r, method, path, body))?;
-    print(&answer);
-    Ok(())
-}
-
-/// One JSON call; non-2xx answers become errors with the gateway's message.
-pub(crate) async fn call(
-    r: &Remote,
-    method: Method,
-    path: &str,
-    body: Option<Value>,
-) -> anyhow::Result<Value> {
-    let (mut sender, authority, base) = connect(&r.url).await?;
-    let resp = sender
-        .send_request(request(&authority, method, format!("{base}{path}"), body)?)
-        .await?;
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await?.to_bytes();
-    if !status.is_success() {
-        return Err(api_failure(status, &bytes));
-    }
-    serde_json::from_slice(&bytes).context("the gateway's answer is not JSON")
-}
-
 /// Splits SSE text into events; returns the `data` of complete ones and
 /// keeps a partial event in `buf`.
 fn take_events(buf: &mut String) -> Vec<String> {
@@ -283,12 +184,11 @@ async fn watch_job(r: &Remote, id: &str, json_lines: bool) -> anyhow::Result<()>
     let mut ended = None;
     let mut attempts = 0;
     while ended.is_none() {
-        let (mut sender, authority, base) = connect(&r.url).await?;
-        let mut req = request(
-            &authority,
+        let mut conn = r.connect().await?;
+        let mut req = conn.request(
             Method::GET,
-            format!("{base}/api/jobs/{id}/events"),
-            None,
+            &format!("/api/jobs/{id}/events"),
+            Payload::None,
         )?;
         req.headers_mut()
             .insert(ACCEPT, "text/event-stream".parse()?);
@@ -296,7 +196,7 @@ async fn watch_job(r: &Remote, id: &str, json_lines: bool) -> anyhow::Result<()>
             req.headers_mut()
                 .insert("last-event-id", last_seq.to_string().parse()?);
         }
-        let resp = sender.send_request(req).await?;
+        let resp = conn.sender.send_request(req).await?;
         let status = resp.status();
         let mut body = resp.into_body();
         if !status.is_success() {

@@ -1,0 +1,11 @@
+//! The `mlxgate` subcommands that are not the server: clients of a running
+//! gateway (`policy`, `jobs`, `cache`, `adapters`, all through [`remote`])
+//! and offline tools (`dataset transform`, `cache inspect`, `policy
+//! --data-dir`). The top of the command line (`serve`, `keys`, `doctor`,
+//! `convert`) is `main.rs`.
+
+pub mod adapters;
+pub mod cache;
+pub mod jobs;
+pub mod policy;
+pub mod remote;
