@@ -15,9 +15,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::{BIN, Server, ServerBuilder, real_model};
+use support::BIN;
 
-const LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// Generous bound for anything the server should do "promptly".
 const PROMPT: Duration = Duration::from_secs(20);
 /// How long a request queued behind 16 stalled streams may wait: their
@@ -335,20 +334,6 @@ fn partial_bodies_get_408_and_floods_do_not_stop_healthz() {
     assert_eq!(probe_health(s.addr), Ok(200));
 }
 
-/// A server with the real model loaded; returns it and the model id.
-fn model_server(config: &str) -> (Server, String) {
-    let model = real_model();
-    assert!(
-        model.is_file(),
-        "{} is missing: run scripts/setup.sh to install the model",
-        model.display()
-    );
-    let s = ServerBuilder::new().model(&model).config(config).start();
-    let ready = s.wait_for_status("/readyz", 200, LOAD_TIMEOUT);
-    let id = ready.json()["model"].as_str().unwrap().to_owned();
-    (s, id)
-}
-
 /// A chat request that would run for minutes: end-of-sequence banned
 /// (SmolLM2: <|endoftext|> 0, <|im_end|> 2), many tokens, and 20 top
 /// logprobs so every chunk is a couple of kilobytes.
@@ -397,7 +382,7 @@ fn read_head(r: &mut BufReader<TcpStream>) -> String {
 
 #[test]
 fn a_stream_whose_client_stops_reading_is_cancelled_and_frees_its_slot() {
-    let (s, model) = model_server("[server]\nstream_stall_timeout_secs = 2\n");
+    let (s, model) = support::model_server("[server]\nstream_stall_timeout_secs = 2\n");
     // As many streams as the engine batches at once (16), none ever read.
     let stalled: Vec<TcpStream> = (0..16)
         .map(|_| {
@@ -465,7 +450,7 @@ fn per_key_concurrency_cap_gives_429_and_spares_other_keys() {
         key("key-a", "max_concurrent_requests = 2\n"),
         key("key-b", "")
     );
-    let (s, model) = model_server(&config);
+    let (s, model) = support::model_server(&config);
     let auth_a = [("authorization", "Bearer key-a")];
     let open_stream = || {
         let mut c = TcpStream::connect(s.addr).unwrap();

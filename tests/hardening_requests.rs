@@ -10,20 +10,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use support::{Server, ServerBuilder};
 
-fn post(s: &Server, path: &str, body: &Value) -> support::Response {
-    let bytes = serde_json::to_vec(body).expect("encode");
-    s.request(
-        "POST",
-        path,
-        &[("content-type", "application/json")],
-        Some(&bytes),
-    )
-}
-
 /// Asserts a 400 naming `param` with `code`; returns the message.
 #[track_caller]
 fn expect_400(s: &Server, body: Value, param: &str, code: &str) -> String {
-    let r = post(s, "/v1/chat/completions", &body);
+    let r = s.post_json("/v1/chat/completions", &body);
     let e = r.api_error(400, "invalid_request_error", code);
     assert_eq!(e["param"], param, "{e}");
     e["message"].as_str().unwrap_or_default().to_owned()
@@ -128,8 +118,7 @@ fn amplifiers_are_capped_with_a_400_naming_the_field() {
     );
 
     // The model still serves after all of that.
-    let r = post(
-        &s,
+    let r = s.post_json(
         "/v1/chat/completions",
         &chat(&m, json!({"max_tokens": 2, "stop": ["x".repeat(256)]})),
     );
@@ -154,15 +143,14 @@ fn prompt_text_that_cannot_fit_is_refused_before_tokenizing() {
             "prompt",
         ),
     ] {
-        let r = post(&s, path, &body);
+        let r = s.post_json(path, &body);
         let e = r.api_error(400, "invalid_request_error", "context_length_exceeded");
         assert_eq!(e["param"], param, "{e}");
         let message = e["message"].as_str().unwrap();
         assert!(message.contains("refused before tokenizing"), "{message}");
     }
     // A prompt that fits is still served.
-    let r = post(
-        &s,
+    let r = s.post_json(
         "/v1/completions",
         &json!({"model": m, "prompt": "Once", "max_tokens": 2}),
     );

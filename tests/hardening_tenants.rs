@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::{Response, Server, ServerBuilder, real_model, try_request};
+use support::{Response, Server, ServerBuilder, real_model};
 
 const ADMIN: &str = "tenants-admin-key";
 /// Tenant `a`, two keys.
@@ -48,20 +48,7 @@ fn server(config: &str, with_model: bool) -> Server {
 }
 
 fn call(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&Value>) -> Response {
-    let auth = format!("Bearer {key}");
-    let text = body.map(Value::to_string);
-    let mut headers = vec![("authorization", auth.as_str())];
-    if text.is_some() {
-        headers.push(("content-type", "application/json"));
-    }
-    try_request(
-        addr,
-        method,
-        path,
-        &headers,
-        text.as_deref().map(str::as_bytes),
-    )
-    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    support::keyed_call(addr, method, path, key, body)
 }
 
 fn model_id(s: &Server) -> String {

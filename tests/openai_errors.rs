@@ -22,19 +22,9 @@ fn server() -> Server {
     s
 }
 
-fn post(s: &Server, path: &str, body: &Value) -> support::Response {
-    let bytes = serde_json::to_vec(body).expect("encode");
-    s.request(
-        "POST",
-        path,
-        &[("content-type", "application/json")],
-        Some(&bytes),
-    )
-}
-
 #[track_caller]
 fn expect_400(s: &Server, path: &str, body: Value, param: &str, code: &str) {
-    let r = post(s, path, &body);
+    let r = s.post_json(path, &body);
     let e = r.api_error(400, "invalid_request_error", code);
     assert_eq!(e["param"], param, "{body} -> {e}");
 }
@@ -205,18 +195,17 @@ fn malformed_completion_requests_are_400_with_param() {
 #[test]
 fn unknown_model_is_404_in_openai_words() {
     let s = server();
-    let e = post(
-        &s,
-        "/v1/chat/completions",
-        &json!({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .api_error(404, "not_found_error", "model_not_found");
+    let e = s
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .api_error(404, "not_found_error", "model_not_found");
     assert_eq!(
         e["message"],
         "The model `gpt-17` does not exist or you do not have access to it."
     );
-    post(
-        &s,
+    s.post_json(
         "/v1/completions",
         &json!({"model": "gpt-17", "prompt": "hi"}),
     )
@@ -230,8 +219,7 @@ fn aliased_model_that_failed_to_load_is_503_with_the_reason() {
         .start();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let r = post(
-            &s,
+        let r = s.post_json(
             "/v1/chat/completions",
             &json!({"model": "other", "messages": [{"role": "user", "content": "hi"}]}),
         );

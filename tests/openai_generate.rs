@@ -9,33 +9,10 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{Server, ServerBuilder, real_model};
-
-const LOAD_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A server with the real model loaded; returns it and the model id.
-fn server_with(config: &str) -> (Server, String) {
-    let model = real_model();
-    assert!(
-        model.is_file(),
-        "{} is missing: run scripts/setup.sh to install the model",
-        model.display()
-    );
-    let s = ServerBuilder::new().model(&model).config(config).start();
-    let ready = s.wait_for_status("/readyz", 200, LOAD_TIMEOUT);
-    let id = ready.json()["model"]
-        .as_str()
-        .expect("readyz names the model")
-        .to_owned();
-    (s, id)
-}
+use support::{Server, real_model};
 
 fn server() -> (Server, String) {
-    server_with("")
-}
-
-fn post(s: &Server, path: &str, body: &Value) -> support::Response {
-    post_with(s, path, body, &[])
+    support::model_server("")
 }
 
 fn post_with(s: &Server, path: &str, body: &Value, headers: &[(&str, &str)]) -> support::Response {
@@ -48,7 +25,7 @@ fn post_with(s: &Server, path: &str, body: &Value, headers: &[(&str, &str)]) -> 
 /// POSTs and asserts 200, returning the JSON body.
 #[track_caller]
 fn ok(s: &Server, path: &str, body: &Value) -> Value {
-    let r = post(s, path, body);
+    let r = s.post_json(path, body);
     assert_eq!(r.status, 200, "{}; log:\n{}", r.text(), s.log_text());
     r.json()
 }
@@ -144,7 +121,7 @@ fn chat_completion_streamed() {
         "Say hello.",
         json!({"max_tokens": 6, "stream": true, "stream_options": {"include_usage": true}}),
     );
-    let data = sse_data(&post(&s, "/v1/chat/completions", &body));
+    let data = sse_data(&s.post_json("/v1/chat/completions", &body));
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
     let chunks: Vec<Value> = data[..data.len() - 1]
         .iter()
@@ -187,7 +164,7 @@ fn chat_completion_streamed() {
         "Say hello.",
         json!({"max_tokens": 3, "stream": true}),
     );
-    let data = sse_data(&post(&s, "/v1/chat/completions", &body));
+    let data = sse_data(&s.post_json("/v1/chat/completions", &body));
     let last: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
     assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
     assert!(last.get("usage").is_none(), "{last}");
@@ -225,8 +202,7 @@ fn text_completion_whole_and_streamed() {
     );
     assert_eq!(v["usage"]["prompt_tokens"], 3, "{v}");
 
-    let r = post(
-        &s,
+    let r = s.post_json(
         "/v1/completions",
         &json!({"model": model, "prompt": "The sky is", "max_tokens": 5, "temperature": 0, "stream": true}),
     );
@@ -319,11 +295,9 @@ fn stop_string_ends_generation_and_is_not_emitted() {
 fn prompt_longer_than_the_context_is_400_context_length_exceeded() {
     let (s, model) = server();
     let long = "hello ".repeat(10_000);
-    let e = post(&s, "/v1/chat/completions", &chat(&model, &long, json!({}))).api_error(
-        400,
-        "invalid_request_error",
-        "context_length_exceeded",
-    );
+    let e = s
+        .post_json("/v1/chat/completions", &chat(&model, &long, json!({})))
+        .api_error(400, "invalid_request_error", "context_length_exceeded");
     assert_eq!(e["param"], "messages");
     assert!(
         e["message"]
@@ -332,20 +306,20 @@ fn prompt_longer_than_the_context_is_400_context_length_exceeded() {
             .contains("maximum context length"),
         "{e}"
     );
-    let e = post(
-        &s,
-        "/v1/completions",
-        &json!({"model": model, "prompt": "hi", "max_tokens": 10_000_000}),
-    )
-    .api_error(400, "invalid_request_error", "context_length_exceeded");
+    let e = s
+        .post_json(
+            "/v1/completions",
+            &json!({"model": model, "prompt": "hi", "max_tokens": 10_000_000}),
+        )
+        .api_error(400, "invalid_request_error", "context_length_exceeded");
     assert_eq!(e["param"], "prompt");
     // Token ids outside the vocabulary are the client's mistake too.
-    let e = post(
-        &s,
-        "/v1/chat/completions",
-        &chat(&model, "hi", json!({"logit_bias": {"999999999": 5}})),
-    )
-    .api_error(400, "invalid_request_error", "invalid_value");
+    let e = s
+        .post_json(
+            "/v1/chat/completions",
+            &chat(&model, "hi", json!({"logit_bias": {"999999999": 5}})),
+        )
+        .api_error(400, "invalid_request_error", "invalid_value");
     assert_eq!(e["param"], "logit_bias");
 }
 
@@ -523,7 +497,7 @@ fn two_models_are_served_side_by_side() {
         "[[models]]\npath = \"{}\"\nid = \"smol-b\"\n",
         path.display()
     );
-    let (s, first) = server_with(&config);
+    let (s, first) = support::model_server(&config);
     let list = s.get("/v1/models").json();
     let ids: Vec<&str> = list["data"]
         .as_array()

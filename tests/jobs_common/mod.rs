@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Response, Server, ServerBuilder, try_request};
+use crate::support::{Response, Server, ServerBuilder};
 
 /// All scopes (the bootstrap admin key).
 pub const ADMIN: &str = "jobs-test-admin-key";
@@ -58,20 +58,7 @@ pub fn call(
     key: &str,
     body: Option<&Value>,
 ) -> Response {
-    let a = auth(key);
-    let text = body.map(|b| b.to_string());
-    let mut headers = vec![("authorization", a.as_str())];
-    if text.is_some() {
-        headers.push(("content-type", "application/json"));
-    }
-    try_request(
-        addr,
-        method,
-        path,
-        &headers,
-        text.as_deref().map(str::as_bytes),
-    )
-    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    crate::support::keyed_call(addr, method, path, key, body)
 }
 
 pub fn submit(addr: SocketAddr, key: &str, kind: &str, config: Value) -> Response {

@@ -17,6 +17,48 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_mlxgate");
 
+/// A server with the packaged model loaded (`config` as its config file);
+/// returns it and the model's id.
+pub fn model_server(config: &str) -> (Server, String) {
+    let model = real_model();
+    assert!(
+        model.is_file(),
+        "{} is missing: run scripts/setup.sh to install the model",
+        model.display()
+    );
+    let s = ServerBuilder::new().model(&model).config(config).start();
+    let ready = s.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    let id = ready.json()["model"]
+        .as_str()
+        .expect("readyz names the model")
+        .to_owned();
+    (s, id)
+}
+
+/// One request with `Authorization: Bearer key` and, if given, a JSON body.
+pub fn keyed_call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    key: &str,
+    body: Option<&serde_json::Value>,
+) -> Response {
+    let auth = format!("Bearer {key}");
+    let text = body.map(serde_json::Value::to_string);
+    let mut headers = vec![("authorization", auth.as_str())];
+    if text.is_some() {
+        headers.push(("content-type", "application/json"));
+    }
+    try_request(
+        addr,
+        method,
+        path,
+        &headers,
+        text.as_deref().map(str::as_bytes),
+    )
+    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
 /// How long a server may take to answer /healthz after start.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -284,6 +326,17 @@ impl Server {
     ) -> Response {
         try_request(self.addr, method, path, headers, body)
             .unwrap_or_else(|e| panic!("{method} {path} failed: {e}; log:\n{}", self.log_text()))
+    }
+
+    /// POSTs `body` as JSON.
+    pub fn post_json(&self, path: &str, body: &serde_json::Value) -> Response {
+        let bytes = serde_json::to_vec(body).expect("encode");
+        self.request(
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            Some(&bytes),
+        )
     }
 
     /// Writes `raw` as the whole request and reads the response.
