@@ -388,10 +388,11 @@ impl FinetuneSpec {
         }
     }
 
+    /// Loads the model and data, trains (resuming a checkpoint when asked),
+    /// writes the adapter and mounts it when asked; `stage`, `metric` and
+    /// `log` events along the way.
     pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
-        let fail = |e: train::TrainError| RunError::Failed(e.to_string());
         let started = Instant::now();
-        let s = &self.settings;
         let (out, adapter_name) = self.destination(ctx.id());
         // Checked at submit; a job queued behind another of the same name
         // finds its adapter here.
@@ -401,66 +402,26 @@ impl FinetuneSpec {
                 out.display()
             )));
         }
-        ctx.emit(JobEvent::stage(
-            "load",
-            Some(0.0),
-            Some(format!("loading {}", self.model.display())),
-        ));
-        let model = LoadedModel::load(&self.model)
-            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        let model = self.load_model(ctx)?;
         // Training's matmuls are large and dense: BLAS on every core while it
         // runs (engines on native kernels keep it to one).
         let _blas = crate::mlx::kernels::BlasThreads::all_cores();
-        // The base stays frozen either way; dense copies of quantized
-        // matrices make MLX's CPU backend much faster (BLAS).
-        let dense = if self.dequantize_base {
-            Some(
-                model
-                    .transformer
-                    .dequantized()
-                    .map_err(|e| RunError::Failed(format!("cannot dequantize the base: {e}")))?,
-            )
-        } else {
-            None
-        };
+        let dense = self.dense_base(ctx, &model)?;
         let base_model = dense.as_ref().unwrap_or(&model.transformer);
-        mlx_rs::transforms::eval(base_model.parameters())
-            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
-        ctx.check()?;
-        if s.lora.num_layers > model.transformer.config.layers {
-            return Err(RunError::Failed(format!(
-                "num_layers {} exceeds the model's {} layers",
-                s.lora.num_layers, model.transformer.config.layers
-            )));
-        }
-        let train_split =
-            train::load_split(&self.data.join("train.jsonl"), &model.codec, s).map_err(fail)?;
-        let valid_path = self.data.join("valid.jsonl");
-        let valid_split = if valid_path.is_file() {
-            Some(train::load_split(&valid_path, &model.codec, s).map_err(fail)?)
-        } else {
-            None
-        };
-        let truncated = train_split.truncated + valid_split.as_ref().map_or(0, |v| v.truncated);
-        if truncated > 0 {
-            ctx.log(format!(
-                "{truncated} example(s) longer than max_seq_len {} were cut",
-                s.max_seq_len
-            ));
-        }
-        let run_id = self.run_fingerprint(&model.id);
+        let (train_examples, valid_examples) = self.load_data(ctx, &model)?;
+        let s = &self.settings;
         let mut trainer = Trainer::new(
             base_model,
             s.clone(),
-            train_split.examples,
-            valid_split.map(|v| v.examples).unwrap_or_default(),
-            run_id,
+            train_examples,
+            valid_examples,
+            self.run_fingerprint(&model.id),
         )
-        .map_err(fail)?;
+        .map_err(failed)?;
         let checkpoint = out.join("checkpoint");
         let mut resumed_from = None;
         if self.resume && checkpoint.join("trainer_state.json").is_file() {
-            trainer.resume(&checkpoint).map_err(fail)?;
+            trainer.resume(&checkpoint).map_err(failed)?;
             resumed_from = Some(trainer.state.step);
             ctx.log(format!(
                 "resumed from the checkpoint at step {}",
@@ -482,114 +443,10 @@ impl FinetuneSpec {
             )),
         ));
 
-        let iterations = s.iterations;
-        let progress = |step: usize| step as f64 / iterations as f64;
-        let val_metric = |step: usize, loss: f64| JobEvent::Metric {
-            kind: "val".into(),
-            step: step as u64,
-            loss: Some(loss),
-            progress: Some(progress(step)),
-            message: Some(format!(
-                "step {step}/{iterations}: validation loss {loss:.4}"
-            )),
-            extra: Map::new(),
-        };
-        let mut first_val = trainer.state.val_losses.first().map(|v| v.1);
-        let mut last_val = trainer.state.val_losses.last().map(|v| v.1);
-        if trainer.state.step == 0
-            && let Some(loss) = trainer.validate().map_err(fail)?
-        {
-            trainer.state.val_losses.push((0, loss));
-            first_val = Some(loss);
-            last_val = Some(loss);
-            ctx.emit(val_metric(0, loss));
-        }
-        ctx.emit(JobEvent::stage(
-            "train",
-            Some(progress(trainer.state.step)),
-            Some(format!(
-                "training from step {} to {iterations}",
-                trainer.state.step
-            )),
-        ));
         let base = model.id.clone();
-        let save_checkpoint = |trainer: &Trainer<'_>| -> Result<(), RunError> {
-            trainer.save_checkpoint(&checkpoint, &base).map_err(fail)?;
-            ctx.log(format!("checkpoint saved at step {}", trainer.state.step));
-            Ok(())
-        };
-        let mut last_checkpoint = trainer.state.step;
-        let (mut window_loss, mut window_steps, mut window_tokens, mut window_secs) =
-            (0.0, 0usize, 0usize, 0.0);
-        let mut last_train_loss = None;
-        while trainer.state.step < iterations {
-            if ctx.is_cancelled() {
-                if trainer.state.step > last_checkpoint {
-                    save_checkpoint(&trainer)?;
-                }
-                return Err(RunError::Cancelled);
-            }
-            let r = trainer.step().map_err(fail)?;
-            if !r.loss.is_finite() {
-                return Err(RunError::Failed(format!(
-                    "the loss is {} at step {}; lower the learning rate",
-                    r.loss, r.step
-                )));
-            }
-            window_loss += r.loss;
-            window_steps += 1;
-            window_tokens += r.trained_tokens;
-            window_secs += r.seconds;
-            last_train_loss = Some(r.loss);
-            if r.step % self.report_interval == 0 || r.step == iterations {
-                let tokens_per_sec = window_tokens as f64 / window_secs.max(1e-9);
-                let loss = window_loss / window_steps as f64;
-                let mut extra = Map::new();
-                extra.insert("grad_norm".into(), json!(r.grad_norm));
-                extra.insert("learning_rate".into(), json!(r.learning_rate));
-                extra.insert("tokens_per_sec".into(), json!(tokens_per_sec));
-                extra.insert("trained_tokens".into(), json!(trainer.state.trained_tokens));
-                ctx.emit(JobEvent::Metric {
-                    kind: "train".into(),
-                    step: r.step as u64,
-                    loss: Some(loss),
-                    progress: Some(progress(r.step)),
-                    message: Some(format!(
-                        "step {}/{iterations}: loss {loss:.4}, {tokens_per_sec:.0} tokens/s",
-                        r.step
-                    )),
-                    extra,
-                });
-                (window_loss, window_steps, window_tokens, window_secs) = (0.0, 0, 0, 0.0);
-            }
-            let validate_now =
-                (self.val_interval > 0 && r.step % self.val_interval == 0) || r.step == iterations;
-            if validate_now && let Some(loss) = trainer.validate().map_err(fail)? {
-                trainer.state.val_losses.push((r.step, loss));
-                last_val = Some(loss);
-                first_val.get_or_insert(loss);
-                ctx.emit(val_metric(r.step, loss));
-            }
-            if self.checkpoint_interval > 0
-                && r.step % self.checkpoint_interval == 0
-                && r.step < iterations
-            {
-                save_checkpoint(&trainer)?;
-                last_checkpoint = r.step;
-            }
-        }
+        let losses = self.train(ctx, &mut trainer, &checkpoint, &base)?;
 
-        ctx.emit(JobEvent::stage(
-            "save",
-            Some(1.0),
-            Some(format!("writing the adapter to {}", out.display())),
-        ));
-        write_adapter(&out, &trainer, &base)?;
-        let _ = std::fs::remove_dir_all(&checkpoint);
-        let mounted_on = match &self.mount {
-            Some(m) => Some(mount_adapter(ctx, m, &adapter_name, &out, &self.model)?),
-            None => None,
-        };
+        let mounted_on = self.save(ctx, &trainer, &out, &adapter_name, &base)?;
         let st = &trainer.state;
         let summary = json!({
             "adapter": adapter_name,
@@ -597,9 +454,9 @@ impl FinetuneSpec {
             "base_model": base,
             "steps": st.step,
             "resumed_from": resumed_from,
-            "final_train_loss": last_train_loss,
-            "initial_val_loss": first_val,
-            "final_val_loss": last_val,
+            "final_train_loss": losses.last_train,
+            "initial_val_loss": losses.first_val,
+            "final_val_loss": losses.last_val,
             "val_losses": st.val_losses,
             "train_seconds": st.train_seconds,
             "wall_seconds": started.elapsed().as_secs_f64(),
@@ -614,6 +471,252 @@ impl FinetuneSpec {
             output_path: Some(out),
             summary: Some(summary),
         })
+    }
+
+    /// The `save` stage: the adapter written (its checkpoint removed) and,
+    /// when asked, mounted; returns the model it was mounted on.
+    fn save(
+        &self,
+        ctx: &JobCtx,
+        trainer: &Trainer<'_>,
+        out: &Path,
+        adapter_name: &str,
+        base: &str,
+    ) -> Result<Option<String>, RunError> {
+        ctx.emit(JobEvent::stage(
+            "save",
+            Some(1.0),
+            Some(format!("writing the adapter to {}", out.display())),
+        ));
+        write_adapter(out, trainer, base)?;
+        let _ = std::fs::remove_dir_all(out.join("checkpoint"));
+        match &self.mount {
+            Some(m) => Ok(Some(mount_adapter(ctx, m, adapter_name, out, &self.model)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The `load` stage: the base model, checked against `num_layers`.
+    fn load_model(&self, ctx: &JobCtx) -> Result<LoadedModel, RunError> {
+        ctx.emit(JobEvent::stage(
+            "load",
+            Some(0.0),
+            Some(format!("loading {}", self.model.display())),
+        ));
+        let model = LoadedModel::load(&self.model)
+            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        let layers = model.transformer.config.layers;
+        if self.settings.lora.num_layers > layers {
+            return Err(RunError::Failed(format!(
+                "num_layers {} exceeds the model's {layers} layers",
+                self.settings.lora.num_layers
+            )));
+        }
+        Ok(model)
+    }
+
+    /// A dense copy of a quantized base when asked (`dequantize_base`): the
+    /// base stays frozen either way, and dense matrices make MLX's CPU
+    /// backend much faster (BLAS). The base actually trained on is
+    /// evaluated here.
+    fn dense_base(
+        &self,
+        ctx: &JobCtx,
+        model: &LoadedModel,
+    ) -> Result<Option<crate::engine::model::Transformer>, RunError> {
+        let dense = if self.dequantize_base {
+            Some(
+                model
+                    .transformer
+                    .dequantized()
+                    .map_err(|e| RunError::Failed(format!("cannot dequantize the base: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let base = dense.as_ref().unwrap_or(&model.transformer);
+        mlx_rs::transforms::eval(base.parameters())
+            .map_err(|e| RunError::Failed(format!("cannot load the model: {e}")))?;
+        ctx.check()?;
+        Ok(dense)
+    }
+
+    /// The training and (if present) validation examples, tokenized; logs
+    /// how many were cut to `max_seq_len`.
+    fn load_data(
+        &self,
+        ctx: &JobCtx,
+        model: &LoadedModel,
+    ) -> Result<(Vec<train::Example>, Vec<train::Example>), RunError> {
+        let s = &self.settings;
+        let train_split =
+            train::load_split(&self.data.join("train.jsonl"), &model.codec, s).map_err(failed)?;
+        let valid_path = self.data.join("valid.jsonl");
+        let valid_split = if valid_path.is_file() {
+            Some(train::load_split(&valid_path, &model.codec, s).map_err(failed)?)
+        } else {
+            None
+        };
+        let truncated = train_split.truncated + valid_split.as_ref().map_or(0, |v| v.truncated);
+        if truncated > 0 {
+            ctx.log(format!(
+                "{truncated} example(s) longer than max_seq_len {} were cut",
+                s.max_seq_len
+            ));
+        }
+        let valid = valid_split.map(|v| v.examples).unwrap_or_default();
+        Ok((train_split.examples, valid))
+    }
+
+    /// The `train` stage: steps to `iterations`, with a `train` metric every
+    /// `report_interval` steps, a `val` metric every `val_interval` (and at
+    /// both ends), a checkpoint every `checkpoint_interval` and on cancel.
+    fn train(
+        &self,
+        ctx: &JobCtx,
+        trainer: &mut Trainer<'_>,
+        checkpoint: &Path,
+        base: &str,
+    ) -> Result<Losses, RunError> {
+        let iterations = self.settings.iterations;
+        let mut losses = Losses {
+            first_val: trainer.state.val_losses.first().map(|v| v.1),
+            last_val: trainer.state.val_losses.last().map(|v| v.1),
+            last_train: None,
+        };
+        if trainer.state.step == 0
+            && let Some(loss) = trainer.validate().map_err(failed)?
+        {
+            trainer.state.val_losses.push((0, loss));
+            losses.validated(loss);
+            ctx.emit(val_metric(0, iterations, loss));
+        }
+        ctx.emit(JobEvent::stage(
+            "train",
+            Some(progress(trainer.state.step, iterations)),
+            Some(format!(
+                "training from step {} to {iterations}",
+                trainer.state.step
+            )),
+        ));
+        let save_checkpoint = |trainer: &Trainer<'_>| -> Result<(), RunError> {
+            trainer.save_checkpoint(checkpoint, base).map_err(failed)?;
+            ctx.log(format!("checkpoint saved at step {}", trainer.state.step));
+            Ok(())
+        };
+        let mut last_checkpoint = trainer.state.step;
+        let mut window = Window::default();
+        while trainer.state.step < iterations {
+            if ctx.is_cancelled() {
+                if trainer.state.step > last_checkpoint {
+                    save_checkpoint(trainer)?;
+                }
+                return Err(RunError::Cancelled);
+            }
+            let r = trainer.step().map_err(failed)?;
+            if !r.loss.is_finite() {
+                return Err(RunError::Failed(format!(
+                    "the loss is {} at step {}; lower the learning rate",
+                    r.loss, r.step
+                )));
+            }
+            window.add(&r);
+            losses.last_train = Some(r.loss);
+            if r.step % self.report_interval == 0 || r.step == iterations {
+                ctx.emit(window.take_metric(&r, trainer.state.trained_tokens, iterations));
+            }
+            let validate_now =
+                (self.val_interval > 0 && r.step % self.val_interval == 0) || r.step == iterations;
+            if validate_now && let Some(loss) = trainer.validate().map_err(failed)? {
+                trainer.state.val_losses.push((r.step, loss));
+                losses.validated(loss);
+                ctx.emit(val_metric(r.step, iterations, loss));
+            }
+            if self.checkpoint_interval > 0
+                && r.step % self.checkpoint_interval == 0
+                && r.step < iterations
+            {
+                save_checkpoint(trainer)?;
+                last_checkpoint = r.step;
+            }
+        }
+        Ok(losses)
+    }
+}
+
+fn failed(e: train::TrainError) -> RunError {
+    RunError::Failed(e.to_string())
+}
+
+fn progress(step: usize, iterations: usize) -> f64 {
+    step as f64 / iterations as f64
+}
+
+/// The losses the job's summary reports.
+struct Losses {
+    first_val: Option<f64>,
+    last_val: Option<f64>,
+    last_train: Option<f64>,
+}
+
+impl Losses {
+    fn validated(&mut self, loss: f64) {
+        self.first_val.get_or_insert(loss);
+        self.last_val = Some(loss);
+    }
+}
+
+/// The steps since the last `train` metric, which reports their mean.
+#[derive(Default)]
+struct Window {
+    loss: f64,
+    steps: usize,
+    tokens: usize,
+    secs: f64,
+}
+
+impl Window {
+    fn add(&mut self, r: &train::StepReport) {
+        self.loss += r.loss;
+        self.steps += 1;
+        self.tokens += r.trained_tokens;
+        self.secs += r.seconds;
+    }
+
+    /// The `train` metric at step `r` for the window, which starts over.
+    fn take_metric(&mut self, r: &train::StepReport, trained: u64, iterations: usize) -> JobEvent {
+        let w = std::mem::take(self);
+        let tokens_per_sec = w.tokens as f64 / w.secs.max(1e-9);
+        let loss = w.loss / w.steps as f64;
+        let mut extra = Map::new();
+        extra.insert("grad_norm".into(), json!(r.grad_norm));
+        extra.insert("learning_rate".into(), json!(r.learning_rate));
+        extra.insert("tokens_per_sec".into(), json!(tokens_per_sec));
+        extra.insert("trained_tokens".into(), json!(trained));
+        JobEvent::Metric {
+            kind: "train".into(),
+            step: r.step as u64,
+            loss: Some(loss),
+            progress: Some(progress(r.step, iterations)),
+            message: Some(format!(
+                "step {}/{iterations}: loss {loss:.4}, {tokens_per_sec:.0} tokens/s",
+                r.step
+            )),
+            extra,
+        }
+    }
+}
+
+fn val_metric(step: usize, iterations: usize, loss: f64) -> JobEvent {
+    JobEvent::Metric {
+        kind: "val".into(),
+        step: step as u64,
+        loss: Some(loss),
+        progress: Some(progress(step, iterations)),
+        message: Some(format!(
+            "step {step}/{iterations}: validation loss {loss:.4}"
+        )),
+        extra: Map::new(),
     }
 }
 
