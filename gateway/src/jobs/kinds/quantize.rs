@@ -160,31 +160,11 @@ impl QuantizeSpec {
             .map_or(Some(self.default), |(_, s)| *s)
     }
 
+    /// Reads the input's tensors, quantizes the matrices the scheme names,
+    /// writes the result atomically and compares logits before and after;
+    /// `stage` events along the way.
     pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
-        let fail = |m: String| RunError::Failed(m);
-        let mut config: Value = std::fs::read_to_string(self.input.join("config.json"))
-            .map_err(|e| fail(format!("cannot read config.json: {e}")))
-            .and_then(|t| {
-                serde_json::from_str(&t).map_err(|e| fail(format!("config.json is not JSON: {e}")))
-            })?;
-        if !config.is_object() {
-            return Err(fail("config.json is not a JSON object".into()));
-        }
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.input)
-            .map_err(|e| fail(format!("cannot list {}: {e}", self.input.display())))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(fail("the input folder has no .safetensors files".into()));
-        }
-        let size_before: u64 = files
-            .iter()
-            .filter_map(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
-            .sum();
-
+        let (mut config, files, size_before) = self.read_input()?;
         ctx.emit(JobEvent::stage(
             "load",
             Some(0.0),
@@ -193,122 +173,14 @@ impl QuantizeSpec {
                 files.len()
             )),
         ));
-        let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
-        for p in &files {
-            ctx.check()?;
-            let arrays = Array::load_safetensors(p)
-                .map_err(|e| fail(format!("cannot load {}: {e}", p.display())))?;
-            tensors.extend(arrays);
-        }
-        if tensors.keys().any(|k| k.ends_with(".scales")) {
-            return Err(fail(
-                "the input is already quantized (it has .scales tensors)".into(),
-            ));
-        }
-
+        let tensors = load_tensors(ctx, &files)?;
         let total = tensors.len();
-        let mut out: HashMap<String, Array> = HashMap::with_capacity(total * 2);
-        let mut per_layer: Map<String, Value> = Map::new();
-        let mut reports = Vec::new();
-        for (i, (name, w)) in tensors.into_iter().enumerate() {
-            ctx.check()?;
-            let module = name.strip_suffix(".weight");
-            let floating = matches!(w.dtype(), Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
-            let scheme = module.and_then(|m| self.scheme_for(m));
-            let target = match (module, scheme) {
-                (Some(m), Some(s))
-                    if floating && w.ndim() == 2 && w.shape()[1] % s.group_size == 0 =>
-                {
-                    Some((m.to_owned(), s))
-                }
-                _ => None,
-            };
-            if let (Some(m), None) = (module, scheme)
-                && floating
-                && w.ndim() == 2
-            {
-                per_layer.insert(m.to_owned(), Value::Bool(false));
-            }
-            let Some((module, s)) = target else {
-                out.insert(name, w);
-                continue;
-            };
-            let (q, scales, biases) = mlx_rs::ops::quantize(&w, s.group_size, s.bits)
-                .map_err(|e| fail(format!("cannot quantize {name}: {e}")))?;
-            let err = error_of(&w, &q, &scales, &biases, s)
-                .map_err(|e| fail(format!("cannot measure {name}: {e}")))?;
-            if s != self.default {
-                per_layer.insert(
-                    module.clone(),
-                    json!({"group_size": s.group_size, "bits": s.bits}),
-                );
-            }
-            let mut extra = Map::new();
-            extra.insert("tensor".into(), Value::from(name.clone()));
-            extra.insert("bits".into(), Value::from(s.bits));
-            extra.insert("group_size".into(), Value::from(s.group_size));
-            extra.insert("rel_error".into(), Value::from(err.relative));
-            extra.insert("max_step_error".into(), Value::from(err.max_steps));
-            ctx.emit(JobEvent::Stage {
-                stage: "quantize".into(),
-                progress: Some(0.9 * (i + 1) as f64 / total as f64),
-                message: Some(format!(
-                    "{name}: {}-bit, relative error {:.4}",
-                    s.bits, err.relative
-                )),
-                extra,
-            });
-            reports.push(json!({
-                "tensor": name, "bits": s.bits, "group_size": s.group_size,
-                "rel_error": err.relative, "max_step_error": err.max_steps,
-            }));
-            out.insert(format!("{module}.weight"), q);
-            out.insert(format!("{module}.scales"), scales);
-            out.insert(format!("{module}.biases"), biases);
-        }
-
-        ctx.check()?;
-        ctx.emit(JobEvent::stage(
-            "write",
-            Some(0.92),
-            Some("writing model.safetensors".into()),
-        ));
-        let tmp = partial_dir(&self.output_dir, ctx.id());
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)
-            .map_err(|e| fail(format!("cannot create {}: {e}", tmp.display())))?;
-        let written = self.write(&tmp, &out, &mut config, per_layer);
-        let written = written.and_then(|()| {
-            ctx.check()?;
-            if self.output_dir.exists() {
-                // Checked empty at submit; an empty folder may be replaced.
-                std::fs::remove_dir(&self.output_dir)
-                    .map_err(|e| fail(format!("`output_dir` is no longer empty: {e}")))?;
-            }
-            std::fs::rename(&tmp, &self.output_dir)
-                .map_err(|e| fail(format!("cannot move the result into place: {e}")))
-        });
-        if let Err(e) = written {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-
+        let quantized = self.quantize_all(ctx, tensors)?;
+        self.write_atomically(ctx, &quantized.tensors, &mut config, quantized.per_layer)?;
         let size_after =
             std::fs::metadata(self.output_dir.join("model.safetensors")).map_or(0, |m| m.len());
-        ctx.emit(JobEvent::stage(
-            "evaluate",
-            Some(0.95),
-            Some("comparing logits of the original and quantized models on a text sample".into()),
-        ));
-        // Inputs the engine cannot run (other architectures) still quantize;
-        // the logit check is then reported as skipped.
-        let logits = match logit_error(&self.input, &self.output_dir) {
-            Ok(figures) => figures,
-            Err(reason) => {
-                ctx.emit(JobEvent::log(format!("logit check skipped: {reason}")));
-                json!(null)
-            }
-        };
+        let logits = self.evaluate(ctx);
+        let reports = quantized.reports;
         let errors: Vec<f64> = reports
             .iter()
             .filter_map(|r| r["rel_error"].as_f64())
@@ -344,6 +216,178 @@ impl QuantizeSpec {
             output_path: Some(self.output_dir.clone()),
             summary: Some(summary),
         })
+    }
+
+    /// The input's `config.json`, its `.safetensors` files (sorted) and
+    /// their total size.
+    fn read_input(&self) -> Result<(Value, Vec<PathBuf>, u64), RunError> {
+        let config: Value = std::fs::read_to_string(self.input.join("config.json"))
+            .map_err(|e| failed(format!("cannot read config.json: {e}")))
+            .and_then(|t| {
+                serde_json::from_str(&t)
+                    .map_err(|e| failed(format!("config.json is not JSON: {e}")))
+            })?;
+        if !config.is_object() {
+            return Err(failed("config.json is not a JSON object".into()));
+        }
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.input)
+            .map_err(|e| failed(format!("cannot list {}: {e}", self.input.display())))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(failed("the input folder has no .safetensors files".into()));
+        }
+        let size: u64 = files
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        Ok((config, files, size))
+    }
+
+    /// The `quantize` stage: every matrix the scheme names, with its error
+    /// (one event per tensor); the others pass through unchanged.
+    fn quantize_all(
+        &self,
+        ctx: &JobCtx,
+        tensors: BTreeMap<String, Array>,
+    ) -> Result<Quantized, RunError> {
+        let total = tensors.len();
+        let mut q = Quantized {
+            tensors: HashMap::with_capacity(total * 2),
+            per_layer: Map::new(),
+            reports: Vec::new(),
+        };
+        for (i, (name, w)) in tensors.into_iter().enumerate() {
+            ctx.check()?;
+            let module = name.strip_suffix(".weight");
+            let floating = matches!(w.dtype(), Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
+            let scheme = module.and_then(|m| self.scheme_for(m));
+            let target = match (module, scheme) {
+                (Some(m), Some(s))
+                    if floating && w.ndim() == 2 && w.shape()[1] % s.group_size == 0 =>
+                {
+                    Some((m.to_owned(), s))
+                }
+                _ => None,
+            };
+            if let (Some(m), None) = (module, scheme)
+                && floating
+                && w.ndim() == 2
+            {
+                q.per_layer.insert(m.to_owned(), Value::Bool(false));
+            }
+            let Some((module, s)) = target else {
+                q.tensors.insert(name, w);
+                continue;
+            };
+            let progress = 0.9 * (i + 1) as f64 / total as f64;
+            self.quantize_one(ctx, &mut q, &name, &module, &w, s, progress)?;
+        }
+        Ok(q)
+    }
+
+    /// Quantizes one matrix into `q`, reporting its error.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_one(
+        &self,
+        ctx: &JobCtx,
+        q: &mut Quantized,
+        name: &str,
+        module: &str,
+        w: &Array,
+        s: Scheme,
+        progress: f64,
+    ) -> Result<(), RunError> {
+        let (codes, scales, biases) = mlx_rs::ops::quantize(w, s.group_size, s.bits)
+            .map_err(|e| failed(format!("cannot quantize {name}: {e}")))?;
+        let err = error_of(w, &codes, &scales, &biases, s)
+            .map_err(|e| failed(format!("cannot measure {name}: {e}")))?;
+        if s != self.default {
+            q.per_layer.insert(
+                module.to_owned(),
+                json!({"group_size": s.group_size, "bits": s.bits}),
+            );
+        }
+        let mut extra = Map::new();
+        extra.insert("tensor".into(), Value::from(name));
+        extra.insert("bits".into(), Value::from(s.bits));
+        extra.insert("group_size".into(), Value::from(s.group_size));
+        extra.insert("rel_error".into(), Value::from(err.relative));
+        extra.insert("max_step_error".into(), Value::from(err.max_steps));
+        ctx.emit(JobEvent::Stage {
+            stage: "quantize".into(),
+            progress: Some(progress),
+            message: Some(format!(
+                "{name}: {}-bit, relative error {:.4}",
+                s.bits, err.relative
+            )),
+            extra,
+        });
+        q.reports.push(json!({
+            "tensor": name, "bits": s.bits, "group_size": s.group_size,
+            "rel_error": err.relative, "max_step_error": err.max_steps,
+        }));
+        q.tensors.insert(format!("{module}.weight"), codes);
+        q.tensors.insert(format!("{module}.scales"), scales);
+        q.tensors.insert(format!("{module}.biases"), biases);
+        Ok(())
+    }
+
+    /// The `write` stage: into a partial folder, then moved into place (a
+    /// failed or cancelled job leaves no half-written output).
+    fn write_atomically(
+        &self,
+        ctx: &JobCtx,
+        out: &HashMap<String, Array>,
+        config: &mut Value,
+        per_layer: Map<String, Value>,
+    ) -> Result<(), RunError> {
+        ctx.check()?;
+        ctx.emit(JobEvent::stage(
+            "write",
+            Some(0.92),
+            Some("writing model.safetensors".into()),
+        ));
+        let tmp = partial_dir(&self.output_dir, ctx.id());
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)
+            .map_err(|e| failed(format!("cannot create {}: {e}", tmp.display())))?;
+        let written = self.write(&tmp, out, config, per_layer);
+        let written = written.and_then(|()| {
+            ctx.check()?;
+            if self.output_dir.exists() {
+                // Checked empty at submit; an empty folder may be replaced.
+                std::fs::remove_dir(&self.output_dir)
+                    .map_err(|e| failed(format!("`output_dir` is no longer empty: {e}")))?;
+            }
+            std::fs::rename(&tmp, &self.output_dir)
+                .map_err(|e| failed(format!("cannot move the result into place: {e}")))
+        });
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        written
+    }
+
+    /// The `evaluate` stage: logits of the original and quantized models on
+    /// a text sample; `null` (and a log line) where the engine cannot run
+    /// the input's architecture, which still quantizes.
+    fn evaluate(&self, ctx: &JobCtx) -> Value {
+        ctx.emit(JobEvent::stage(
+            "evaluate",
+            Some(0.95),
+            Some("comparing logits of the original and quantized models on a text sample".into()),
+        ));
+        match logit_error(&self.input, &self.output_dir) {
+            Ok(figures) => figures,
+            Err(reason) => {
+                ctx.emit(JobEvent::log(format!("logit check skipped: {reason}")));
+                json!(null)
+            }
+        }
     }
 
     fn write(
@@ -433,6 +477,36 @@ fn logit_error(original: &Path, quantized: &Path) -> Result<Value, String> {
         "max_abs": max,
         "top1_agreement": if tokens.is_empty() { 0.0 } else { agree as f64 / tokens.len() as f64 },
     }))
+}
+
+fn failed(message: String) -> RunError {
+    RunError::Failed(message)
+}
+
+/// Quantized tensors with the config's per-layer overrides and the
+/// per-tensor reports.
+struct Quantized {
+    tensors: HashMap<String, Array>,
+    per_layer: Map<String, Value>,
+    reports: Vec<Value>,
+}
+
+/// The `load` stage's work: every tensor of `files` (refusing an input that
+/// is already quantized).
+fn load_tensors(ctx: &JobCtx, files: &[PathBuf]) -> Result<BTreeMap<String, Array>, RunError> {
+    let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
+    for p in files {
+        ctx.check()?;
+        let arrays = Array::load_safetensors(p)
+            .map_err(|e| failed(format!("cannot load {}: {e}", p.display())))?;
+        tensors.extend(arrays);
+    }
+    if tensors.keys().any(|k| k.ends_with(".scales")) {
+        return Err(failed(
+            "the input is already quantized (it has .scales tensors)".into(),
+        ));
+    }
+    Ok(tensors)
 }
 
 fn partial_dir(output: &Path, job: &str) -> PathBuf {
