@@ -177,140 +177,222 @@ fn check_output_dir(dir: &Path, field: &str, resume: bool) -> Result<(), ConfigE
     Ok(())
 }
 
+/// `model` (a .gguf file or a model folder) and `data` (a folder with
+/// train.jsonl).
+fn parse_inputs(f: &mut Fields, env: &Env<'_>) -> Result<(PathBuf, PathBuf), ConfigError> {
+    let model = f.input_path("model", env.paths)?;
+    let is_gguf = model.is_file() && model.extension().is_some_and(|e| e == "gguf");
+    if !is_gguf && !model.join("config.json").is_file() {
+        return Err(bad(
+            "model",
+            "`model` must be a .gguf file or a model folder with config.json",
+        ));
+    }
+    let data = f.input_path("data", env.paths)?;
+    if !data.join("train.jsonl").is_file() {
+        return Err(bad("data", "`data` must be a folder with train.jsonl"));
+    }
+    Ok((model, data))
+}
+
+/// Where the adapter goes (`output_dir`, or the first adapter store) and
+/// whether a checkpoint there is resumed (`resume`).
+fn parse_output(
+    f: &mut Fields,
+    env: &Env<'_>,
+    name: Option<&str>,
+) -> Result<(Output, bool), ConfigError> {
+    let output_dir = f.opt_output_path("output_dir", env.paths)?;
+    let resume = f.bool("resume", true)?;
+    let output = match output_dir {
+        Some(dir) => {
+            check_output_dir(&dir, "output_dir", resume)?;
+            Output::Dir(dir)
+        }
+        None => {
+            let store = env.adapter_stores.first().ok_or_else(|| {
+                bad(
+                    "output_dir",
+                    "no adapter store is configured ([adapters] stores); give `output_dir`",
+                )
+            })?;
+            if let Some(n) = name {
+                check_output_dir(&store.join(n), "name", resume)?;
+            }
+            Output::Store {
+                store: store.clone(),
+            }
+        }
+    };
+    Ok((output, resume))
+}
+
+/// `mount` and `mount_model`: whether (and on which served model) the
+/// finished adapter is mounted; it must land in an adapter store under an
+/// id not mounted yet.
+fn parse_mount(
+    f: &mut Fields,
+    env: &Env<'_>,
+    output: &Output,
+    name: Option<&str>,
+) -> Result<Option<Mount>, ConfigError> {
+    let mount = f.bool("mount", false)?;
+    let model = f.opt_string("mount_model")?;
+    match (mount, model) {
+        (false, Some(_)) => Err(bad("mount_model", "`mount_model` needs `\"mount\": true`")),
+        (false, None) => Ok(None),
+        (true, model) => {
+            let host = env
+                .adapters
+                .ok_or_else(|| bad("mount", "this gateway has no served models to mount on"))?;
+            // The id it will be mounted as, where known now (a job's own id
+            // is known once it is recorded, and is new).
+            let id = match (output, name) {
+                (_, Some(n)) => Some(n.to_owned()),
+                (Output::Dir(dir), None) => {
+                    let n = dir
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    lora::validate_id(&n).map_err(|e| {
+                        bad(
+                            "name",
+                            format!("{e}; give `name` to mount `output_dir` under"),
+                        )
+                    })?;
+                    Some(n)
+                }
+                (Output::Store { .. }, None) => None,
+            };
+            if let Output::Dir(dir) = output
+                && !env
+                    .adapter_stores
+                    .iter()
+                    .any(|s| dir.starts_with(s) && dir != s)
+            {
+                return Err(bad(
+                    "mount",
+                    "only adapters inside an adapter store ([adapters] stores) are mounted; leave out `output_dir` or put it in a store",
+                ));
+            }
+            if let Some(id) = &id
+                && host.is_mounted(id)
+            {
+                return Err(bad(
+                    "name",
+                    format!(
+                        "an adapter `{id}` is already mounted; unmount it (DELETE /v1/adapters/{id}) or choose another `name`"
+                    ),
+                ));
+            }
+            Ok(Some(Mount {
+                host: Arc::clone(host),
+                model,
+            }))
+        }
+    }
+}
+
+/// The adapter's shape: `rank`, `scale` (or `alpha`), `dropout`, `keys`,
+/// `num_layers`.
+fn parse_lora(f: &mut Fields) -> Result<LoraSettings, ConfigError> {
+    let rank = f.u64("rank", Some(8), 1..=512)? as usize;
+    let scale = match (f.take("scale"), f.take("alpha")) {
+        (Some(_), Some(_)) => {
+            return Err(bad("alpha", "give `scale` or `alpha`, not both"));
+        }
+        (Some(v), None) => v
+            .as_f64()
+            .filter(|s| *s > 0.0 && *s <= 1e4)
+            .ok_or_else(|| bad("scale", "`scale` must be a number in (0, 10000]"))?,
+        (None, Some(v)) => {
+            v.as_f64()
+                .filter(|a| *a > 0.0 && *a <= 1e6)
+                .ok_or_else(|| bad("alpha", "`alpha` must be a positive number"))?
+                / rank as f64
+        }
+        (None, None) => 20.0,
+    };
+    let dropout = f.f64("dropout", 0.0, 0.0..=0.9)?;
+    let keys = parse_keys(f.take("keys"))?;
+    let num_layers = f.u64("num_layers", Some(16), 1..=1024)? as usize;
+    Ok(LoraSettings {
+        rank,
+        scale: scale as f32,
+        dropout: dropout as f32,
+        keys,
+        num_layers,
+    })
+}
+
+/// How often the job reports, validates and checkpoints, in steps.
+struct Intervals {
+    val: usize,
+    checkpoint: usize,
+    report: usize,
+}
+
+/// The optimiser, data and schedule settings, and the intervals.
+fn parse_training(
+    f: &mut Fields,
+    lora: LoraSettings,
+) -> Result<(TrainSettings, Intervals), ConfigError> {
+    let learning_rate = f.f64("learning_rate", 1e-5, 1e-9..=1.0)?;
+    let warmup_steps = f.u64("warmup_steps", Some(0), 0..=1_000_000)? as usize;
+    let min_lr_ratio = f.f64("min_lr_ratio", 0.0, 0.0..=1.0)?;
+    let weight_decay = f.f64("weight_decay", 0.01, 0.0..=1.0)?;
+    let batch_size = f.u64("batch_size", Some(4), 1..=1024)? as usize;
+    let max_seq_len = f.u64("max_seq_len", Some(2048), 2..=131_072)? as usize;
+    let iterations = f.u64("iterations", Some(1000), 1..=10_000_000)? as usize;
+    let grad_accumulation = f.u64("grad_accumulation", Some(1), 1..=1024)? as usize;
+    let max_grad_norm = f.f64("max_grad_norm", 0.0, 0.0..=1e6)?;
+    let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
+    let mask_prompt = f.bool("mask_prompt", true)?;
+    let val = f.u64("val_interval", Some(200), 0..=10_000_000)? as usize;
+    let val_batches = f.u64("val_batches", Some(25), 0..=1_000_000)? as usize;
+    let checkpoint = f.u64("checkpoint_interval", Some(100), 0..=10_000_000)? as usize;
+    let report = f.u64("report_interval", Some(10), 1..=10_000_000)? as usize;
+    let settings = TrainSettings {
+        lora,
+        learning_rate,
+        warmup_steps,
+        min_lr_ratio,
+        weight_decay,
+        batch_size,
+        max_seq_len,
+        iterations,
+        grad_accumulation,
+        max_grad_norm,
+        seed,
+        mask_prompt,
+        val_batches,
+    };
+    Ok((
+        settings,
+        Intervals {
+            val,
+            checkpoint,
+            report,
+        },
+    ))
+}
+
 impl FinetuneSpec {
+    /// Reads and checks a finetune job's config. Fields are read in a fixed
+    /// order (inputs, output, mount, LoRA, training), which decides the first
+    /// error reported; any field left over is refused.
     pub fn parse(mut f: Fields, env: &Env<'_>) -> Result<FinetuneSpec, ConfigError> {
-        let model = f.input_path("model", env.paths)?;
-        let is_gguf = model.is_file() && model.extension().is_some_and(|e| e == "gguf");
-        if !is_gguf && !model.join("config.json").is_file() {
-            return Err(bad(
-                "model",
-                "`model` must be a .gguf file or a model folder with config.json",
-            ));
-        }
-        let data = f.input_path("data", env.paths)?;
-        if !data.join("train.jsonl").is_file() {
-            return Err(bad("data", "`data` must be a folder with train.jsonl"));
-        }
+        let (model, data) = parse_inputs(&mut f, env)?;
         let name = f.opt_string("name")?;
         if let Some(n) = &name {
             lora::validate_id(n).map_err(|e| bad("name", e.to_string()))?;
         }
-        let output_dir = f.opt_output_path("output_dir", env.paths)?;
-        let resume = f.bool("resume", true)?;
-        let output = match output_dir {
-            Some(dir) => {
-                check_output_dir(&dir, "output_dir", resume)?;
-                Output::Dir(dir)
-            }
-            None => {
-                let store = env.adapter_stores.first().ok_or_else(|| {
-                    bad(
-                        "output_dir",
-                        "no adapter store is configured ([adapters] stores); give `output_dir`",
-                    )
-                })?;
-                if let Some(n) = &name {
-                    check_output_dir(&store.join(n), "name", resume)?;
-                }
-                Output::Store {
-                    store: store.clone(),
-                }
-            }
-        };
-        let mount = f.bool("mount", false)?;
-        let mount_model = f.opt_string("mount_model")?;
-        let mount = match (mount, mount_model) {
-            (false, Some(_)) => {
-                return Err(bad("mount_model", "`mount_model` needs `\"mount\": true`"));
-            }
-            (false, None) => None,
-            (true, model) => {
-                let host = env
-                    .adapters
-                    .ok_or_else(|| bad("mount", "this gateway has no served models to mount on"))?;
-                // The id it will be mounted as, where known now (a job's
-                // own id is known once it is recorded, and is new).
-                let id = match (&output, &name) {
-                    (_, Some(n)) => Some(n.clone()),
-                    (Output::Dir(dir), None) => {
-                        let n = dir
-                            .file_name()
-                            .map(|n| n.to_string_lossy().into_owned())
-                            .unwrap_or_default();
-                        lora::validate_id(&n).map_err(|e| {
-                            bad(
-                                "name",
-                                format!("{e}; give `name` to mount `output_dir` under"),
-                            )
-                        })?;
-                        Some(n)
-                    }
-                    (Output::Store { .. }, None) => None,
-                };
-                if let Output::Dir(dir) = &output
-                    && !env
-                        .adapter_stores
-                        .iter()
-                        .any(|s| dir.starts_with(s) && dir != s)
-                {
-                    return Err(bad(
-                        "mount",
-                        "only adapters inside an adapter store ([adapters] stores) are mounted; leave out `output_dir` or put it in a store",
-                    ));
-                }
-                if let Some(id) = &id
-                    && host.is_mounted(id)
-                {
-                    return Err(bad(
-                        "name",
-                        format!(
-                            "an adapter `{id}` is already mounted; unmount it (DELETE /v1/adapters/{id}) or choose another `name`"
-                        ),
-                    ));
-                }
-                Some(Mount {
-                    host: Arc::clone(host),
-                    model,
-                })
-            }
-        };
-        let rank = f.u64("rank", Some(8), 1..=512)? as usize;
-        let scale = match (f.take("scale"), f.take("alpha")) {
-            (Some(_), Some(_)) => {
-                return Err(bad("alpha", "give `scale` or `alpha`, not both"));
-            }
-            (Some(v), None) => v
-                .as_f64()
-                .filter(|s| *s > 0.0 && *s <= 1e4)
-                .ok_or_else(|| bad("scale", "`scale` must be a number in (0, 10000]"))?,
-            (None, Some(v)) => {
-                v.as_f64()
-                    .filter(|a| *a > 0.0 && *a <= 1e6)
-                    .ok_or_else(|| bad("alpha", "`alpha` must be a positive number"))?
-                    / rank as f64
-            }
-            (None, None) => 20.0,
-        };
-        let dropout = f.f64("dropout", 0.0, 0.0..=0.9)?;
-        let keys = parse_keys(f.take("keys"))?;
-        let num_layers = f.u64("num_layers", Some(16), 1..=1024)? as usize;
-        let learning_rate = f.f64("learning_rate", 1e-5, 1e-9..=1.0)?;
-        let warmup_steps = f.u64("warmup_steps", Some(0), 0..=1_000_000)? as usize;
-        let min_lr_ratio = f.f64("min_lr_ratio", 0.0, 0.0..=1.0)?;
-        let weight_decay = f.f64("weight_decay", 0.01, 0.0..=1.0)?;
-        let batch_size = f.u64("batch_size", Some(4), 1..=1024)? as usize;
-        let max_seq_len = f.u64("max_seq_len", Some(2048), 2..=131_072)? as usize;
-        let iterations = f.u64("iterations", Some(1000), 1..=10_000_000)? as usize;
-        let grad_accumulation = f.u64("grad_accumulation", Some(1), 1..=1024)? as usize;
-        let max_grad_norm = f.f64("max_grad_norm", 0.0, 0.0..=1e6)?;
-        let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
-        let mask_prompt = f.bool("mask_prompt", true)?;
-        let val_interval = f.u64("val_interval", Some(200), 0..=10_000_000)? as usize;
-        let val_batches = f.u64("val_batches", Some(25), 0..=1_000_000)? as usize;
-        let checkpoint_interval = f.u64("checkpoint_interval", Some(100), 0..=10_000_000)? as usize;
-        let report_interval = f.u64("report_interval", Some(10), 1..=10_000_000)? as usize;
+        let (output, resume) = parse_output(&mut f, env, name.as_deref())?;
+        let mount = parse_mount(&mut f, env, &output, name.as_deref())?;
+        let lora = parse_lora(&mut f)?;
+        let (settings, intervals) = parse_training(&mut f, lora)?;
         let dequantize_base = f.bool("dequantize_base", true)?;
-        if warmup_steps > iterations {
+        if settings.warmup_steps > settings.iterations {
             return Err(bad("warmup_steps", "`warmup_steps` exceeds `iterations`"));
         }
         f.finish()?;
@@ -320,30 +402,10 @@ impl FinetuneSpec {
             output,
             name,
             mount,
-            settings: TrainSettings {
-                lora: LoraSettings {
-                    rank,
-                    scale: scale as f32,
-                    dropout: dropout as f32,
-                    keys,
-                    num_layers,
-                },
-                learning_rate,
-                warmup_steps,
-                min_lr_ratio,
-                weight_decay,
-                batch_size,
-                max_seq_len,
-                iterations,
-                grad_accumulation,
-                max_grad_norm,
-                seed,
-                mask_prompt,
-                val_batches,
-            },
-            val_interval,
-            checkpoint_interval,
-            report_interval,
+            settings,
+            val_interval: intervals.val,
+            checkpoint_interval: intervals.checkpoint,
+            report_interval: intervals.report,
             resume,
             dequantize_base,
         })
