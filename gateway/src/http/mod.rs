@@ -584,43 +584,8 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                             continue;
                         }
                     };
-                    // Answers go out as soon as they are written, as
-                    // nginx's `tcp_nodelay on` does for keep-alive clients;
-                    // without it a small answer can wait for the client's
-                    // delayed ACK.
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
-                    }
-                    let shared = Arc::new(ConnectionState::default());
-                    let watch = Arc::clone(&shared.watch);
-                    let service = {
-                        let state = Arc::clone(&state);
-                        service_fn(move |req| {
-                            handle(Arc::clone(&state), req, peer, Arc::clone(&shared))
-                        })
-                    };
-                    // hyper's header timer also runs while a kept-alive
-                    // connection waits for its next request: it is the idle
-                    // timeout too.
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(keep_alive)
-                        .serve_connection(TokioIo::new(stream), service);
-                    let conn = graceful.watch(conn);
-                    tokio::spawn(async move {
-                        let _permit = permit;
-                        match inflight::until_stalled(conn, &watch, stall).await {
-                            Some(Ok(())) => {}
-                            Some(Err(e)) => {
-                                tracing::debug!(%peer, error = %e, "connection ended with an error");
-                            }
-                            None => warn!(
-                                %peer,
-                                stall_secs = stall.as_secs(),
-                                "client stopped reading a streamed answer; cancelled it and closed the connection"
-                            ),
-                        }
-                    });
+                    let times = (keep_alive, stall);
+                    serve_connection(&state, stream, peer, permit, &graceful, times);
                 }
                 Err(e) => {
                     // Usually out of file descriptors; back off instead of spinning.
@@ -641,6 +606,52 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         Ok(()) => info!("all connections closed"),
         Err(_) => warn!("grace period over with requests still running; exiting anyway"),
     }
+}
+
+/// Serves one accepted connection on its own task, holding its slot
+/// (`permit`) until it ends: `times` are the keep-alive (idle and head)
+/// timeout and the stall bound of a streamed answer.
+fn serve_connection(
+    state: &Arc<AppState>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    permit: connections::ConnPermit,
+    graceful: &GracefulShutdown,
+    (keep_alive, stall): (Duration, Duration),
+) {
+    // Answers go out as soon as they are written, as nginx's `tcp_nodelay
+    // on` does for keep-alive clients; without it a small answer can wait
+    // for the client's delayed ACK.
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+    }
+    let shared = Arc::new(ConnectionState::default());
+    let watch = Arc::clone(&shared.watch);
+    let service = {
+        let state = Arc::clone(state);
+        service_fn(move |req| handle(Arc::clone(&state), req, peer, Arc::clone(&shared)))
+    };
+    // hyper's header timer also runs while a kept-alive connection waits
+    // for its next request: it is the idle timeout too.
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(keep_alive)
+        .serve_connection(TokioIo::new(stream), service);
+    let conn = graceful.watch(conn);
+    tokio::spawn(async move {
+        let _permit = permit;
+        match inflight::until_stalled(conn, &watch, stall).await {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            None => warn!(
+                %peer,
+                stall_secs = stall.as_secs(),
+                "client stopped reading a streamed answer; cancelled it and closed the connection"
+            ),
+        }
+    });
 }
 
 /// Completes on the first SIGINT or SIGTERM.
