@@ -9,8 +9,8 @@
 # `return 200` upstream on loopback. Under `valgrind --tool=callgrind
 # --instr-atstart=no` it takes `wrk -t1 -c4` for 5 s of warm-up, then 10 s
 # with instrumentation on. Printed: requests served while instrumented,
-# the inclusive instructions of the per-connection task
-# (`mlxgate::http::run`'s spawned future) per request, and the whole
+# the inclusive instructions of the per-connection task (the future
+# `http::serve_connection` spawns; `http::run`'s in older builds) per request, and the whole
 # process's instructions per request. Needs valgrind, wrk, nginx-light (apt).
 # PROXY_INSTRUCTIONS_KEEP=DIR keeps each binary's callgrind dump there
 # (DIR/<n>.callgrind, in argument order) for `callgrind_annotate`.
@@ -91,7 +91,8 @@ for bin in "$@"; do
   # written at exit.
   dump=$(ls "$out".* | head -1)
   task=$(callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null \
-    | grep -F 'mlxgate::http::run::{{closure}}::{{closure}}' | head -1 | awk '{gsub(",", "", $1); print $1}')
+    | grep -E 'mlxgate::http::(run::\{\{closure\}\}|serve_connection)::\{\{closure\}\}( |$)' \
+    | head -1 | awk '{gsub(",", "", $1); print $1}' || true)
   total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
   if [ -n "${PROXY_INSTRUCTIONS_KEEP:-}" ]; then
     mkdir -p "$PROXY_INSTRUCTIONS_KEEP"
