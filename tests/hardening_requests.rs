@@ -5,10 +5,8 @@
 
 mod support;
 
-use std::time::Duration;
-
 use serde_json::{Value, json};
-use support::{Server, ServerBuilder};
+use support::Server;
 
 /// Asserts a 400 naming `param` with `code`; returns the message.
 #[track_caller]
@@ -30,13 +28,7 @@ fn chat(model: &str, extra: Value) -> Value {
 /// The real model, loaded (each check below must answer before the model
 /// does any work, even though it could), and its id.
 fn server() -> (Server, String) {
-    let s = ServerBuilder::new().model(support::real_model()).start();
-    let ready = s.wait_for_status("/readyz", 200, Duration::from_secs(120));
-    let id = ready.json()["model"]
-        .as_str()
-        .expect("readyz names the model")
-        .to_owned();
-    (s, id)
+    support::model_server("")
 }
 
 #[test]

@@ -184,18 +184,19 @@ pub struct LoraSpec {
 }
 
 impl LoraSpec {
-    /// Fits a tiny fixture model.
+    /// Fits a tiny fixture model: rank 4, scale 4, factors up to 0.25.
     pub fn for_model(model: &TinyModelSpec) -> LoraSpec {
         LoraSpec {
-            layers: model.layers,
-            hidden_size: model.hidden_size,
-            q_dim: model.heads * model.head_dim,
-            kv_dim: model.kv_heads * model.head_dim,
-            intermediate_size: model.intermediate_size,
             rank: 4,
             scale: 4.0,
             amplitude: 0.25,
-            seed: 1,
+            ..LoraSpec::shaped(
+                model.layers,
+                model.hidden_size,
+                model.heads * model.head_dim,
+                model.kv_heads * model.head_dim,
+                model.intermediate_size,
+            )
         }
     }
 
@@ -206,31 +207,43 @@ impl LoraSpec {
         amplitude: f32,
     ) -> LoraSpec {
         LoraSpec {
-            layers: c.layers,
-            hidden_size: c.hidden_size,
-            q_dim: c.heads * c.head_dim,
-            kv_dim: c.kv_heads * c.head_dim,
-            intermediate_size: c.intermediate_size,
-            rank: 8,
             scale,
             amplitude,
+            ..LoraSpec::shaped(
+                c.layers,
+                c.hidden_size,
+                c.heads * c.head_dim,
+                c.kv_heads * c.head_dim,
+                c.intermediate_size,
+            )
+        }
+    }
+
+    /// Rank 8, scale 20, small factors (seed 1), for a model of these
+    /// dimensions.
+    fn shaped(
+        layers: usize,
+        hidden_size: usize,
+        q_dim: usize,
+        kv_dim: usize,
+        intermediate_size: usize,
+    ) -> LoraSpec {
+        LoraSpec {
+            layers,
+            hidden_size,
+            q_dim,
+            kv_dim,
+            intermediate_size,
+            rank: 8,
+            scale: 20.0,
+            amplitude: 0.01,
             seed: 1,
         }
     }
 
     /// Fits SmolLM2-135M.
     pub fn smollm2_135m() -> LoraSpec {
-        LoraSpec {
-            layers: 30,
-            hidden_size: 576,
-            q_dim: 576,
-            kv_dim: 192,
-            intermediate_size: 1536,
-            rank: 8,
-            scale: 20.0,
-            amplitude: 0.01,
-            seed: 1,
-        }
+        LoraSpec::shaped(30, 576, 576, 192, 1536)
     }
 }
 

@@ -218,12 +218,7 @@ fn init_tracing(format: LogFormat) {
             .location()
             .map(|l| format!("{}:{}", l.file(), l.line()))
             .unwrap_or_default();
-        let msg = info
-            .payload()
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| info.payload().downcast_ref::<String>().cloned())
-            .unwrap_or_default();
+        let msg = mlxgate::util::panic_message(info.payload());
         tracing::error!(panic = %msg, at = %at, "panic");
     }));
 }

@@ -235,21 +235,18 @@ pub async fn until_stalled<F: Future>(
     .await
 }
 
-/// A response body that holds the request's concurrency [`Permit`] until it
-/// is done, and reports to its connection's [`SendWatch`].
+/// A streamed response body: holds the request's concurrency [`Permit`]
+/// until it is done, and reports to its connection's [`SendWatch`]. (A
+/// whole answer is handed over in one frame and holds nothing while the
+/// client reads it, so it goes out unwrapped.)
 pub struct Guarded {
     inner: Body,
-    watch: Option<Arc<SendWatch>>,
+    watch: Arc<SendWatch>,
     _permit: Option<Permit>,
 }
 
 impl Guarded {
-    /// `watch` only for streamed answers: a whole answer is handed over in
-    /// one frame and holds nothing while the client reads it.
-    pub fn wrap(inner: Body, watch: Option<Arc<SendWatch>>, permit: Option<Permit>) -> Body {
-        if watch.is_none() && permit.is_none() {
-            return inner;
-        }
+    pub fn wrap(inner: Body, watch: Arc<SendWatch>, permit: Option<Permit>) -> Body {
         Guarded {
             inner,
             watch,
@@ -268,14 +265,12 @@ impl HttpBody for Guarded {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if let Some(w) = &this.watch {
-            w.asked();
-        }
+        this.watch.asked();
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if let (Some(w), Poll::Ready(Some(Ok(_)))) = (&this.watch, &polled)
+        if let Poll::Ready(Some(Ok(_))) = &polled
             && !this.inner.is_end_stream()
         {
-            w.handed();
+            this.watch.handed();
         }
         polled
     }
@@ -291,9 +286,7 @@ impl HttpBody for Guarded {
 
 impl Drop for Guarded {
     fn drop(&mut self) {
-        if let Some(w) = &self.watch {
-            w.asked();
-        }
+        self.watch.asked();
     }
 }
 
@@ -380,7 +373,7 @@ mod tests {
         let watch = Arc::new(SendWatch::default());
         let body = Guarded::wrap(
             http_body_util::StreamBody::new(Box::pin(frames)).boxed_unsync(),
-            Some(watch.clone()),
+            watch.clone(),
             None,
         );
         let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));

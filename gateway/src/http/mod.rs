@@ -487,7 +487,7 @@ async fn handle(
     // length) is done being made, so its slot is free as it goes out.
     let streamed = resp.body().size_hint().exact().is_none();
     let mut resp = if streamed {
-        resp.map(|b| Guarded::wrap(b, Some(Arc::clone(&conn.watch)), out.permit))
+        resp.map(|b| Guarded::wrap(b, Arc::clone(&conn.watch), out.permit))
     } else {
         resp
     };

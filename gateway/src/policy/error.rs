@@ -1,8 +1,8 @@
 //! Errors of the policy host. Upload errors each say why a component was
 //! refused (not usable bytes, or a component of the wrong shape or
 //! behaviour); call errors carry the policy's `on_error` so callers can fail
-//! open (default route) or closed. The HTTP statuses they answer with are
-//! `http::error`'s ([`crate::http::error::policy_status`]).
+//! open (default route) or closed. Which status a client sees for each is
+//! decided by the wire layer, not here.
 
 use serde::Serialize;
 
