@@ -58,7 +58,7 @@ fi
 # Files still allowed to (none now: the CLI clients live in cli/, above http).
 TRANSPORT_ALLOW=${TRANSPORT_ALLOW-}
 transport=$(grep -rnE --include='*.rs' '^[[:space:]]*(pub )?use (hyper|hyper_util|http_body_util)(::|;)|^[[:space:]]*(pub )?use http::|\bhyper::|tokio::net::' \
-  "$SRC/config.rs" "$SRC/engine" "$SRC/policy" "$SRC/jobs" "$SRC/mlx" 2>/dev/null || true)
+  "$SRC/config.rs" "$SRC/app" "$SRC/engine" "$SRC/policy" "$SRC/jobs" "$SRC/mlx" 2>/dev/null || true)
 for f in $TRANSPORT_ALLOW; do transport=$(echo "$transport" | grep -v "^$SRC/$f:" || true); done
 if [ -n "$transport" ]; then
   echo "== HTTP transport below the http layer:"; echo "$transport" | sed 's/^/  /'; status=1

@@ -1,7 +1,107 @@
 //! The application: what the server owns and decides, below the wire
 //! (`http` parses requests, calls in here and maps the results) and above
-//! the domain modules (`engine`, `policy`, `jobs`). Nothing here speaks HTTP.
+//! the domain modules (`engine`, `policy`, `jobs`, `upstream`). Nothing here
+//! speaks HTTP.
+//!
+//! One [`App`] is built when the server starts and lives as long as it:
+//! the served models, where requests go (router policy, upstreams), which
+//! adapters they run with, the policy host, the jobs service and the
+//! prompt-cache files. (API keys are the wire's: `http/auth.rs`.) No process-wide statics.
 
+pub mod adapters;
+pub mod jobs;
+pub mod models;
 pub mod policies;
+pub mod routing;
 
+use std::future::Future;
+use std::sync::Arc;
+
+use tracing::error;
+
+use crate::config::Config;
+use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
+use crate::engine::{EngineOptions, Faults};
+use crate::upstream::Upstreams;
+pub use models::{LoadedModel, ModelError, ModelLoader, ModelRegistry, ModelState};
 pub use policies::Policies;
+pub use routing::{Destination, RouteError};
+
+/// What the server owns, shared by every request.
+pub struct App {
+    pub config: Config,
+    /// The configured models and their load state.
+    pub models: Arc<ModelRegistry>,
+    /// The configured upstreams, their pools and health.
+    pub upstreams: Upstreams,
+    /// The policy host of the data dir, opened on first use.
+    pub policies: Arc<Policies>,
+    /// The jobs service, opened at start ([`App::start`]).
+    jobs: jobs::JobsService,
+    /// The prompt-cache files, shared by every model's engine; `None` when
+    /// the directory cannot be opened (logged at start).
+    pub prompt_caches: Option<Arc<CacheStore>>,
+}
+
+impl App {
+    pub fn new(config: Config) -> App {
+        let dir = config.prompt_cache_dir();
+        let auto_budget = config.prompt_cache.auto_disk_mb * 1024 * 1024;
+        let prompt_caches = match CacheStore::open(&dir, auto_budget) {
+            Ok(store) => Some(Arc::new(
+                store.with_named_budget(config.prompt_cache.named_disk_bytes()),
+            )),
+            Err(e) => {
+                error!(dir = %dir.display(), error = %e, "prompt cache files disabled: cannot open the directory");
+                None
+            }
+        };
+        App {
+            models: Arc::new(ModelRegistry::new(&config.models)),
+            upstreams: Upstreams::new(&config.upstreams),
+            policies: Arc::new(Policies::new(config.data_dir.clone())),
+            jobs: jobs::JobsService::default(),
+            prompt_caches,
+            config,
+        }
+    }
+
+    /// Starts what runs beside the requests: the jobs service (stopped when
+    /// `shutdown` completes) and the loading of every model with `load`,
+    /// in the background, each with its configured adapters.
+    pub fn start(&self, load: ModelLoader, shutdown: impl Future<Output = ()> + Send + 'static) {
+        self.start_jobs(shutdown);
+        let mounts = adapters::startup_mounts(&self.config);
+        self.models
+            .load_in_background(load, self.engine_options(), mounts);
+    }
+
+    /// How every model's engine runs, from the config.
+    pub fn engine_options(&self) -> EngineOptions {
+        let c = &self.config.prompt_cache;
+        EngineOptions {
+            prompt_cache: PromptCacheOptions {
+                memory_bytes: (c.memory_mb * 1024 * 1024) as usize,
+                store: self.prompt_caches.clone(),
+                auto_save_min_tokens: (c.auto_save_min_tokens > 0)
+                    .then_some(c.auto_save_min_tokens),
+            },
+            faults: self.injected_faults(),
+            ..EngineOptions::default()
+        }
+    }
+
+    /// Engine faults for tests of fault isolation: `MLXGATE_TEST_ENGINE_FAULTS`
+    /// (`decode_panic=TOKEN,...`, see [`Faults`]), read only by debug builds
+    /// serving `test_routes` (loopback only).
+    fn injected_faults(&self) -> Faults {
+        if !(cfg!(debug_assertions) && self.config.test_routes) {
+            return Faults::default();
+        }
+        let spec = std::env::var("MLXGATE_TEST_ENGINE_FAULTS").unwrap_or_default();
+        Faults::parse(&spec).unwrap_or_else(|e| {
+            error!(error = %e, "MLXGATE_TEST_ENGINE_FAULTS ignored");
+            Faults::default()
+        })
+    }
+}

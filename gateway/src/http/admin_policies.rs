@@ -57,13 +57,13 @@ pub fn routes() -> Vec<Route> {
 
 /// The policy host of this server's data dir, opened on first use.
 pub fn policy_host(state: &AppState) -> Result<Arc<PolicyHost>, PolicyError> {
-    state.policies.open()
+    state.app.policies.open()
 }
 
 /// Policy metrics in Prometheus text, for `/metrics`. Empty when no policy
 /// was ever stored under the data dir (so scrapes create no directories).
 pub fn render_metrics(state: &AppState) -> String {
-    if !state.policies.stored() {
+    if !state.app.policies.stored() {
         return String::new();
     }
     match policy_host(state) {

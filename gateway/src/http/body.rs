@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 use super::connections::{BodyTimedOut, ReadDeadline};
 use super::error::ApiError;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::util::BoxError;
 
 /// Response body: boxed so a route can answer with a buffer or a stream
 /// (server-sent events) through the same type.

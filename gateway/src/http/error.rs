@@ -11,11 +11,12 @@ use serde::Serialize;
 
 use super::auth::Scope;
 use super::body::{Body, full};
-use super::routing::RouteError;
+use crate::app::{ModelError, RouteError};
 use crate::engine::EngineError;
 use crate::engine::prompt_cache::SaveError;
 use crate::jobs::JobError;
 use crate::policy::PolicyError;
+use crate::upstream::UpstreamError;
 
 /// `Retry-After` on answers to a caller over a connection or concurrency
 /// cap: slots free as other requests finish, so a second is a fair wait.
@@ -164,6 +165,46 @@ pub fn policy_status(e: &PolicyError) -> StatusCode {
     }
 }
 
+/// The status of a routing failure: the router's own for a refusal.
+pub fn route_status(e: &RouteError) -> StatusCode {
+    match e {
+        RouteError::Rejected { status, .. } => {
+            StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+        RouteError::PolicyFailed(_) => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::Upstream(e) => upstream_status(e),
+    }
+}
+
+fn route_code(e: &RouteError) -> &'static str {
+    match e {
+        RouteError::Rejected { .. } => "policy_rejected",
+        RouteError::PolicyFailed(_) => "policy_failed",
+        RouteError::Upstream(e) => upstream_code(e),
+    }
+}
+
+/// The status of a proxied request that failed before the upstream's
+/// answer began (the upstream's own error answers pass through as they are).
+pub fn upstream_status(e: &UpstreamError) -> StatusCode {
+    match e {
+        UpstreamError::Unknown(_) | UpstreamError::Unavailable { .. } => StatusCode::BAD_GATEWAY,
+        UpstreamError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        UpstreamError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
+        UpstreamError::Request { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+fn upstream_code(e: &UpstreamError) -> &'static str {
+    match e {
+        UpstreamError::Unknown(_) => "unknown_upstream",
+        UpstreamError::Unavailable { .. } => "upstream_unavailable",
+        UpstreamError::Timeout { .. } => "upstream_timeout",
+        UpstreamError::InvalidPath { .. } => "invalid_path",
+        UpstreamError::Request { .. } => "upstream_request_failed",
+    }
+}
+
 /// OpenAI's `type` for an error known only by its status (a router's
 /// `reject(status, ...)`, a policy failure).
 pub fn type_for_status(status: StatusCode) -> &'static str {
@@ -202,7 +243,7 @@ impl ApiError {
             }
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            Route(e) => e.status(),
+            Route(e) => route_status(e),
             Policy(e) => policy_status(e),
         }
     }
@@ -227,7 +268,7 @@ impl ApiError {
             TooManyConnections { .. } => "server_error",
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
-            Route(e) => e.error_type(),
+            Route(e) => type_for_status(route_status(e)),
             Policy(e) => type_for_status(policy_status(e)),
         }
     }
@@ -255,7 +296,7 @@ impl ApiError {
             NotReady(_) => "model_not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
-            Route(e) => e.code(),
+            Route(e) => route_code(e),
             Policy(e) => e.code(),
         }
     }
@@ -398,9 +439,18 @@ fn capitalized(s: &str) -> String {
         .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
 }
 
-impl From<super::upstream::UpstreamError> for ApiError {
-    fn from(e: super::upstream::UpstreamError) -> Self {
+impl From<UpstreamError> for ApiError {
+    fn from(e: UpstreamError) -> Self {
         ApiError::Route(RouteError::Upstream(e))
+    }
+}
+
+impl From<ModelError> for ApiError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::NotFound(id) => ApiError::ModelNotFound(id),
+            ModelError::NotReady(message) => ApiError::NotReady(message),
+        }
     }
 }
 
@@ -430,5 +480,56 @@ impl From<JobError> for ApiError {
 impl From<ApiError> for Response<Body> {
     fn from(e: ApiError) -> Self {
         e.into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(e: impl Into<ApiError>) -> (u16, &'static str, &'static str) {
+        let e = e.into();
+        (e.status().as_u16(), e.error_type(), e.code())
+    }
+
+    #[test]
+    fn routing_failures_keep_the_routers_status_and_name_their_cause() {
+        let rejected = RouteError::Rejected {
+            status: 429,
+            message: "slow down".into(),
+        };
+        assert_eq!(
+            answer(rejected),
+            (429, "rate_limit_error", "policy_rejected")
+        );
+        assert_eq!(
+            answer(RouteError::PolicyFailed(String::new())),
+            (503, "server_error", "policy_failed")
+        );
+        let invalid = UpstreamError::InvalidPath {
+            name: "up".into(),
+            why: "it has a `.` or `..` segment",
+        };
+        assert_eq!(
+            answer(invalid),
+            (400, "invalid_request_error", "invalid_path")
+        );
+        let slow = UpstreamError::Timeout {
+            name: "up".into(),
+            secs: 1.0,
+        };
+        assert_eq!(answer(slow), (504, "server_error", "upstream_timeout"));
+    }
+
+    #[test]
+    fn model_errors_are_404_once_unknown_and_503_while_not_ready() {
+        assert_eq!(
+            answer(ModelError::NotFound("m".into())),
+            (404, "not_found_error", "model_not_found")
+        );
+        assert_eq!(
+            answer(ModelError::NotReady("loading".into())),
+            (503, "server_error", "model_not_ready")
+        );
     }
 }

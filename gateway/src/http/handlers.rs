@@ -19,10 +19,17 @@ pub async fn healthz(_cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 
 /// Readiness: 200 only once every configured model has loaded.
 pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    if let Some(reason) = cx.state.models.not_ready_reason() {
+    if let Some(reason) = cx.state.app.models.not_ready_reason() {
         return Err(ApiError::NotReady(reason));
     }
-    let ids: Vec<String> = cx.state.models.ready().into_iter().map(|m| m.id).collect();
+    let ids: Vec<String> = cx
+        .state
+        .app
+        .models
+        .ready()
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
     body::json(
         StatusCode::OK,
         &json!({"status": "ready", "model": ids.first(), "models": ids}),
@@ -32,12 +39,12 @@ pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
 /// Prometheus text; who may scrape: [`super::metrics::authorize_scrape`].
 pub async fn metrics(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     super::metrics::authorize_scrape(
-        &cx.state.config.metrics,
+        &cx.state.app.config.metrics,
         &cx.state.keys,
         req.headers(),
         cx.peer,
     )?;
-    let ready = cx.state.models.all_ready();
+    let ready = cx.state.app.models.all_ready();
     let text = cx.state.metrics.render(ready)
         + &super::admin_policies::render_metrics(&cx.state)
         + &super::prompt_caches::render_metrics(&cx.state);
@@ -55,13 +62,20 @@ fn model_object(m: &LoadedModel) -> serde_json::Value {
 
 /// Lists the models that can serve now; one still loading is left out.
 pub async fn list_models(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let data: Vec<_> = cx.state.models.ready().iter().map(model_object).collect();
+    let data: Vec<_> = cx
+        .state
+        .app
+        .models
+        .ready()
+        .iter()
+        .map(model_object)
+        .collect();
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 pub async fn get_model(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let id = cx.param("id").unwrap_or_default();
-    match cx.state.models.ready().into_iter().find(|m| m.id == id) {
+    match cx.state.app.models.ready().into_iter().find(|m| m.id == id) {
         Some(m) => body::json(StatusCode::OK, &model_object(&m)),
         None => Err(ApiError::ModelNotFound(id.to_owned())),
     }

@@ -17,12 +17,11 @@
 //! does not exist, and listing shows non-admins their tenant's jobs only.
 //! Rows from before jobs had owners have no tenant: admins only.
 //!
-//! One [`Jobs`] service per data dir per process, opened by [`start`] when
-//! the server starts (which also recovers rows of a previous process) or on
-//! first use.
+//! The service itself is the app's (`App::jobs`): opened when the server
+//! starts, which also recovers rows of a previous process.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -35,10 +34,8 @@ use serde_json::Value;
 
 use super::auth::{Caller, Scope};
 use super::body::{self, Body, BoxError, ReqBody};
-use super::{ApiError, AppState, Ctx, Route};
-use crate::jobs::{
-    Filter, Followed, JobError, JobKind, JobRow, JobStatus, Jobs, Page, PolicyProvider, Services,
-};
+use super::{ApiError, Ctx, Route};
+use crate::jobs::{Filter, Followed, JobError, JobKind, JobRow, JobStatus, Jobs, Page};
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -61,62 +58,8 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-/// The server's jobs service, opened (and its ledger recovered) once, at
-/// start or on first use.
-#[derive(Default)]
-pub struct JobsService(Mutex<Option<Arc<Jobs>>>);
-
-/// The jobs service of `state`'s data dir, opened (and recovered) once.
-/// Must run inside the tokio runtime: recovery schedules queued jobs.
-pub fn service(state: &AppState) -> Result<Arc<Jobs>, JobError> {
-    let mut slot = state.jobs.0.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(j) = slot.as_ref() {
-        return Ok(Arc::clone(j));
-    }
-    let dir = &state.config.data_dir;
-    let _ = std::fs::create_dir_all(dir);
-    let policies = Arc::clone(&state.policies);
-    let policies: PolicyProvider = Arc::new(move || policies.open().map_err(|e| e.to_string()));
-    let services = Services {
-        policies: Some(policies),
-        adapter_stores: state.config.adapter_stores(),
-        adapters: Some(super::adapters::job_mounts(&state.models)),
-    };
-    let jobs = Jobs::open(dir, state.config.jobs.clone(), services)?;
-    jobs.start()?;
-    *slot = Some(Arc::clone(&jobs));
-    Ok(jobs)
-}
-
-/// Opens the jobs service at server start, so that rows of a previous
-/// process are recovered (and queued ones re-run) before any request. On
-/// SIGINT/SIGTERM it stops running jobs at once (while the server drains its
-/// connections, which followers' event streams would otherwise hold open).
-pub fn start(state: &AppState) {
-    match service(state) {
-        Ok(jobs) => {
-            tokio::spawn(async move {
-                super::shutdown_signal().await;
-                jobs.shutdown();
-            });
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "the jobs service cannot start; /api/jobs will answer 500")
-        }
-    }
-}
-
-/// After the server stopped: lets stopping jobs record their end (up to the
-/// shutdown grace period).
-pub async fn stop(state: &AppState) {
-    if let Ok(jobs) = service(state) {
-        jobs.shutdown();
-        jobs.drain(state.config.shutdown_grace).await;
-    }
-}
-
 fn jobs(cx: &Ctx) -> Result<Arc<Jobs>, ApiError> {
-    Ok(service(&cx.state)?)
+    Ok(cx.state.app.jobs()?)
 }
 
 fn bad(param: &str, message: String) -> ApiError {

@@ -31,11 +31,9 @@ mod handlers;
 pub mod inflight;
 pub mod jobs;
 pub mod metrics;
-pub mod models;
 pub mod openai;
 pub mod prompt_caches;
 pub mod routing;
-pub mod upstream;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -57,36 +55,23 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tracing::{Instrument, error, info, info_span, warn};
 
-use crate::app::Policies;
+pub use crate::app::{App, LoadedModel, ModelLoader, ModelRegistry, ModelState};
 use crate::config::Config;
-use crate::engine::EngineOptions;
-use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 pub use auth::{Caller, KeyStore, Scope, Zone};
 pub use body::{Body, BodyLimit, BoxError, ReqBody};
 use connections::{ConnLimits, ReadDeadline};
 pub use error::ApiError;
 use inflight::{Concurrency, Guarded, Permit, SendWatch};
 use metrics::Metrics;
-pub use models::{LoadedModel, ModelLoader, ModelRegistry, ModelState};
 
-/// State shared by all requests.
+/// State shared by all requests: the application, and what the wire
+/// itself keeps (metrics, per-key concurrency, the route table).
 pub struct AppState {
-    pub config: Config,
+    pub app: App,
     pub keys: KeyStore,
     pub metrics: Metrics,
-    /// The configured models and their load state.
-    pub models: Arc<ModelRegistry>,
-    /// Router policy host and configured upstreams.
-    pub routing: routing::Routing,
-    /// The prompt-cache files, shared by every model's engine; `None` when
-    /// the directory cannot be opened (logged at start).
-    pub prompt_caches: Option<Arc<CacheStore>>,
     /// Inference requests in progress per key, against `[server]` caps.
     pub concurrency: Arc<Concurrency>,
-    /// The policy host of the data dir, opened on first use.
-    pub policies: Arc<Policies>,
-    /// The jobs service, opened at start.
-    pub jobs: jobs::JobsService,
     /// Prompts being prepared (templated, tokenized) at once: one per core
     /// ([`openai::start_blocking`]).
     pub preparing: Arc<tokio::sync::Semaphore>,
@@ -95,7 +80,6 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(config: Config) -> Arc<Self> {
-        let keys = KeyStore::new(config.keys.clone());
         let mut table = routes();
         table.extend(openai::routes());
         table.extend(admin_policies::routes());
@@ -106,65 +90,17 @@ impl AppState {
         if config.test_routes {
             table.extend(handlers::test_routes());
         }
-        let models = Arc::new(ModelRegistry::new(&config.models));
-        let routing = routing::Routing::new(&config.upstreams);
-        let dir = config.prompt_cache_dir();
-        let auto_budget = config.prompt_cache.auto_disk_mb * 1024 * 1024;
-        let prompt_caches = match CacheStore::open(&dir, auto_budget) {
-            Ok(store) => Some(Arc::new(
-                store.with_named_budget(config.prompt_cache.named_disk_bytes()),
-            )),
-            Err(e) => {
-                error!(dir = %dir.display(), error = %e, "prompt cache files disabled: cannot open the directory");
-                None
-            }
-        };
         let concurrency =
             Concurrency::new(config.server.max_concurrent_requests_per_key, &config.keys);
-        let policies = Arc::new(Policies::new(config.data_dir.clone()));
         Arc::new(AppState {
-            config,
-            keys,
+            keys: KeyStore::new(config.keys.clone()),
+            app: App::new(config),
             concurrency,
-            policies,
-            jobs: jobs::JobsService::default(),
             preparing: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
             metrics: Metrics::default(),
-            models,
-            routing,
-            prompt_caches,
             routes: table,
-        })
-    }
-
-    /// How every model's engine runs, from the config.
-    pub fn engine_options(&self) -> EngineOptions {
-        let c = &self.config.prompt_cache;
-        EngineOptions {
-            prompt_cache: PromptCacheOptions {
-                memory_bytes: (c.memory_mb * 1024 * 1024) as usize,
-                store: self.prompt_caches.clone(),
-                auto_save_min_tokens: (c.auto_save_min_tokens > 0)
-                    .then_some(c.auto_save_min_tokens),
-            },
-            faults: self.injected_faults(),
-            ..EngineOptions::default()
-        }
-    }
-
-    /// Engine faults for tests of fault isolation: `MLXGATE_TEST_ENGINE_FAULTS`
-    /// (`decode_panic=TOKEN,...`, see [`crate::engine::Faults`]), read only
-    /// by debug builds serving `test_routes` (loopback only).
-    fn injected_faults(&self) -> crate::engine::Faults {
-        if !(cfg!(debug_assertions) && self.config.test_routes) {
-            return crate::engine::Faults::default();
-        }
-        let spec = std::env::var("MLXGATE_TEST_ENGINE_FAULTS").unwrap_or_default();
-        crate::engine::Faults::parse(&spec).unwrap_or_else(|e| {
-            error!(error = %e, "MLXGATE_TEST_ENGINE_FAULTS ignored");
-            crate::engine::Faults::default()
         })
     }
 }
@@ -338,7 +274,7 @@ fn admit<'s>(
     {
         outcome.permit = state.concurrency.acquire(c, peer.ip())?;
     }
-    let limit = r.body_limit.unwrap_or(state.config.max_body_bytes);
+    let limit = r.body_limit.unwrap_or(state.app.config.max_body_bytes);
     let declared = req
         .headers()
         .get(CONTENT_LENGTH)
@@ -466,7 +402,7 @@ async fn handle(
     let method = req.method().clone();
     let span =
         info_span!("request", id = %id, method = %method, path = %req.uri().path(), peer = %peer);
-    let timeout = state.config.server.request_timeout();
+    let timeout = state.app.config.server.request_timeout();
     let expired = &conn.body_expired;
     expired.store(false, Ordering::Relaxed);
     let req = req.map(|b| ReadDeadline::new(b, started, timeout, Arc::clone(expired)));
@@ -535,13 +471,9 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
             source,
         })?;
     let state = AppState::new(config);
-    jobs::start(&state);
-    let mounts = adapters::startup_mounts(&state.config);
-    state
-        .models
-        .load_in_background(load, state.engine_options(), mounts);
+    state.app.start(load, shutdown_signal());
     run(listener, Arc::clone(&state), shutdown_signal()).await;
-    jobs::stop(&state).await;
+    state.app.stop_jobs().await;
     Ok(())
 }
 
@@ -554,7 +486,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
 /// stops reading a streamed answer for `stream_stall_timeout` is dropped,
 /// which drops the answer and so cancels its generation.
 pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
-    let server = state.config.server.clone();
+    let server = state.app.config.server.clone();
     let limits = ConnLimits::new(
         connections::effective_max_connections(server.max_connections),
         server.max_connections_per_ip,
@@ -597,7 +529,7 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         }
     }
     drop(listener);
-    let grace = state.config.shutdown_grace;
+    let grace = state.app.config.shutdown_grace;
     info!(
         grace_secs = grace.as_secs(),
         "shutting down: no new connections; waiting for in-flight requests"

@@ -11,20 +11,10 @@
 //! };
 //! ```
 //!
-//! With no router bound the request takes the default route: the upstream
-//! whose `[[upstreams]] models` lists the requested model, otherwise the
-//! requested model locally, untouched. A failing guest configured `fail_open`
-//! also takes the default route; one configured `fail_closed` refuses the
-//! request with 503. Guest calls never run on the
-//! async worker: they go to the policy host's few call threads
-//! (`policy/pool.rs`) and are awaited, bounded by the policy's deadline
-//! (5 ms by default, at most 1 s for request-time policies); a full call
-//! queue is a guest failure, so `fail_open` / `fail_closed` applies. A
-//! router that declared its decision inputs is called once per distinct
-//! combination of them (`policy/reuse.rs`); a reused decision is a table
-//! lookup, answered inline without a thread hop.
-
-use std::sync::Arc;
+//! The decision itself is the app's (`App::route` in `app/routing.rs`):
+//! this module reads what the router sees from the request (the body's
+//! routing fields, selected headers, the caller) and carries the decision
+//! out: the body parsed for a local model, or forwarded to the upstream.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
@@ -32,18 +22,17 @@ use serde_json::Value;
 
 use super::body::{self, Body, BodyLimit, ReqBody};
 use super::openai::validate::{self, Endpoint, RoutingFields};
-use super::upstream::{self, Outgoing, Upstream, UpstreamError, UpstreamSpec, Upstreams};
-use super::{ApiError, AppState, Caller, Ctx, Route};
-use crate::policy::{
-    BackendKind, BackendState, PolicyError, PolicyHost, RequestFacts, RouteDecision,
-};
+use super::{ApiError, Caller, Ctx, Route};
+use crate::app::Destination;
+use crate::policy::RequestFacts;
+use crate::upstream::{self, Outgoing};
 
 /// `GET /admin/upstreams`: each configured upstream's health, last error
 /// and in-flight count, as the router sees them.
 pub fn routes() -> Vec<Route> {
     vec![Route::new(Method::GET, "/admin/upstreams", |cx, _req| {
         Box::pin(async move {
-            let data = cx.state.routing.upstreams.statuses();
+            let data = cx.state.app.upstreams.statuses();
             body::json(
                 StatusCode::OK,
                 &serde_json::json!({"object": "list", "data": data}),
@@ -62,68 +51,6 @@ pub static POLICY_HEADERS: [HeaderName; 3] = [
 
 /// Longest header value passed to a policy; longer ones are cut.
 const MAX_HEADER_VALUE: usize = 256;
-
-/// Routing state shared by all requests: the upstreams.
-pub struct Routing {
-    pub upstreams: Upstreams,
-}
-
-impl Routing {
-    pub fn new(upstreams: &[UpstreamSpec]) -> Routing {
-        Routing {
-            upstreams: Upstreams::new(upstreams),
-        }
-    }
-}
-
-/// Where a request goes.
-#[derive(Clone)]
-pub enum Destination {
-    /// Serve with this local model.
-    Local { model: String },
-    /// Forward to this configured upstream, with `model` rewritten if given.
-    Upstream {
-        upstream: Arc<Upstream>,
-        model: Option<String>,
-    },
-}
-
-/// A request refused by routing, or an upstream that failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RouteError {
-    /// The router's `reject(status, message)`.
-    #[error("{message}")]
-    Rejected { status: StatusCode, message: String },
-    /// The router failed and is configured `fail_closed`, or the policy
-    /// store could not be opened.
-    #[error("{0}")]
-    PolicyFailed(String),
-    #[error(transparent)]
-    Upstream(#[from] UpstreamError),
-}
-
-impl RouteError {
-    pub fn status(&self) -> StatusCode {
-        match self {
-            RouteError::Rejected { status, .. } => *status,
-            RouteError::PolicyFailed(_) => StatusCode::SERVICE_UNAVAILABLE,
-            RouteError::Upstream(e) => e.status(),
-        }
-    }
-
-    /// The OpenAI `type` field.
-    pub fn error_type(&self) -> &'static str {
-        super::error::type_for_status(self.status())
-    }
-
-    pub fn code(&self) -> &'static str {
-        match self {
-            RouteError::Rejected { .. } => "policy_rejected",
-            RouteError::PolicyFailed(_) => "policy_failed",
-            RouteError::Upstream(e) => e.code(),
-        }
-    }
-}
 
 /// The facts a router sees, from the request head and what the handler
 /// knows, borrowed from them. `prompt_tokens` is 0 when not counted yet.
@@ -160,129 +87,6 @@ pub fn request_facts<'a>(
         max_tokens,
         streaming,
     }
-}
-
-/// The policy host, if this data dir has a policy store. Cached once found,
-/// so the common case costs one atomic load.
-pub(crate) async fn policy_host(state: &AppState) -> Result<Option<Arc<PolicyHost>>, RouteError> {
-    if let Some(h) = state.policies.opened() {
-        return Ok(Some(h));
-    }
-    if !state.policies.stored() {
-        return Ok(None);
-    }
-    let policies = Arc::clone(&state.policies);
-    let opened = tokio::task::spawn_blocking(move || policies.open())
-        .await
-        .map_err(|e| RouteError::PolicyFailed(format!("policy host task failed: {e}")))?;
-    match opened {
-        Ok(h) => Ok(Some(h)),
-        Err(e) => {
-            tracing::error!(error = %e, "cannot open the policy store; refusing routed requests");
-            Err(RouteError::PolicyFailed(format!(
-                "request refused: the routing policy store cannot be opened ({})",
-                e.code()
-            )))
-        }
-    }
-}
-
-/// Backend states for the router: each ready local model, each upstream.
-/// Local load comes from each model's engine (live streams, not yet admitted).
-fn backends(state: &AppState) -> Vec<BackendState> {
-    let mut out: Vec<BackendState> = state
-        .models
-        .ready()
-        .into_iter()
-        .map(|m| {
-            let (in_flight, queued) = m.engine.current_load();
-            BackendState {
-                name: m.id,
-                kind: BackendKind::Local,
-                healthy: true,
-                in_flight: in_flight as u32,
-                queue_depth: queued as u32,
-            }
-        })
-        .collect();
-    out.extend(
-        state
-            .routing
-            .upstreams
-            .statuses()
-            .into_iter()
-            .map(|u| BackendState {
-                name: u.name,
-                kind: BackendKind::Upstream,
-                healthy: u.healthy,
-                in_flight: u.in_flight,
-                queue_depth: 0,
-            }),
-    );
-    out
-}
-
-/// Where a request goes when no policy decides: the upstream that lists the
-/// model in its `models`, otherwise the requested model, locally.
-fn default_route(state: &AppState, model: &str) -> Destination {
-    match state.routing.upstreams.for_model(model) {
-        Some(u) => Destination::Upstream {
-            upstream: Arc::clone(u),
-            model: None,
-        },
-        None => Destination::Local {
-            model: model.to_owned(),
-        },
-    }
-}
-
-/// Decides where a request goes. No router bound: [`default_route`]; the
-/// facts and backend states are only gathered when a router is bound.
-pub async fn route_request<'a>(
-    state: &AppState,
-    model: &str,
-    facts: impl FnOnce() -> RequestFacts<'a>,
-) -> Result<Destination, ApiError> {
-    let Some(host) = policy_host(state).await? else {
-        return Ok(default_route(state, model));
-    };
-    match host.route_if_bound(facts, || backends(state)).await {
-        Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
-        Ok(RouteDecision::Upstream { name, model }) => match state.routing.upstreams.get(&name) {
-            Some(u) => Ok(Destination::Upstream {
-                upstream: Arc::clone(u),
-                model,
-            }),
-            None => Err(UpstreamError::Unknown(name).into()),
-        },
-        Ok(RouteDecision::Reject { status, message }) => {
-            let status = StatusCode::from_u16(status.clamp(400, 599))
-                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            Err(ApiError::Route(RouteError::Rejected { status, message }))
-        }
-        Err(e) if e.is_fail_open() => {
-            if !matches!(e, PolicyError::NotBound(_)) {
-                tracing::warn!(error = %e, "router policy failed; fail_open: default route");
-            }
-            Ok(default_route(state, model))
-        }
-        Err(e) => Err(fail_closed(&e, "routing")),
-    }
-}
-
-/// The 503 for a policy that failed and is configured `fail_closed`;
-/// `role` is `routing` or `adapter selection`.
-pub(crate) fn fail_closed(e: &PolicyError, role: &str) -> ApiError {
-    tracing::warn!(error = %e, role, "policy failed; fail_closed: refusing the request");
-    let what = match e {
-        PolicyError::Guest { policy, kind, .. } => {
-            format!("the {role} policy `{policy}` failed ({kind})")
-        }
-        other => format!("{role} failed ({})", other.code()),
-    };
-    ApiError::Route(RouteError::PolicyFailed(format!(
-        "request refused: {what} and is configured fail_closed"
-    )))
 }
 
 /// What [`dispatch`] did with a request.
@@ -347,8 +151,11 @@ pub async fn dispatch(
     let bytes = body::read_body(body, limit).await?;
     let picked = body::pick_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
     let fields = validate::picked_routing_fields(&picked, endpoint)?;
-    let destination =
-        route_request(&cx.state, fields.model, || routing_facts(&head, &fields)).await?;
+    let destination = cx
+        .state
+        .app
+        .route(fields.model, || routing_facts(&head, &fields))
+        .await?;
     let rewrite = match &destination {
         Destination::Local { model } => (model != fields.model).then(|| model.clone()),
         Destination::Upstream {
@@ -390,7 +197,7 @@ pub async fn dispatch(
                 },
             )
             .await?;
-            Ok(Routed::Proxied(resp))
+            Ok(Routed::Proxied(resp.map(body::Body::new)))
         }
     }
 }
@@ -546,18 +353,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn route_errors_map_to_statuses() {
-        let e = RouteError::Rejected {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            message: "slow down".into(),
-        };
-        assert_eq!(
-            (e.status().as_u16(), e.error_type()),
-            (429, "rate_limit_error")
-        );
-        assert_eq!(RouteError::PolicyFailed(String::new()).status(), 503);
     }
 }

@@ -3,6 +3,9 @@
 
 pub mod time;
 
+/// The error type of boxed bodies and loaders: any error, sendable.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The message of a caught panic (`panic!` with a literal or a format).
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic

@@ -20,7 +20,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     };
     let json: &Value = &local.json;
     let chat = validate::chat_request(json)?;
-    let model = cx.state.models.resolve(&chat.common.model)?;
+    let model = cx.state.app.models.resolve(&chat.common.model)?;
     let prompt = Prompt::Text(String::new());
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages) = (model.engine.clone(), chat.messages);

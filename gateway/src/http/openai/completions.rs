@@ -19,7 +19,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     };
     let json: &Value = &local.json;
     let completion = validate::completion_request(json)?;
-    let model = cx.state.models.resolve(&completion.common.model)?;
+    let model = cx.state.app.models.resolve(&completion.common.model)?;
     let prompt = completion.prompt.clone();
     let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let engine = model.engine.clone();

@@ -20,12 +20,12 @@ use std::sync::Arc;
 use futures_util::{Stream, StreamExt};
 use http::{Method, Response};
 
+use crate::app::LoadedModel;
 use crate::engine::{
     EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
     TokenOutput, Usage,
 };
 use crate::http::adapters;
-use crate::http::models::LoadedModel;
 use crate::http::routing::Local;
 use crate::http::{ApiError, Body, Ctx, Route};
 

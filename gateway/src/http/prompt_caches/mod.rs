@@ -40,10 +40,10 @@ pub fn routes() -> Vec<Route> {
 }
 
 fn store(cx: &Ctx) -> Result<std::sync::Arc<CacheStore>, ApiError> {
-    cx.state.prompt_caches.clone().ok_or_else(|| {
+    cx.state.app.prompt_caches.clone().ok_or_else(|| {
         ApiError::Internal(format!(
             "prompt cache files are unavailable: the directory {} could not be opened (see the server log)",
-            cx.state.config.prompt_cache_dir().display()
+            cx.state.app.config.prompt_cache_dir().display()
         ))
     })
 }
@@ -53,7 +53,7 @@ fn store(cx: &Ctx) -> Result<std::sync::Arc<CacheStore>, ApiError> {
 /// configured key there are no tenants to keep apart, so the (loopback-only)
 /// anonymous caller is the operator.
 pub fn scope(cx: &Ctx, caller: Option<&Caller>) -> CacheScope {
-    let share = cx.state.config.prompt_cache.share_across_tenants;
+    let share = cx.state.app.config.prompt_cache.share_across_tenants;
     if cx.state.keys.is_empty() {
         return CacheScope {
             share,
@@ -137,7 +137,7 @@ async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let json: Value = body::read_json(req).await?;
     let request = validate::save_cache_request(&json)?;
     store(&cx)?;
-    let model = cx.state.models.resolve(&request.model)?;
+    let model = cx.state.app.models.resolve(&request.model)?;
     let engine = model.engine.clone();
     let param = match request.content {
         CacheContent::Prompt(_) => "prompt",
@@ -164,7 +164,7 @@ async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
 /// store's files.
 pub fn render_metrics(state: &super::AppState) -> String {
     use std::fmt::Write;
-    let models = state.models.ready();
+    let models = state.app.models.ready();
     let mut out = String::new();
     let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -222,7 +222,7 @@ pub fn render_metrics(state: &super::AppState) -> String {
         "Prompt cache files written by the automatic mode.",
         per_model(|s| s.auto_saves),
     );
-    if let Some(store) = &state.prompt_caches {
+    if let Some(store) = &state.app.prompt_caches {
         let files = store.list();
         family(
             "mlxgate_prompt_cache_files",

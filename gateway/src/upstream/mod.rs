@@ -1,7 +1,32 @@
-//! Upstream endpoints as configured (`[[upstreams]]`): their specs, the
-//! checks on them, and how a base URL maps the gateway's `/v1` paths onto
-//! the upstream's. No networking here; the proxy that talks to them is
-//! `http::upstream`.
+//! Configured upstream OpenAI-compatible endpoints and the proxy that
+//! forwards requests to them.
+//!
+//! Upstreams exist only in the config (`[[upstreams]]`): a router policy can
+//! name one but never supply a URL, so a guest cannot make the gateway talk
+//! to an arbitrary host. The proxy forwards the method, the path under `/v1`
+//! (normalized, never the client's query string), the body (with `model`
+//! rewritten when the decision names one), the gateway's request id and an
+//! allow-list of client headers (`FORWARDED` in `client.rs`); it authenticates with the
+//! upstream's own key (never the client's), and streams the answer back
+//! frame by frame, so server-sent events reach the client as the upstream
+//! writes them. Errors the client sees name the upstream by its configured
+//! `name` only; addresses and causes go to the log (and to the admin's
+//! `GET /admin/upstreams`).
+//!
+//! Each upstream keeps its own pool of keep-alive connections, driven on
+//! the request's task (`pool.rs`), an in-flight count and its
+//! last error, which the router sees as the upstream's backend state.
+//!
+//! This is the one module below `http` that speaks HTTP, as a client
+//! (hyper's client connections): `mod.rs` holds the specs as configured and
+//! how a base URL maps the gateway's `/v1` paths, `client.rs` the proxy,
+//! `pool.rs` the keep-alive connections. What an upstream failure answers
+//! (status, code) is decided in `http/error.rs`.
+
+mod client;
+mod pool;
+
+pub use client::{Outgoing, ProxyBody, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy};
 
 use std::fmt;
 

@@ -13,13 +13,24 @@ use std::time::{Instant, SystemTime};
 use tracing::{error, info};
 
 use super::adapters::StartupMount;
-use super::{ApiError, BoxError};
 use crate::config::ModelSpec;
 use crate::engine::{EngineHandle, EngineOptions};
+use crate::util::BoxError;
 
 /// Loads one model (blocking) and starts its engine. Passed in by the
 /// binary, which wires it to `EngineHandle::load_with`.
 pub type ModelLoader = Box<dyn Fn(&Path, &EngineOptions) -> Result<EngineHandle, BoxError> + Send>;
+
+/// Why a request's model cannot serve it.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// No configured model has this id (once every id is known).
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
+    NotFound(String),
+    /// The model is loading or failed to load; the message says which.
+    #[error("{0}")]
+    NotReady(String),
+}
 
 /// Where one model's loading stands.
 #[derive(Clone)]
@@ -91,7 +102,7 @@ impl ModelRegistry {
     /// The model a request names: 404 if no configured model has that id,
     /// 503 if it (or, for ids only known after loading, any model) is still
     /// loading or failed.
-    pub fn resolve(&self, id: &str) -> Result<LoadedModel, ApiError> {
+    pub fn resolve(&self, id: &str) -> Result<LoadedModel, ModelError> {
         let slots = self.slots();
         if let Some(m) = slots.iter().find_map(|s| match &s.state {
             ModelState::Ready(m) if m.id == id => Some(m.clone()),
@@ -107,12 +118,12 @@ impl ModelRegistry {
             .iter()
             .find(|s| s.spec.id.is_none() && matches!(s.state, ModelState::Loading))
         {
-            return Err(ApiError::NotReady(format!(
+            return Err(ModelError::NotReady(format!(
                 "The model `{id}` is not available yet: model {} is still loading. Try again shortly; GET /readyz answers 200 once every model is ready.",
                 s.spec.path.display()
             )));
         }
-        Err(ApiError::ModelNotFound(id.to_owned()))
+        Err(ModelError::NotFound(id.to_owned()))
     }
 
     /// Why `/readyz` is not 200, or `None` when every model is ready.
@@ -196,13 +207,13 @@ impl ModelRegistry {
     }
 }
 
-fn not_ready(id: &str, slot: &Slot) -> ApiError {
+fn not_ready(id: &str, slot: &Slot) -> ModelError {
     match &slot.state {
-        ModelState::Failed { reason } => ApiError::NotReady(format!(
+        ModelState::Failed { reason } => ModelError::NotReady(format!(
             "The model `{id}` failed to load ({}): {reason}",
             slot.spec.path.display()
         )),
-        _ => ApiError::NotReady(format!(
+        _ => ModelError::NotReady(format!(
             "The model `{id}` is still loading. Try again shortly; GET /readyz answers 200 once every model is ready."
         )),
     }
@@ -263,10 +274,11 @@ mod tests {
         }
     }
 
-    fn code(r: Result<LoadedModel, ApiError>) -> (u16, &'static str, String) {
+    fn code(r: Result<LoadedModel, ModelError>) -> (u16, &'static str, String) {
         match r {
             Ok(m) => panic!("resolved to {}", m.id),
-            Err(e) => (e.status().as_u16(), e.code(), e.to_string()),
+            Err(e @ ModelError::NotFound(_)) => (404, "model_not_found", e.to_string()),
+            Err(e @ ModelError::NotReady(_)) => (503, "model_not_ready", e.to_string()),
         }
     }
 

@@ -9,7 +9,6 @@
 //! inference keys do not learn the server's directory layout.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use http::{Method, Request, StatusCode};
@@ -17,13 +16,13 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::body::{self, ReqBody};
-use super::models::{LoadedModel, ModelRegistry};
 use super::openai::HandlerResult;
 use super::openai::validate::Common;
 use super::routing::{self, Local};
 use super::{ApiError, Caller, Ctx, Route, Scope};
+use crate::app::LoadedModel;
+use crate::app::adapters::resolve_in_stores;
 use crate::engine::lora::{self, AdapterInfo};
-use crate::policy::AdapterInfo as PolicyAdapterInfo;
 
 pub fn routes() -> Vec<Route> {
     vec![
@@ -57,6 +56,7 @@ impl PathView {
             .is_some_and(|c| c.has(Scope::Admin));
         let roots = cx
             .state
+            .app
             .config
             .adapter_stores()
             .iter()
@@ -109,6 +109,7 @@ async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let view = PathView::new(&cx, &req);
     let data: Vec<Value> = cx
         .state
+        .app
         .models
         .ready()
         .iter()
@@ -143,51 +144,20 @@ fn bad(param: &str, message: String, code: &'static str) -> ApiError {
 /// The model a mount or unmount acts on.
 fn target_model(cx: &Ctx, requested: Option<&str>) -> Result<LoadedModel, ApiError> {
     match requested {
-        Some(id) => cx.state.models.resolve(id),
-        None => cx.state.models.ready().into_iter().next().ok_or_else(|| {
-            ApiError::NotReady(
-                "no model is ready yet; GET /readyz answers 200 once they are".into(),
-            )
-        }),
+        Some(id) => Ok(cx.state.app.models.resolve(id)?),
+        None => cx
+            .state
+            .app
+            .models
+            .ready()
+            .into_iter()
+            .next()
+            .ok_or_else(|| {
+                ApiError::NotReady(
+                    "no model is ready yet; GET /readyz answers 200 once they are".into(),
+                )
+            }),
     }
-}
-
-/// `path` as an adapter directory inside one of `stores` (a relative path
-/// may also name a directory inside a store); anything resolving outside
-/// them (`..`, symlinks, absolute paths elsewhere) is refused.
-pub fn resolve_in_stores(stores: &[PathBuf], path: &str) -> Result<PathBuf, String> {
-    let given = Path::new(path);
-    let mut candidates = vec![given.to_owned()];
-    if given.is_relative() {
-        candidates.extend(stores.iter().map(|s| s.join(given)));
-    }
-    let roots: Vec<PathBuf> = stores
-        .iter()
-        .filter_map(|s| s.canonicalize().ok())
-        .collect();
-    let listed = || {
-        stores
-            .iter()
-            .map(|s| s.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let Some(found) = candidates.iter().find_map(|c| c.canonicalize().ok()) else {
-        return Err(format!(
-            "adapter directory `{path}` not found (stores: {})",
-            listed()
-        ));
-    };
-    if !roots
-        .iter()
-        .any(|root| found.starts_with(root) && &found != root)
-    {
-        return Err(format!(
-            "adapter directory `{path}` is outside the adapter stores ({}); put it in one or add its folder to [adapters] stores",
-            listed()
-        ));
-    }
-    Ok(found)
 }
 
 async fn mount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
@@ -197,7 +167,7 @@ async fn mount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let view = PathView::new(&cx, &req);
     let b: MountBody = body::read_json(req).await?;
     lora::validate_id(&b.id).map_err(|e| bad("id", e.to_string(), "invalid_value"))?;
-    let dir = resolve_in_stores(&cx.state.config.adapter_stores(), &b.path)
+    let dir = resolve_in_stores(&cx.state.app.config.adapter_stores(), &b.path)
         .map_err(|e| bad("path", e, "invalid_value"))?;
     let model = target_model(&cx, b.model.as_deref())?;
     let engine = model.engine.clone();
@@ -217,7 +187,7 @@ async fn unmount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         .keys
         .require(req.extensions().get::<Caller>(), Scope::Admin)?;
     let id = cx.param("id").unwrap_or_default().to_owned();
-    let models = cx.state.models.ready();
+    let models = cx.state.app.models.ready();
     let removed = tokio::task::spawn_blocking({
         let id = id.clone();
         move || {
@@ -245,9 +215,10 @@ async fn unmount(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
 /// Adapter directories in the stores (one level deep), with their configs.
 async fn available(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let view = PathView::new(&cx, &req);
-    let stores = cx.state.config.adapter_stores();
+    let stores = cx.state.app.config.adapter_stores();
     let mounted: Vec<PathBuf> = cx
         .state
+        .app
         .models
         .ready()
         .iter()
@@ -295,104 +266,6 @@ async fn available(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
-/// The served models' mounts as `finetune` jobs see them (`mount: true`).
-struct JobMounts {
-    models: Arc<ModelRegistry>,
-}
-
-pub fn job_mounts(models: &Arc<ModelRegistry>) -> Arc<dyn crate::jobs::AdapterMounts> {
-    Arc::new(JobMounts {
-        models: Arc::clone(models),
-    })
-}
-
-impl crate::jobs::AdapterMounts for JobMounts {
-    fn is_mounted(&self, id: &str) -> bool {
-        self.models
-            .ready()
-            .iter()
-            .any(|m| m.engine.adapters().iter().any(|a| a.id == id))
-    }
-
-    fn mount(
-        &self,
-        id: &str,
-        dir: &Path,
-        model: Option<&str>,
-        base: &Path,
-    ) -> Result<String, String> {
-        let target = match model {
-            Some(name) => self.models.resolve(name).map_err(|e| e.to_string())?,
-            None => {
-                let ready = self.models.ready();
-                let base = base.canonicalize().ok();
-                let same_file = ready
-                    .iter()
-                    .find(|m| base.is_some() && m.path.canonicalize().ok() == base);
-                same_file
-                    .or(ready.first())
-                    .cloned()
-                    .ok_or("no served model is ready to mount it on")?
-            }
-        };
-        target
-            .engine
-            .mount_adapter(id, dir)
-            .map(|_| target.id.clone())
-            .map_err(|e| format!("{}: {e}", target.id))
-    }
-}
-
-/// A configured mount, its path checked against the stores.
-#[derive(Debug, Clone)]
-pub struct StartupMount {
-    pub id: String,
-    pub dir: PathBuf,
-    pub model: Option<String>,
-}
-
-/// `[[adapters.mount]]` entries whose paths lie inside the stores; the
-/// others are logged and left out.
-pub fn startup_mounts(config: &crate::config::Config) -> Vec<StartupMount> {
-    let stores = config.adapter_stores();
-    config
-        .adapters
-        .mount
-        .iter()
-        .filter_map(|m| match resolve_in_stores(&stores, &m.path) {
-            Ok(dir) => Some(StartupMount {
-                id: m.id.clone(),
-                dir,
-                model: m.model.clone(),
-            }),
-            Err(reason) => {
-                tracing::error!(adapter = %m.id, %reason, "configured adapter not mounted");
-                None
-            }
-        })
-        .collect()
-}
-
-/// Mounts the configured adapters meant for `model` (the `index`-th served
-/// one; entries without `model` go on the first). Failures are logged: the
-/// model still serves, and the adapter can be mounted later over the API.
-pub fn mount_at_start(model: &LoadedModel, index: usize, mounts: &[StartupMount]) {
-    let ours = mounts.iter().filter(|m| match &m.model {
-        Some(id) => *id == model.id,
-        None => index == 0,
-    });
-    for mount in ours {
-        match model.engine.mount_adapter(&mount.id, &mount.dir) {
-            Ok(info) => {
-                tracing::info!(adapter = %info.id, model = %model.id, modules = info.modules, "adapter mounted")
-            }
-            Err(error) => {
-                tracing::error!(adapter = %mount.id, model = %model.id, %error, "configured adapter not mounted")
-            }
-        }
-    }
-}
-
 /// The adapters `request` runs with: the body's `adapter`, else the
 /// `X-Adapter` header, else the bound adapter-selector policy's choice
 /// (none when no selector is bound or it fails open). Ids are checked
@@ -422,42 +295,19 @@ pub async fn for_request(
             )
         });
     }
-    let mounted = model.engine.adapters();
-    let host = match routing::policy_host(&cx.state).await {
-        Ok(Some(host)) => host,
-        _ => return Ok(Vec::new()),
+    let facts = || {
+        routing::request_facts(
+            &local.head.method,
+            local.head.uri.path(),
+            &local.head.headers,
+            local.head.extensions.get::<Caller>(),
+            &model.id,
+            0,
+            common
+                .max_tokens
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+            common.stream,
+        )
     };
-    let infos: Vec<PolicyAdapterInfo> = mounted
-        .iter()
-        .map(|a| PolicyAdapterInfo {
-            id: a.id.clone(),
-            rank: a.rank as u32,
-            scale: a.scale,
-            // Policies see the model the adapter is mounted on.
-            base_model: model.id.clone(),
-        })
-        .collect();
-    let facts = routing::request_facts(
-        &local.head.method,
-        local.head.uri.path(),
-        &local.head.headers,
-        local.head.extensions.get::<Caller>(),
-        &model.id,
-        0,
-        common
-            .max_tokens
-            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-        common.stream,
-    );
-    // Off the async worker: a call thread runs the guest (`policy/pool.rs`).
-    match host.select_if_bound(&facts, infos).await {
-        Ok(choice) => Ok(choice.unwrap_or_default()),
-        Err(e) if e.is_fail_open() => {
-            if !matches!(e, crate::policy::PolicyError::NotBound(_)) {
-                tracing::warn!(error = %e, "adapter selector failed; fail_open: base model");
-            }
-            Ok(Vec::new())
-        }
-        Err(e) => Err(routing::fail_closed(&e, "adapter selection")),
-    }
+    Ok(cx.state.app.select_adapters(model, facts).await?)
 }
