@@ -341,21 +341,9 @@ impl Jobs {
             self.forget(&id);
             return;
         }
-        let ledger = Arc::clone(&self.ledger);
-        let job = id.clone();
-        match blocking(move || ledger.transition(&job, JobStatus::Running, Patch::default())).await
-        {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                info!(job = %id, reason = %e, "job not started");
-                self.forget(&id);
-                return;
-            }
-            Err(e) => {
-                warn!(job = %id, error = %e, "job not started");
-                self.forget(&id);
-                return;
-            }
+        if !self.mark_running(&id).await {
+            self.forget(&id);
+            return;
         }
         let ctx = JobCtx {
             id: id.clone(),
@@ -371,39 +359,8 @@ impl Jobs {
         })
         .await;
         let (status, event, patch) = match result {
-            Ok(Ok(Ok(out))) => {
-                let output = out.output_path.map(|p| p.display().to_string());
-                (
-                    JobStatus::Done,
-                    JobEvent::Done {
-                        output_dir: output.clone(),
-                        summary: out.summary.clone(),
-                    },
-                    Patch {
-                        message: Some("done".into()),
-                        output_path: output,
-                        summary: out.summary,
-                        ..Patch::default()
-                    },
-                )
-            }
-            Ok(Ok(Err(RunError::Cancelled))) => {
-                let why = if self.stopping.load(Ordering::Acquire) {
-                    "cancelled: the gateway shut down"
-                } else {
-                    "cancelled while running"
-                };
-                (
-                    JobStatus::Cancelled,
-                    JobEvent::Cancelled {
-                        message: Some(why.into()),
-                    },
-                    Patch {
-                        message: Some(why.into()),
-                        ..Patch::default()
-                    },
-                )
-            }
+            Ok(Ok(Ok(out))) => success(out),
+            Ok(Ok(Err(RunError::Cancelled))) => self.cancelled(),
             Ok(Ok(Err(RunError::Failed(error)))) => failure(error),
             Ok(Err(panic)) => failure(format!("the job panicked: {}", panic_message(&*panic))),
             Err(e) => failure(format!("the job's thread was lost: {e}")),
@@ -419,6 +376,44 @@ impl Jobs {
         }
         ctx.emit(event);
         self.forget(&id);
+    }
+
+    /// Moves the job's row to `running`; false (logged) when it cannot
+    /// start: the row was cancelled meanwhile, or the ledger failed.
+    async fn mark_running(&self, id: &str) -> bool {
+        let ledger = Arc::clone(&self.ledger);
+        let job = id.to_owned();
+        match blocking(move || ledger.transition(&job, JobStatus::Running, Patch::default())).await
+        {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                info!(job = %id, reason = %e, "job not started");
+                false
+            }
+            Err(e) => {
+                warn!(job = %id, error = %e, "job not started");
+                false
+            }
+        }
+    }
+
+    /// The end of a job stopped by `cancel` or by the gateway shutting down.
+    fn cancelled(&self) -> (JobStatus, JobEvent, Patch) {
+        let why = if self.stopping.load(Ordering::Acquire) {
+            "cancelled: the gateway shut down"
+        } else {
+            "cancelled while running"
+        };
+        (
+            JobStatus::Cancelled,
+            JobEvent::Cancelled {
+                message: Some(why.into()),
+            },
+            Patch {
+                message: Some(why.into()),
+                ..Patch::default()
+            },
+        )
     }
 
     /// Graceful stop: asks every running job to stop (they end `cancelled`)
@@ -558,6 +553,24 @@ impl Jobs {
             st.next().await.map(|item| (item, st))
         }))
     }
+}
+
+/// The end of a job that finished its work.
+fn success(out: super::kinds::Outcome) -> (JobStatus, JobEvent, Patch) {
+    let output = out.output_path.map(|p| p.display().to_string());
+    (
+        JobStatus::Done,
+        JobEvent::Done {
+            output_dir: output.clone(),
+            summary: out.summary.clone(),
+        },
+        Patch {
+            message: Some("done".into()),
+            output_path: output,
+            summary: out.summary,
+            ..Patch::default()
+        },
+    )
 }
 
 fn failure(error: String) -> (JobStatus, JobEvent, Patch) {

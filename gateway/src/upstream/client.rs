@@ -154,6 +154,71 @@ impl Upstream {
     }
 
     /// Idle pooled connections (tests and diagnostics).
+    /// The upstream URI for a gateway path, or why it cannot be forwarded.
+    fn target(&self, path_and_query: &str) -> Result<Uri, UpstreamError> {
+        self.target_for(path_and_query).map_err(|e| match e {
+            TargetError::Path(why) => UpstreamError::InvalidPath {
+                name: self.name.clone(),
+                why,
+            },
+            TargetError::Build(detail) => {
+                tracing::error!(upstream = %self.name, error = %detail, "cannot build the upstream request");
+                UpstreamError::Request {
+                    name: self.name.clone(),
+                }
+            }
+        })
+    }
+
+    /// [`exchange`] bounded by the upstream's timeout; records the outcome
+    /// in the upstream's health (an answer of 5xx counts as a failure).
+    async fn exchange_within_timeout(
+        &self,
+        request: impl Fn() -> Request<Full<Bytes>>,
+    ) -> Result<(Response<Incoming>, Lease), UpstreamError> {
+        let name = &self.name;
+        let answer = match tokio::time::timeout(self.timeout, exchange(self, request)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(Failure { reason, detail })) => {
+                tracing::warn!(upstream = %name, error = %detail, "upstream request failed");
+                self.record_error(detail);
+                return Err(UpstreamError::Unavailable {
+                    name: name.clone(),
+                    reason,
+                });
+            }
+            Err(_) => {
+                let secs = self.timeout.as_secs_f64();
+                self.record_error(format!("no answer within {secs} s"));
+                tracing::warn!(upstream = %name, secs, "upstream timed out");
+                return Err(UpstreamError::Timeout {
+                    name: name.clone(),
+                    secs,
+                });
+            }
+        };
+        if answer.0.status().is_server_error() {
+            self.record_error(format!("answered {}", answer.0.status()));
+        } else {
+            self.record_ok();
+        }
+        Ok(answer)
+    }
+
+    /// The answer's head as the client gets it: hop-by-hop headers stay
+    /// here (the length is recomputed by hyper from the body's exact size
+    /// hint), and `x-mlxgate-upstream` names the upstream.
+    fn pass_back(&self, parts: &mut http::response::Parts) {
+        for h in HOP_BY_HOP {
+            parts.headers.remove(h);
+        }
+        if let Some(v) = &self.name_header {
+            parts
+                .headers
+                .insert(HeaderName::from_static("x-mlxgate-upstream"), v.clone());
+        }
+    }
+
     pub fn idle_connections(&self) -> usize {
         self.pool.idle_count()
     }
@@ -289,19 +354,7 @@ pub async fn proxy(
     upstream: &Arc<Upstream>,
     out: Outgoing<'_>,
 ) -> Result<Response<ProxyBody>, UpstreamError> {
-    let name = &upstream.name;
-    let target = upstream
-        .target_for(out.path_and_query)
-        .map_err(|e| match e {
-            TargetError::Path(why) => UpstreamError::InvalidPath {
-                name: name.clone(),
-                why,
-            },
-            TargetError::Build(detail) => {
-                tracing::error!(upstream = %name, error = %detail, "cannot build the upstream request");
-                UpstreamError::Request { name: name.clone() }
-            }
-        })?;
+    let target = upstream.target(out.path_and_query)?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
     let request = || {
         let mut req = Request::new(Full::new(out.body.clone()));
@@ -326,44 +379,9 @@ pub async fn proxy(
     };
 
     let guard = InFlight::start(upstream);
-    let (resp, lease) =
-        match tokio::time::timeout(upstream.timeout, exchange(upstream, request)).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(Failure { reason, detail })) => {
-                tracing::warn!(upstream = %name, error = %detail, "upstream request failed");
-                upstream.record_error(detail);
-                return Err(UpstreamError::Unavailable {
-                    name: name.clone(),
-                    reason,
-                });
-            }
-            Err(_) => {
-                let secs = upstream.timeout.as_secs_f64();
-                upstream.record_error(format!("no answer within {secs} s"));
-                tracing::warn!(upstream = %name, secs, "upstream timed out");
-                return Err(UpstreamError::Timeout {
-                    name: name.clone(),
-                    secs,
-                });
-            }
-        };
-
-    if resp.status().is_server_error() {
-        upstream.record_error(format!("answered {}", resp.status()));
-    } else {
-        upstream.record_ok();
-    }
+    let (resp, lease) = upstream.exchange_within_timeout(request).await?;
     let (mut parts, incoming) = resp.into_parts();
-    // Hop-by-hop headers stay here; the length is recomputed by hyper from
-    // the body's exact size hint.
-    for h in HOP_BY_HOP {
-        parts.headers.remove(h);
-    }
-    if let Some(v) = &upstream.name_header {
-        parts
-            .headers
-            .insert(HeaderName::from_static("x-mlxgate-upstream"), v.clone());
-    }
+    upstream.pass_back(&mut parts);
     let mut body = ProxyBody {
         incoming,
         lease: Some(lease),

@@ -159,7 +159,6 @@ impl DatasetSpec {
         total: u64,
         outs: &mut [BufWriter<File>],
     ) -> Result<Tally, RunError> {
-        let werr = |e: std::io::Error| RunError::Failed(format!("cannot write output: {e}"));
         ctx.emit(JobEvent::stage(
             "transform",
             Some(0.0),
@@ -181,35 +180,8 @@ impl DatasetSpec {
                 .transform_batch(&self.policy, &records)
                 .map_err(|e| RunError::Failed(format!("policy {}: {e}", self.policy)))?;
             for ((outcome, line), record) in outcomes.iter().zip(&lines).zip(&records) {
-                t.read += 1;
-                match outcome {
-                    RecordOutcome::Keep(json) => {
-                        let valid = self.valid_ratio > 0.0
-                            && unit_hash(self.seed, t.kept) < self.valid_ratio;
-                        t.kept += 1;
-                        let w = if valid {
-                            t.valid += 1;
-                            &mut outs[1]
-                        } else {
-                            t.train += 1;
-                            &mut outs[0]
-                        };
-                        w.write_all(json.as_bytes()).map_err(werr)?;
-                        w.write_all(b"\n").map_err(werr)?;
-                    }
-                    RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
-                        let what = if matches!(outcome, RecordOutcome::Drop(_)) {
-                            t.dropped += 1;
-                            "drop"
-                        } else {
-                            t.errors += 1;
-                            "error"
-                        };
-                        let rec = json!({"line": line, "outcome": what, "reason": reason, "record": record});
-                        let rejected = outs.len() - 1;
-                        writeln!(outs[rejected], "{rec}").map_err(werr)?;
-                    }
-                }
+                self.write_outcome(&mut t, outcome, *line, record, outs)
+                    .map_err(|e| RunError::Failed(format!("cannot write output: {e}")))?;
             }
             step += 1;
             let progress = if total > 0 {
@@ -217,25 +189,52 @@ impl DatasetSpec {
             } else {
                 1.0
             };
-            let extra = Map::from_iter([
-                ("records".to_owned(), Value::from(t.read)),
-                ("kept".to_owned(), Value::from(t.kept)),
-                ("dropped".to_owned(), Value::from(t.dropped)),
-                ("errors".to_owned(), Value::from(t.errors)),
-            ]);
-            ctx.emit(JobEvent::Metric {
-                kind: "dataset".into(),
-                step,
-                loss: None,
-                progress: Some(progress),
-                message: Some(format!(
-                    "{} records: {} kept, {} dropped, {} errors",
-                    t.read, t.kept, t.dropped, t.errors
-                )),
-                extra,
-            });
+            ctx.emit(t.metric(step, progress));
         }
         Ok(t)
+    }
+
+    /// Writes one record's outcome: a kept record to the train or valid
+    /// file (a seeded draw per kept record), a dropped or failed one to the
+    /// rejected file with its line and reason; counts it in `t`.
+    fn write_outcome(
+        &self,
+        t: &mut Tally,
+        outcome: &RecordOutcome,
+        line: u64,
+        record: &str,
+        outs: &mut [BufWriter<File>],
+    ) -> std::io::Result<()> {
+        t.read += 1;
+        match outcome {
+            RecordOutcome::Keep(json) => {
+                let valid =
+                    self.valid_ratio > 0.0 && unit_hash(self.seed, t.kept) < self.valid_ratio;
+                t.kept += 1;
+                let w = if valid {
+                    t.valid += 1;
+                    &mut outs[1]
+                } else {
+                    t.train += 1;
+                    &mut outs[0]
+                };
+                w.write_all(json.as_bytes())?;
+                w.write_all(b"\n")
+            }
+            RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
+                let what = if matches!(outcome, RecordOutcome::Drop(_)) {
+                    t.dropped += 1;
+                    "drop"
+                } else {
+                    t.errors += 1;
+                    "error"
+                };
+                let rec =
+                    json!({"line": line, "outcome": what, "reason": reason, "record": record});
+                let rejected = outs.len() - 1;
+                writeln!(outs[rejected], "{rec}")
+            }
+        }
     }
 }
 
@@ -247,6 +246,29 @@ struct Tally {
     valid: u64,
     dropped: u64,
     errors: u64,
+}
+
+impl Tally {
+    /// The `metric` event after a batch: the counts so far.
+    fn metric(&self, step: u64, progress: f64) -> JobEvent {
+        let extra = Map::from_iter([
+            ("records".to_owned(), Value::from(self.read)),
+            ("kept".to_owned(), Value::from(self.kept)),
+            ("dropped".to_owned(), Value::from(self.dropped)),
+            ("errors".to_owned(), Value::from(self.errors)),
+        ]);
+        JobEvent::Metric {
+            kind: "dataset".into(),
+            step,
+            loss: None,
+            progress: Some(progress),
+            message: Some(format!(
+                "{} records: {} kept, {} dropped, {} errors",
+                self.read, self.kept, self.dropped, self.errors
+            )),
+            extra,
+        }
+    }
 }
 
 /// A uniform number in [0, 1) from (seed, n): SplitMix64's finaliser.

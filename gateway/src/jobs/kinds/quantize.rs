@@ -65,6 +65,41 @@ fn scheme_field(
     }
 }
 
+/// One `overrides` entry: a module path and its scheme (`false`: keep it
+/// unquantized); fields left out take the job's defaults.
+fn parse_override(
+    pattern: String,
+    v: &Value,
+    default: Scheme,
+) -> Result<(String, Option<Scheme>), ConfigError> {
+    let param = format!("config.overrides.{pattern}");
+    if pattern.is_empty() || pattern.starts_with('.') || pattern.ends_with('.') {
+        return Err(ConfigError::new(param, "override keys are module paths"));
+    }
+    let scheme = match v {
+        Value::Bool(false) => None,
+        Value::Object(o) => {
+            if let Some(k) = o.keys().find(|k| *k != "bits" && *k != "group_size") {
+                return Err(ConfigError::new(
+                    param,
+                    format!("unknown override field `{k}`"),
+                ));
+            }
+            Some(Scheme {
+                bits: scheme_field(v, "bits", &param, &BITS, default.bits)?,
+                group_size: scheme_field(v, "group_size", &param, &GROUPS, default.group_size)?,
+            })
+        }
+        _ => {
+            return Err(ConfigError::new(
+                param,
+                "an override is {\"bits\", \"group_size\"} or false",
+            ));
+        }
+    };
+    Ok((pattern, scheme))
+}
+
 impl QuantizeSpec {
     pub fn parse(mut f: Fields, env: &Env<'_>) -> Result<QuantizeSpec, ConfigError> {
         let input = f.input_path("input", env.paths)?;
@@ -95,52 +130,19 @@ impl QuantizeSpec {
             ));
         }
         let default = Scheme { bits, group_size };
-        let mut overrides = Vec::new();
-        match f.take("overrides") {
-            None => {}
-            Some(Value::Object(m)) => {
-                for (pattern, v) in m {
-                    let param = format!("config.overrides.{pattern}");
-                    if pattern.is_empty() || pattern.starts_with('.') || pattern.ends_with('.') {
-                        return Err(ConfigError::new(param, "override keys are module paths"));
-                    }
-                    let scheme = match &v {
-                        Value::Bool(false) => None,
-                        Value::Object(_) => Some(Scheme {
-                            bits: scheme_field(&v, "bits", &param, &BITS, bits)?,
-                            group_size: scheme_field(
-                                &v,
-                                "group_size",
-                                &param,
-                                &GROUPS,
-                                group_size,
-                            )?,
-                        }),
-                        _ => {
-                            return Err(ConfigError::new(
-                                param,
-                                "an override is {\"bits\", \"group_size\"} or false",
-                            ));
-                        }
-                    };
-                    if let Value::Object(o) = &v
-                        && let Some(k) = o.keys().find(|k| *k != "bits" && *k != "group_size")
-                    {
-                        return Err(ConfigError::new(
-                            param,
-                            format!("unknown override field `{k}`"),
-                        ));
-                    }
-                    overrides.push((pattern, scheme));
-                }
-            }
+        let overrides = match f.take("overrides") {
+            None => Vec::new(),
+            Some(Value::Object(m)) => m
+                .into_iter()
+                .map(|(pattern, v)| parse_override(pattern, &v, default))
+                .collect::<Result<_, _>>()?,
             Some(_) => {
                 return Err(ConfigError::new(
                     "config.overrides",
                     "`overrides` must be an object of module -> {bits, group_size} | false",
                 ));
             }
-        }
+        };
         f.finish()?;
         Ok(QuantizeSpec {
             input,
