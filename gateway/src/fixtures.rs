@@ -240,11 +240,6 @@ impl LoraSpec {
             seed: 1,
         }
     }
-
-    /// Fits SmolLM2-135M.
-    pub fn smollm2_135m() -> LoraSpec {
-        LoraSpec::shaped(30, 576, 576, 192, 1536)
-    }
 }
 
 /// Writes `adapters.safetensors` and `adapter_config.json` into `dir`.
