@@ -34,6 +34,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         prompt_cache: None,
         adapters: vec![],
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        grammar: None,
     }
 }
 

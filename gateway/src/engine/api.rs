@@ -58,6 +58,20 @@ impl Default for SamplingParams {
     }
 }
 
+/// A grammar the output must match, enforced token by token
+/// (`engine/constrain.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grammar {
+    /// A JSON document valid under this JSON Schema.
+    JsonSchema(serde_json::Value),
+    /// Any JSON object.
+    JsonObject,
+    /// Text matching this regular expression (whole).
+    Regex(String),
+    /// Text in the language of this Lark grammar (llguidance's dialect).
+    Lark(String),
+}
+
 /// One generation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
@@ -76,6 +90,8 @@ pub struct GenerateRequest {
     /// Whose prompt caches this request may reuse and who owns what it
     /// caches (the HTTP layer sets the caller's tenant).
     pub cache_scope: super::prompt_cache::CacheScope,
+    /// Constrains the output to this grammar (`None`: free text).
+    pub grammar: Option<Grammar>,
 }
 
 impl GenerateRequest {
@@ -94,6 +110,7 @@ impl GenerateRequest {
             prompt_cache: None,
             adapters: vec![],
             cache_scope: super::prompt_cache::CacheScope::operator(),
+            grammar: None,
         }
     }
 
@@ -226,4 +243,8 @@ pub enum EngineError {
     /// what is wrong).
     #[error("{0}")]
     Adapter(String),
+    /// The request's grammar (a JSON Schema, a regex...) cannot be
+    /// compiled; the message says what in it.
+    #[error("{0}")]
+    Grammar(String),
 }

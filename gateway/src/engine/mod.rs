@@ -3,6 +3,7 @@
 //! batching. Knows nothing of HTTP; its API ([`api`]) has no MLX types.
 
 pub mod api;
+mod constrain;
 pub mod convert;
 mod doctor;
 pub mod lora;
@@ -405,6 +406,10 @@ impl EngineHandle {
                 });
             }
         }
+        let constraint = match &request.grammar {
+            Some(grammar) => Some(self.compile(grammar)?),
+            None => None,
+        };
         let prompt_cache = match &request.prompt_cache {
             Some(name) => Some(self.open_named_cache(
                 name,
@@ -425,6 +430,7 @@ impl EngineHandle {
             prompt_cache,
             adapters: request.adapters,
             cache_scope: request.cache_scope,
+            constraint,
             events,
         };
         self.inner.queued.fetch_add(1, Ordering::Relaxed);
@@ -441,6 +447,18 @@ impl EngineHandle {
 }
 
 impl EngineHandle {
+    /// `grammar` compiled for one sequence of this model, on the caller's
+    /// thread (a schema that compiles slowly never holds the engine up).
+    fn compile(&self, grammar: &Grammar) -> Result<constrain::Constraint, EngineError> {
+        let rows = self.inner.card.vocab_size;
+        let grammars = self
+            .inner
+            .codec
+            .grammars(rows)
+            .map_err(EngineError::Grammar)?;
+        grammars.compile(grammar).map_err(EngineError::Grammar)
+    }
+
     fn send(&self, command: Command) -> Result<(), EngineError> {
         let jobs = self
             .inner

@@ -28,6 +28,7 @@ use std::collections::HashMap;
 
 use super::Faults;
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
+use super::constrain::Constraint;
 use super::lora::{self, Adapter, AdapterInfo, AdapterStack};
 use super::model::{KvCache, Transformer};
 use super::output::{Detokenizer, Filtered, StopFilter};
@@ -84,6 +85,8 @@ pub struct Job {
     pub adapters: Vec<String>,
     /// Whose cached prefixes it may reuse; who owns what it caches.
     pub cache_scope: CacheScope,
+    /// The compiled grammar the output must match, if any.
+    pub constraint: Option<Constraint>,
     pub events: EventSender,
 }
 
@@ -110,6 +113,8 @@ struct Sequence {
     last_token: u32,
     /// An injected fault this sequence's decode steps hit (tests only).
     fault: Option<Fault>,
+    /// The grammar its output must match, if any.
+    constraint: Option<Constraint>,
 }
 
 /// A fault injected into a sequence's decode steps ([`Faults`]).
@@ -357,6 +362,7 @@ impl Scheduler {
             max_new_tokens: job.max_new_tokens,
             last_token: 0,
             fault: self.fault_of(&job.prompt),
+            constraint: job.constraint,
         };
         if cfg!(debug_assertions)
             && let Some(marker) = self.faults.prefill_panic
@@ -597,7 +603,20 @@ impl Scheduler {
 
     /// Samples from `logits`, emits what is safe to show; false when finished.
     fn accept(&self, seq: &mut Sequence, logits: &mut [f32]) -> bool {
+        if let Some(constraint) = seq.constraint.as_mut()
+            && let Err(error) = constraint.mask(logits)
+        {
+            let _ = seq.events.send(Err(EngineError::Internal(error)));
+            return false;
+        }
         let choice = seq.sampler.sample(logits, seq.logprobs);
+        if let Some(constraint) = seq.constraint.as_mut()
+            && !self.codec.eos_ids.contains(&choice.token)
+            && let Err(error) = constraint.advance(choice.token)
+        {
+            let _ = seq.events.send(Err(EngineError::Internal(error)));
+            return false;
+        }
         seq.generated += 1;
         seq.last_token = choice.token;
         let context_full = seq.prompt_len + seq.generated >= self.model.config.context_length;

@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
 use super::api::ChatMessage;
+use super::constrain::Grammars;
 use super::model::{GgufMetadata, LoadError};
 
 /// Everything text-related a model needs.
@@ -43,6 +44,9 @@ pub struct TextCodec {
     /// Tokenizers that read special-token text as text; built the first
     /// time a chat message contains some.
     plain: OnceLock<Result<PlainTokenizers, String>>,
+    /// The vocabulary as the grammar compiler sees it; built on the first
+    /// constrained request.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 /// Marks, in rendered chat text, a special token's text that came from
@@ -218,6 +222,7 @@ impl TextCodec {
             eos_ids,
             specials: OnceLock::new(),
             plain: OnceLock::new(),
+            grammars: OnceLock::new(),
         }))
     }
 
@@ -314,6 +319,7 @@ impl TextCodec {
             eos_ids: eos_id.into_iter().collect(),
             specials: OnceLock::new(),
             plain: OnceLock::new(),
+            grammars: OnceLock::new(),
         }))
     }
 
@@ -364,6 +370,15 @@ impl TextCodec {
         });
         let text = serde_json::to_string_pretty(&config).map_err(|e| e.to_string())?;
         std::fs::write(dir.join("tokenizer_config.json"), text).map_err(|e| e.to_string())
+    }
+
+    /// The grammar compiler for this vocabulary and a model with `rows`
+    /// logits (the same every call), built on first use.
+    pub fn grammars(&self, rows: usize) -> Result<&Grammars, String> {
+        self.grammars
+            .get_or_init(|| Grammars::new(&self.tokenizer, &self.eos_ids, rows))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     pub fn vocab_size(&self) -> usize {

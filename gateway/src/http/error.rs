@@ -354,6 +354,11 @@ impl ApiError {
                 param: "adapter".to_owned(),
                 code: "invalid_adapter",
             },
+            EngineError::Grammar(message) => ApiError::InvalidParam {
+                message: format!("Invalid 'response_format': {message}"),
+                param: "response_format".to_owned(),
+                code: "invalid_value",
+            },
         }
     }
 

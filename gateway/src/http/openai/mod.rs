@@ -79,6 +79,7 @@ pub async fn generate_request(
         prompt_cache: common.prompt_cache.clone(),
         adapters,
         cache_scope: crate::http::prompt_caches::scope(cx, local.head.extensions.get()),
+        grammar: common.grammar.clone(),
     })
 }
 

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 
-use super::engine::{ChatMessage, Prompt, SamplingParams};
+use super::engine::{ChatMessage, Grammar, Prompt, SamplingParams};
 use crate::engine::lora;
 use crate::http::ApiError;
 use crate::http::body::Picked;
@@ -49,6 +49,8 @@ pub struct Common {
     /// mlxgate extension: LoRA adapters to apply (`a`, `a+b`, `a,b`, `none`),
     /// split and checked (at most `lora::MAX_STACK`, each once).
     pub adapter: Option<Vec<String>>,
+    /// `response_format`: the grammar the output must match (`None`: text).
+    pub grammar: Option<Grammar>,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -168,15 +170,6 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
         && tools.as_array().is_none_or(|t| !t.is_empty())
     {
         return Err(unsupported("tools", "Tool calling is not supported."));
-    }
-    if let Some(format) = f.get("response_format") {
-        let kind = format.get("type").and_then(Value::as_str);
-        if kind != Some("text") {
-            return Err(unsupported(
-                "response_format",
-                "Only response_format {\"type\": \"text\"} is supported.",
-            ));
-        }
     }
     Ok(ChatRequest { common, messages })
 }
@@ -311,7 +304,98 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         logprobs: None,
         prompt_cache: prompt_cache(f)?,
         adapter: adapter(f)?,
+        grammar: response_format(f)?,
     })
+}
+
+/// `response_format`: `text`, `json_object`, `json_schema` (OpenAI's
+/// shapes) or, as mlxgate extensions, `regex` (`{"type": "regex", "regex":
+/// "..."}`) and `lark` (`{"type": "lark", "lark": "..."}`). Whether the
+/// schema, regex or grammar compiles is the engine's to say.
+fn response_format(f: &Fields) -> Result<Option<Grammar>, ApiError> {
+    let Some(format) = f.get("response_format") else {
+        return Ok(None);
+    };
+    let Value::Object(format) = format else {
+        return Err(wrong_type("response_format", "object", format));
+    };
+    let text = |key: &str| -> Result<String, ApiError> {
+        let param = format!("response_format.{key}");
+        match format.get(key) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            None | Some(Value::Null) => Err(missing(&param)),
+            Some(other) => Err(wrong_type(&param, "string", other)),
+        }
+    };
+    match text("type")?.as_str() {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(Grammar::JsonObject)),
+        "json_schema" => json_schema(format.get("json_schema")).map(Some),
+        "regex" => Ok(Some(Grammar::Regex(text("regex")?))),
+        "lark" => Ok(Some(Grammar::Lark(text("lark")?))),
+        other => Err(invalid(
+            "response_format.type",
+            "invalid_value",
+            &format!(
+                "Invalid value: '{other}'. Supported values are: 'text', 'json_object', 'json_schema', and the mlxgate extensions 'regex' and 'lark'."
+            ),
+        )),
+    }
+}
+
+/// `response_format.json_schema`: `{name, schema, strict?, description?}`.
+fn json_schema(spec: Option<&Value>) -> Result<Grammar, ApiError> {
+    const PARAM: &str = "response_format.json_schema";
+    let spec = match spec {
+        None | Some(Value::Null) => return Err(missing(PARAM)),
+        Some(Value::Object(spec)) => spec,
+        Some(other) => return Err(wrong_type(PARAM, "object", other)),
+    };
+    match spec.get("name") {
+        Some(Value::String(name))
+            if !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
+        Some(Value::String(_)) => {
+            return Err(invalid(
+                "response_format.json_schema.name",
+                "invalid_value",
+                "Invalid 'response_format.json_schema.name': use 1 to 64 letters, digits, underscores or dashes.",
+            ));
+        }
+        None | Some(Value::Null) => return Err(missing("response_format.json_schema.name")),
+        Some(other) => {
+            return Err(wrong_type(
+                "response_format.json_schema.name",
+                "string",
+                other,
+            ));
+        }
+    }
+    if let Some(strict) = spec.get("strict")
+        && !strict.is_null()
+        && !strict.is_boolean()
+    {
+        return Err(wrong_type(
+            "response_format.json_schema.strict",
+            "boolean",
+            strict,
+        ));
+    }
+    match spec.get("schema") {
+        Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+            Ok(Grammar::JsonSchema(schema.clone()))
+        }
+        // No schema: any JSON object.
+        None | Some(Value::Null) => Ok(Grammar::JsonObject),
+        Some(other) => Err(wrong_type(
+            "response_format.json_schema.schema",
+            "object",
+            other,
+        )),
+    }
 }
 
 /// `adapter`: the stack to run with (see [`lora::parse_spec`]).
@@ -1053,11 +1137,7 @@ mod tests {
             ("logit_bias", json!([1]), "invalid_type"),
             ("logit_bias", json!({"x": 1}), "invalid_value"),
             ("tools", json!([{"type": "function"}]), "unsupported_value"),
-            (
-                "response_format",
-                json!({"type": "json_object"}),
-                "unsupported_value",
-            ),
+            ("response_format", json!("json"), "invalid_type"),
         ];
         for (field, value, code) in cases {
             let mut extra = Map::new();
@@ -1079,6 +1159,81 @@ mod tests {
         );
         let e = chat_request(&chat(json!({"n": 3}))).unwrap_err();
         assert!(e.to_string().contains("n > 1 is not supported"), "{e}");
+    }
+
+    #[test]
+    fn response_formats_become_grammars() {
+        let format = |f: Value| chat_request(&chat(json!({"response_format": f})));
+        let grammar = |f: Value| format(f).unwrap().common.grammar;
+        assert_eq!(grammar(json!({"type": "text"})), None);
+        assert_eq!(
+            grammar(json!({"type": "json_object"})),
+            Some(Grammar::JsonObject)
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            grammar(json!({"type": "json_schema",
+                "json_schema": {"name": "a_1", "schema": schema, "strict": true}})),
+            Some(Grammar::JsonSchema(schema))
+        );
+        assert_eq!(
+            grammar(json!({"type": "regex", "regex": "[0-9]+"})),
+            Some(Grammar::Regex("[0-9]+".into()))
+        );
+        assert_eq!(
+            grammar(json!({"type": "lark", "lark": "start: \"yes\" | \"no\""})),
+            Some(Grammar::Lark("start: \"yes\" | \"no\"".into()))
+        );
+        let cases = [
+            (
+                json!({}),
+                "response_format.type",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"type": "xml"}),
+                "response_format.type",
+                "invalid_value",
+            ),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                "response_format.json_schema.name",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+                "response_format.json_schema.name",
+                "invalid_value",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}),
+                "response_format.json_schema.schema",
+                "invalid_type",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}),
+                "response_format.json_schema.strict",
+                "invalid_type",
+            ),
+            (
+                json!({"type": "regex"}),
+                "response_format.regex",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"type": "lark", "lark": 1}),
+                "response_format.lark",
+                "invalid_type",
+            ),
+        ];
+        for (f, param, code) in cases {
+            rejects(format(f.clone()), param, code);
+        }
     }
 
     #[test]
