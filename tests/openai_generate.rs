@@ -518,3 +518,70 @@ fn two_models_are_served_side_by_side() {
     let ready = s.get("/readyz").json();
     assert_eq!(ready["models"], json!([first, "smol-b"]));
 }
+
+#[test]
+fn n_choices_share_one_prefill_and_each_matches_a_lone_request() {
+    let (s, model) = server();
+    let ask = |extra: Value| chat(&model, "Name a colour.", extra);
+    // Greedy: every choice is the one answer a single request gets.
+    let lone = ok(
+        &s,
+        "/v1/chat/completions",
+        &ask(json!({"max_tokens": 8, "temperature": 0})),
+    );
+    let three = ok(
+        &s,
+        "/v1/chat/completions",
+        &ask(json!({"max_tokens": 8, "temperature": 0, "n": 3})),
+    );
+    let choices = three["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{three}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{three}");
+        assert_eq!(c["message"], lone["choices"][0]["message"], "{three}");
+    }
+    let (one, all) = (&lone["usage"], &three["usage"]);
+    assert_eq!(
+        all["prompt_tokens"], one["prompt_tokens"],
+        "the prompt counts once"
+    );
+    assert_eq!(
+        all["completion_tokens"].as_u64(),
+        one["completion_tokens"].as_u64().map(|c| 3 * c)
+    );
+
+    // Sampled and seeded: choice i is a lone request seeded seed + i.
+    let sampled = |n: u64, seed: u64| {
+        ok(
+            &s,
+            "/v1/completions",
+            &json!({"model": model, "prompt": "Once upon a time", "max_tokens": 10,
+                    "temperature": 1.0, "seed": seed, "n": n}),
+        )
+    };
+    let pair = sampled(2, 7);
+    for (i, seed) in [(0, 7), (1, 8)] {
+        assert_eq!(
+            pair["choices"][i]["text"],
+            sampled(1, seed)["choices"][0]["text"],
+            "{pair}"
+        );
+    }
+
+    // Streamed: chunks carry their choice's index; one [DONE] after both.
+    let body = ask(json!({"max_tokens": 8, "temperature": 0, "n": 2, "stream": true}));
+    let data = sse_data(&s.post_json("/v1/chat/completions", &body));
+    assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1);
+    let mut texts = [String::new(), String::new()];
+    let mut finished = [false, false];
+    for d in &data[..data.len() - 1] {
+        let chunk: Value = serde_json::from_str(d).unwrap();
+        let c = &chunk["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        texts[i] += c["delta"]["content"].as_str().unwrap_or("");
+        finished[i] |= c["finish_reason"].is_string();
+    }
+    assert_eq!(finished, [true, true]);
+    let want = lone["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(texts, [want, want]);
+}

@@ -162,6 +162,17 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
+impl Usage {
+    /// The usage of a request with one more choice (`n` > 1): the prompt
+    /// counts once, completions add up.
+    pub fn with_choice(self, other: Usage) -> Usage {
+        Usage {
+            completion_tokens: self.completion_tokens + other.completion_tokens,
+            ..self
+        }
+    }
+}
+
 /// What a generation stream yields, in order: any number of `Delta`s, then
 /// exactly one `Finished` (or an error).
 #[derive(Debug, Clone, PartialEq)]

@@ -186,6 +186,13 @@ impl Constraint {
         Ok(())
     }
 
+    /// The same grammar state for another choice of the same prompt.
+    pub fn fork(&self) -> Constraint {
+        Constraint {
+            matcher: Box::new(self.matcher.deep_clone()),
+        }
+    }
+
     /// Moves the grammar past the sampled `token`.
     pub fn advance(&mut self, token: u32) -> Result<(), String> {
         self.matcher

@@ -4,6 +4,7 @@
 
 pub mod api;
 mod constrain;
+use constrain::Constraint;
 pub mod convert;
 mod doctor;
 pub mod lora;
@@ -31,7 +32,7 @@ use prompt_cache::{
     PromptCacheOptions, SaveError,
 };
 pub use sampler::argmax;
-use scheduler::{Caching, Command, Job, Scheduler};
+use scheduler::{Caching, Command, Fork, Job, Scheduler};
 use text::TextCodec;
 
 use crate::mlx::kernels::{self, KernelChoice};
@@ -377,6 +378,18 @@ impl EngineHandle {
 
     /// Validates `request` (prompt, context length) and queues it.
     pub fn generate(&self, request: GenerateRequest) -> Result<GenerationStream, EngineError> {
+        let mut streams = self.generate_n(request, 1)?;
+        Ok(streams.remove(0))
+    }
+
+    /// `n` (at least 1) choices of one request, one stream each: the prompt
+    /// is prefilled once and each choice samples on its own (with a seed,
+    /// choice `i` uses `seed + i`).
+    pub fn generate_n(
+        &self,
+        request: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<GenerationStream>, EngineError> {
         let card = &self.inner.card;
         let prompt = self.prompt_tokens(request.prompt)?;
         let context = card.context_length;
@@ -419,8 +432,26 @@ impl EngineHandle {
             )?),
             None => None,
         };
-        let (events, receiver) = unbounded_channel();
         let prompt_tokens = prompt.len();
+        let mut streams = Vec::with_capacity(n);
+        let mut stream = || {
+            let (events, receiver) = unbounded_channel();
+            streams.push(GenerationStream {
+                receiver,
+                prompt_tokens,
+                _in_flight: InFlight::new(&self.inner.in_flight),
+            });
+            events
+        };
+        let events = stream();
+        let seed = request.sampling.seed;
+        let forks = (1..n.max(1))
+            .map(|i| Fork {
+                seed: seed.map(|s| s.wrapping_add(i as u64)),
+                constraint: constraint.as_ref().map(Constraint::fork),
+                events: stream(),
+            })
+            .collect();
         let job = Job {
             max_new_tokens: request.max_tokens.unwrap_or(context - prompt_tokens).max(1),
             prompt,
@@ -432,24 +463,21 @@ impl EngineHandle {
             cache_scope: request.cache_scope,
             constraint,
             events,
+            forks,
         };
         self.inner.queued.fetch_add(1, Ordering::Relaxed);
         if let Err(error) = self.send(Command::Generate(job)) {
             self.inner.queued.fetch_sub(1, Ordering::Relaxed);
             return Err(error);
         }
-        Ok(GenerationStream {
-            receiver,
-            prompt_tokens,
-            _in_flight: InFlight::new(&self.inner.in_flight),
-        })
+        Ok(streams)
     }
 }
 
 impl EngineHandle {
     /// `grammar` compiled for one sequence of this model, on the caller's
     /// thread (a schema that compiles slowly never holds the engine up).
-    fn compile(&self, grammar: &Grammar) -> Result<constrain::Constraint, EngineError> {
+    fn compile(&self, grammar: &Grammar) -> Result<Constraint, EngineError> {
         let rows = self.inner.card.vocab_size;
         let grammars = self
             .inner

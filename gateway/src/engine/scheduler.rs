@@ -88,6 +88,26 @@ pub struct Job {
     /// The compiled grammar the output must match, if any.
     pub constraint: Option<Constraint>,
     pub events: EventSender,
+    /// More choices of the same prompt (`n` > 1): each continues from this
+    /// job's prefill with its own sampler, grammar and events.
+    pub forks: Vec<Fork>,
+}
+
+/// One more choice of a job's prompt.
+pub struct Fork {
+    pub seed: Option<u64>,
+    pub constraint: Option<Constraint>,
+    pub events: EventSender,
+}
+
+impl Job {
+    /// Every choice's events, for failing them all.
+    pub fn all_events(&self) -> Vec<EventSender> {
+        std::iter::once(&self.events)
+            .chain(self.forks.iter().map(|f| &f.events))
+            .cloned()
+            .collect()
+    }
 }
 
 /// One running generation.
@@ -115,6 +135,43 @@ struct Sequence {
     fault: Option<Fault>,
     /// The grammar its output must match, if any.
     constraint: Option<Constraint>,
+}
+
+impl Sequence {
+    /// Another choice from this sequence's prefilled prompt: the same cache
+    /// (shared storage, written past the prompt by each alone) and adapters,
+    /// its own sampler (seeded `fork.seed`), grammar and events.
+    fn fork(
+        &self,
+        fork: Fork,
+        sampling: &SamplingParams,
+        prompt: &[u32],
+        stop: &[String],
+    ) -> Sequence {
+        let sampling = SamplingParams {
+            seed: fork.seed,
+            ..sampling.clone()
+        };
+        Sequence {
+            cache: self.cache.clone(),
+            adapters: self.adapters.clone(),
+            adapters_key: self.adapters_key.clone(),
+            cache_scope: self.cache_scope.clone(),
+            sampler: Sampler::new(sampling, prompt),
+            detokenizer: Detokenizer::new(),
+            stop: StopFilter::new(stop.to_vec()),
+            events: fork.events,
+            logprobs: self.logprobs,
+            prompt_len: self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            history: self.history.clone(),
+            generated: 0,
+            max_new_tokens: self.max_new_tokens,
+            last_token: 0,
+            fault: self.fault,
+            constraint: fork.constraint,
+        }
+    }
 }
 
 /// A fault injected into a sequence's decode steps ([`Faults`]).
@@ -235,13 +292,16 @@ impl Scheduler {
                 };
                 match next {
                     Ok(Command::Generate(job)) => {
-                        let events = job.events.clone();
+                        let events = job.all_events();
                         match guarded(|| self.start(job)) {
-                            Ok(seq) => running.extend(seq),
+                            Ok(seqs) => running.extend(seqs),
                             Err(why) => {
                                 tracing::error!(error = %why, "prefill panicked; failing its request");
-                                let error = format!("generation failed: {why}");
-                                let _ = events.send(Err(EngineError::Internal(error)));
+                                let error =
+                                    EngineError::Internal(format!("generation failed: {why}"));
+                                for e in events {
+                                    let _ = e.send(Err(error.clone()));
+                                }
                             }
                         }
                     }
@@ -322,17 +382,20 @@ impl Scheduler {
         }
     }
 
-    /// Prefills a new request and emits its first token; returns it if it goes on.
-    fn start(&mut self, job: Job) -> Option<Sequence> {
+    /// Prefills a new request once and emits the first token of each of its
+    /// choices; returns those that go on.
+    fn start(&mut self, job: Job) -> Vec<Sequence> {
         self.queued.fetch_sub(1, Ordering::Relaxed);
-        if job.events.is_closed() {
-            return None;
+        if job.events.is_closed() && job.forks.iter().all(|f| f.events.is_closed()) {
+            return Vec::new();
         }
         let adapters = match self.stack(&job.adapters) {
             Ok(stack) => stack,
             Err(error) => {
-                let _ = job.events.send(Err(error));
-                return None;
+                for e in job.all_events() {
+                    let _ = e.send(Err(error.clone()));
+                }
+                return Vec::new();
             }
         };
         let adapters_key = lora::stack_key(&adapters);
@@ -350,10 +413,10 @@ impl Scheduler {
             adapters,
             adapters_key,
             cache_scope: job.cache_scope,
-            sampler: Sampler::new(job.sampling, &job.prompt),
+            sampler: Sampler::new(job.sampling.clone(), &job.prompt),
             detokenizer: Detokenizer::new(),
-            stop: StopFilter::new(job.stop),
-            events: job.events,
+            stop: StopFilter::new(job.stop.clone()),
+            events: job.events.clone(),
             logprobs: job.logprobs,
             prompt_len: job.prompt.len(),
             cached_tokens,
@@ -374,15 +437,24 @@ impl Scheduler {
         {
             Ok(logits) => logits,
             Err(error) => {
-                let _ = seq
-                    .events
-                    .send(Err(EngineError::Internal(error.to_string())));
-                return None;
+                let error = EngineError::Internal(error.to_string());
+                for e in std::iter::once(&seq.events).chain(job.forks.iter().map(|f| &f.events)) {
+                    let _ = e.send(Err(error.clone()));
+                }
+                return Vec::new();
             }
         };
         self.remember_prompt(&seq.cache_scope, &job.prompt, &seq.cache, &seq.adapters_key);
-        let mut row = logits.as_slice::<f32>().to_vec();
-        self.accept(&mut seq, &mut row).then_some(seq)
+        let row = logits.as_slice::<f32>();
+        let forks: Vec<Sequence> = job
+            .forks
+            .into_iter()
+            .map(|fork| seq.fork(fork, &job.sampling, &job.prompt, &job.stop))
+            .collect();
+        std::iter::once(seq)
+            .chain(forks)
+            .filter_map(|mut seq| self.accept(&mut seq, &mut row.to_vec()).then_some(seq))
+            .collect()
     }
 
     /// The cache to start `prompt` from and how many of its tokens it covers

@@ -6,7 +6,9 @@ use serde_json::Value;
 use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
-use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
+use super::{
+    HandlerResult, collect_all, generate_request, merged, start_blocking, total_usage, validate,
+};
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -23,12 +25,12 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let model = cx.state.app.models.resolve(&chat.common.model)?;
     let prompt = Prompt::Text(String::new());
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
-    let (engine, messages) = (model.engine.clone(), chat.messages);
-    let stream = start_blocking(
+    let (engine, messages, n) = (model.engine.clone(), chat.messages, chat.common.n);
+    let streams = start_blocking(
         &cx,
         move || {
             request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
-            engine.generate(request)
+            engine.generate_n(request, n)
         },
         "messages",
     )
@@ -39,14 +41,13 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let created = unix_secs();
     let logprobs = chat.common.logprobs.is_some();
     if chat.common.stream {
-        let mut framer = Framer::new(Kind::Chat, id, created, model.id);
+        let mut framer = Framer::new(Kind::Chat, id, created, model.id, n);
         framer.include_usage = chat.common.include_usage;
         framer.logprobs = logprobs;
-        return Ok(sse::response(framer, events(stream)));
+        return Ok(sse::response(framer, merged(streams)));
     }
-    let done = collect(events(stream), logprobs)
-        .await
-        .map_err(engine_err)?;
+    let done = collect_all(streams, logprobs).await.map_err(engine_err)?;
+    let usage = total_usage(&done);
     body::json(
         StatusCode::OK,
         &ChatCompletion {
@@ -54,17 +55,21 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             object: "chat.completion",
             created,
             model: model.id,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: done.text,
-                    refusal: None,
-                },
-                logprobs: logprobs.then(|| ChatLogprobs::of(&done.tokens)),
-                finish_reason: done.reason.as_str(),
-            }],
-            usage: done.usage.into(),
+            choices: done
+                .into_iter()
+                .enumerate()
+                .map(|(index, done)| ChatChoice {
+                    index,
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: done.text,
+                        refusal: None,
+                    },
+                    logprobs: logprobs.then(|| ChatLogprobs::of(&done.tokens)),
+                    finish_reason: done.reason.as_str(),
+                })
+                .collect(),
+            usage: usage.into(),
             system_fingerprint: super::system_fingerprint(),
         },
     )

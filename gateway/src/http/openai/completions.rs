@@ -5,7 +5,9 @@ use serde_json::Value;
 
 use super::sse::{self, Framer, Kind};
 use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
-use super::{HandlerResult, collect, events, generate_request, start_blocking, validate};
+use super::{
+    HandlerResult, collect_all, generate_request, merged, start_blocking, total_usage, validate,
+};
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -23,21 +25,21 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = completion.prompt.clone();
     let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let engine = model.engine.clone();
-    let stream = start_blocking(&cx, move || engine.generate(request), "prompt").await?;
+    let n = completion.common.n;
+    let streams = start_blocking(&cx, move || engine.generate_n(request, n), "prompt").await?;
     let engine_err = |e| ApiError::from_engine(e, "prompt");
 
     let id = format!("cmpl-{}", cx.request_id);
     let created = unix_secs();
     let logprobs = completion.common.logprobs.is_some();
     if completion.common.stream {
-        let mut framer = Framer::new(Kind::Completion, id, created, model.id);
+        let mut framer = Framer::new(Kind::Completion, id, created, model.id, n);
         framer.include_usage = completion.common.include_usage;
         framer.logprobs = logprobs;
-        return Ok(sse::response(framer, events(stream)));
+        return Ok(sse::response(framer, merged(streams)));
     }
-    let done = collect(events(stream), logprobs)
-        .await
-        .map_err(engine_err)?;
+    let done = collect_all(streams, logprobs).await.map_err(engine_err)?;
+    let usage = total_usage(&done);
     let fingerprint = super::system_fingerprint();
     body::json(
         StatusCode::OK,
@@ -47,17 +49,21 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             created,
             model: &model.id,
             system_fingerprint: &fingerprint,
-            choices: vec![TextChoice {
-                text: done.text,
-                index: 0,
-                logprobs: logprobs.then(|| {
-                    let mut l = CompletionLogprobs::default();
-                    l.push(&done.tokens, &mut 0);
-                    l
-                }),
-                finish_reason: Some(done.reason.as_str()),
-            }],
-            usage: Some(Some(done.usage.into())),
+            choices: done
+                .into_iter()
+                .enumerate()
+                .map(|(index, done)| TextChoice {
+                    text: done.text,
+                    index,
+                    logprobs: logprobs.then(|| {
+                        let mut l = CompletionLogprobs::default();
+                        l.push(&done.tokens, &mut 0);
+                        l
+                    }),
+                    finish_reason: Some(done.reason.as_str()),
+                })
+                .collect(),
+            usage: Some(Some(usage.into())),
         },
     )
 }

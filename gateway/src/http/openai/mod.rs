@@ -88,13 +88,14 @@ pub async fn generate_request(
 /// stall the async workers serving other requests. At most one prompt per
 /// core is prepared at a time (the others wait here, holding no thread), so
 /// a burst of long prompts costs bounded threads and memory.
-pub async fn start_blocking<F>(
+pub async fn start_blocking<F, T>(
     cx: &Ctx,
     start: F,
     prompt_param: &'static str,
-) -> Result<GenerationStream, ApiError>
+) -> Result<T, ApiError>
 where
-    F: FnOnce() -> Result<GenerationStream, EngineError> + Send + 'static,
+    F: FnOnce() -> Result<T, EngineError> + Send + 'static,
+    T: Send + 'static,
 {
     // The permit moves into the task: a client that leaves while its prompt
     // is being tokenized does not free a slot before the work ends.
@@ -109,6 +110,38 @@ where
     .await
     .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
     .map_err(|e| ApiError::from_engine(e, prompt_param))
+}
+
+/// Every choice's events as one stream, each tagged with its choice's
+/// index, in the order they come; owning the streams, so dropping this
+/// cancels them all.
+pub fn merged(
+    streams: Vec<GenerationStream>,
+) -> impl Stream<Item = (usize, Result<GenerateEvent, EngineError>)> + Send + 'static {
+    futures_util::stream::select_all(
+        streams
+            .into_iter()
+            .enumerate()
+            .map(|(index, stream)| events(stream).map(move |e| (index, e)).boxed()),
+    )
+}
+
+/// Reads every choice to its end (concurrently: they decode in one batch).
+pub async fn collect_all(
+    streams: Vec<GenerationStream>,
+    keep_tokens: bool,
+) -> Result<Vec<Collected>, EngineError> {
+    futures_util::future::try_join_all(streams.into_iter().map(|s| collect(events(s), keep_tokens)))
+        .await
+}
+
+/// The usage of all choices: the prompt once, completions summed.
+pub fn total_usage(choices: &[Collected]) -> Usage {
+    choices
+        .iter()
+        .map(|c| c.usage)
+        .reduce(Usage::with_choice)
+        .unwrap_or_default()
 }
 
 /// The engine's stream as a `Stream`; owning it, so dropping this cancels.

@@ -41,12 +41,19 @@ pub struct Framer {
     pub logprobs: bool,
     /// For the error event: which field the prompt came from.
     pub prompt_param: &'static str,
-    /// Characters generated so far (completions' `text_offset`).
-    offset: usize,
+    /// Characters generated so far per choice (completions' `text_offset`).
+    offsets: Vec<usize>,
+    /// Choices not finished yet.
+    open: usize,
+    /// The usage of the finished choices, summed.
+    usage: Option<Usage>,
 }
 
 impl Framer {
-    pub fn new(kind: Kind, id: String, created: u64, model: String) -> Self {
+    /// A framer for `choices` streams (`n`), each event tagged with its
+    /// choice's index.
+    pub fn new(kind: Kind, id: String, created: u64, model: String, choices: usize) -> Self {
+        let choices = choices.max(1);
         Framer {
             kind,
             id,
@@ -59,30 +66,45 @@ impl Framer {
                 Kind::Chat => "messages",
                 Kind::Completion => "prompt",
             },
-            offset: 0,
+            offsets: vec![0; choices],
+            open: choices,
+            usage: None,
         }
     }
 
-    /// What goes out before the first event: the chat role chunk.
+    /// What goes out before the first event: each choice's chat role chunk.
     pub fn start(&mut self) -> String {
         match self.kind {
-            Kind::Chat => self.chat_chunk(
-                Delta {
-                    role: Some("assistant"),
-                    content: Some(String::new()),
-                },
-                None,
-                None,
-            ),
+            Kind::Chat => (0..self.offsets.len())
+                .map(|index| {
+                    self.chat_chunk(
+                        index,
+                        Delta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        None,
+                        None,
+                    )
+                })
+                .collect(),
             Kind::Completion => String::new(),
         }
     }
 
-    /// Frames for one event, and whether the stream is over.
-    pub fn event(&mut self, event: Result<GenerateEvent, EngineError>) -> (String, bool) {
+    /// Frames for one event of choice `index`, and whether the stream is
+    /// over (every choice finished, or an error).
+    pub fn event(
+        &mut self,
+        index: usize,
+        event: Result<GenerateEvent, EngineError>,
+    ) -> (String, bool) {
         match event {
-            Ok(GenerateEvent::Delta { text, tokens }) => (self.delta(text, &tokens), false),
-            Ok(GenerateEvent::Finished { reason, usage }) => (self.finish(reason, usage), true),
+            Ok(GenerateEvent::Delta { text, tokens }) => (self.delta(index, text, &tokens), false),
+            Ok(GenerateEvent::Finished { reason, usage }) => {
+                let text = self.finish(index, reason, usage);
+                (text, self.open == 0)
+            }
             Err(e) => (
                 error_frame(&ApiError::from_engine(e, self.prompt_param)),
                 true,
@@ -97,7 +119,7 @@ impl Framer {
         ))
     }
 
-    fn delta(&mut self, text: String, tokens: &[TokenOutput]) -> String {
+    fn delta(&mut self, index: usize, text: String, tokens: &[TokenOutput]) -> String {
         if text.is_empty() && (tokens.is_empty() || !self.logprobs) {
             return String::new();
         }
@@ -105,6 +127,7 @@ impl Framer {
             Kind::Chat => {
                 let logprobs = self.logprobs.then(|| ChatLogprobs::of(tokens));
                 self.chat_chunk(
+                    index,
                     Delta {
                         role: None,
                         content: Some(text),
@@ -114,24 +137,37 @@ impl Framer {
                 )
             }
             Kind::Completion => {
+                let offset = &mut self.offsets[index];
                 let logprobs = self.logprobs.then(|| {
                     let mut l = CompletionLogprobs::default();
-                    l.push(tokens, &mut self.offset);
+                    l.push(tokens, offset);
                     l
                 });
                 if logprobs.is_none() {
-                    self.offset += text.chars().count();
+                    *offset += text.chars().count();
                 }
-                self.text_chunk(text, logprobs, None)
+                self.text_chunk(index, text, logprobs, None)
             }
         }
     }
 
-    fn finish(&mut self, reason: FinishReason, usage: Usage) -> String {
+    /// Choice `index`'s last chunk; after the last choice's, the usage
+    /// chunk (when asked for) and `[DONE]`.
+    fn finish(&mut self, index: usize, reason: FinishReason, usage: Usage) -> String {
+        let reason = Some(reason.as_str());
         let mut out = match self.kind {
-            Kind::Chat => self.chat_chunk(Delta::default(), None, Some(reason.as_str())),
-            Kind::Completion => self.text_chunk(String::new(), None, Some(reason.as_str())),
+            Kind::Chat => self.chat_chunk(index, Delta::default(), None, reason),
+            Kind::Completion => self.text_chunk(index, String::new(), None, reason),
         };
+        self.open = self.open.saturating_sub(1);
+        let usage = match self.usage.take() {
+            Some(so_far) => so_far.with_choice(usage),
+            None => usage,
+        };
+        if self.open > 0 {
+            self.usage = Some(usage);
+            return out;
+        }
         if self.include_usage {
             let usage = Some(Some(usage.into()));
             out += &match self.kind {
@@ -160,6 +196,7 @@ impl Framer {
 
     fn chat_chunk(
         &self,
+        index: usize,
         delta: Delta,
         logprobs: Option<ChatLogprobs>,
         finish_reason: Option<&'static str>,
@@ -171,7 +208,7 @@ impl Framer {
             model: &self.model,
             system_fingerprint: &self.fingerprint,
             choices: vec![ChunkChoice {
-                index: 0,
+                index,
                 delta,
                 logprobs,
                 finish_reason,
@@ -182,6 +219,7 @@ impl Framer {
 
     fn text_chunk(
         &self,
+        index: usize,
         text: String,
         logprobs: Option<CompletionLogprobs>,
         finish_reason: Option<&'static str>,
@@ -194,7 +232,7 @@ impl Framer {
             system_fingerprint: &self.fingerprint,
             choices: vec![TextChoice {
                 text,
-                index: 0,
+                index,
                 logprobs,
                 finish_reason,
             }],
@@ -217,11 +255,12 @@ pub fn error_frame(e: &ApiError) -> String {
     )
 }
 
-/// A `text/event-stream` response that writes each of `events` as it comes.
-/// The body owns `events`: dropping the body (client gone) drops them.
+/// A `text/event-stream` response that writes each of `events` (tagged
+/// with their choice's index) as it comes. The body owns `events`: dropping
+/// the body (client gone) drops them.
 pub fn response<S>(framer: Framer, events: S) -> Response<Body>
 where
-    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
+    S: Stream<Item = (usize, Result<GenerateEvent, EngineError>)> + Send + 'static,
 {
     let frames =
         frames(framer, events).map(|text| Ok::<_, BoxError>(Frame::data(Bytes::from(text))));
@@ -240,7 +279,7 @@ where
 /// `Finished` event or an error, dropping `events` there.
 pub fn frames<S>(framer: Framer, events: S) -> impl Stream<Item = String> + Send + 'static
 where
-    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
+    S: Stream<Item = (usize, Result<GenerateEvent, EngineError>)> + Send + 'static,
 {
     struct State<S> {
         events: Option<std::pin::Pin<Box<S>>>,
@@ -263,7 +302,7 @@ where
         loop {
             let events = st.events.as_mut()?;
             let (text, done) = match events.next().await {
-                Some(event) => st.framer.event(event),
+                Some((index, event)) => st.framer.event(index, event),
                 None => (st.framer.cut_short(), true),
             };
             if done {
@@ -311,14 +350,22 @@ mod tests {
     }
 
     fn framer(kind: Kind) -> Framer {
-        Framer::new(kind, "chatcmpl-abc".into(), 1700000000, "m".into())
+        Framer::new(kind, "chatcmpl-abc".into(), 1700000000, "m".into(), 1)
     }
 
-    /// Runs `events` through the body and splits the SSE text into events:
-    /// (event name, data) pairs.
+    /// Runs one choice's `events` through the body (see [`run_choices`]).
     fn run(
         framer: Framer,
         events: Vec<Result<GenerateEvent, EngineError>>,
+    ) -> Vec<(String, String)> {
+        run_choices(framer, events.into_iter().map(|e| (0, e)).collect())
+    }
+
+    /// Runs `events` (tagged with their choice) through the body and splits
+    /// the SSE text into events: (event name, data) pairs.
+    fn run_choices(
+        framer: Framer,
+        events: Vec<(usize, Result<GenerateEvent, EngineError>)>,
     ) -> Vec<(String, String)> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
@@ -481,6 +528,49 @@ mod tests {
     }
 
     #[test]
+    fn choices_stream_interleaved_and_end_after_the_last_with_summed_usage() {
+        let mut f = Framer::new(Kind::Chat, "chatcmpl-abc".into(), 1, "m".into(), 2);
+        f.include_usage = true;
+        let ev = run_choices(
+            f,
+            vec![
+                (1, delta("b")),
+                (0, delta("a")),
+                (1, finished(FinishReason::Stop)),
+                (0, finished(FinishReason::Length)),
+            ],
+        );
+        let choices: Vec<(u64, Value, Value)> = ev
+            .iter()
+            .filter(|(_, data)| data != "[DONE]")
+            .map(|(_, data)| json_of(data))
+            .filter_map(|chunk| {
+                let c = chunk["choices"].get(0)?.clone();
+                Some((
+                    c["index"].as_u64()?,
+                    c["delta"].clone(),
+                    c["finish_reason"].clone(),
+                ))
+            })
+            .collect();
+        assert_eq!(
+            choices,
+            vec![
+                (0, json!({"role": "assistant", "content": ""}), Value::Null),
+                (1, json!({"role": "assistant", "content": ""}), Value::Null),
+                (1, json!({"content": "b"}), Value::Null),
+                (0, json!({"content": "a"}), Value::Null),
+                (1, json!({}), json!("stop")),
+                (0, json!({}), json!("length")),
+            ]
+        );
+        let usage = json_of(&ev[ev.len() - 2].1);
+        assert_eq!(usage["usage"]["prompt_tokens"], 5);
+        assert_eq!(usage["usage"]["completion_tokens"], 4);
+        assert_eq!(ev.last().unwrap().1, "[DONE]");
+    }
+
+    #[test]
     fn dropping_the_body_drops_the_events() {
         struct Guard(std::sync::Arc<std::sync::atomic::AtomicBool>);
         impl Drop for Guard {
@@ -492,7 +582,7 @@ mod tests {
         let guard = Guard(dropped.clone());
         let events = futures_util::stream::pending().map(move |e| {
             let _ = &guard;
-            e
+            (0, e)
         });
         let resp = response(framer(Kind::Chat), events);
         assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));

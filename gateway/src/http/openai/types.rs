@@ -51,7 +51,7 @@ pub struct ChatCompletion {
 
 #[derive(Debug, Serialize)]
 pub struct ChatChoice {
-    pub index: u32,
+    pub index: usize,
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: &'static str,
@@ -127,7 +127,7 @@ pub struct ChatChunk<'a> {
 
 #[derive(Debug, Serialize)]
 pub struct ChunkChoice {
-    pub index: u32,
+    pub index: usize,
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
@@ -159,7 +159,7 @@ pub struct TextCompletion<'a> {
 #[derive(Debug, Serialize)]
 pub struct TextChoice {
     pub text: String,
-    pub index: u32,
+    pub index: usize,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
 }

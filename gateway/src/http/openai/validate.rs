@@ -30,6 +30,9 @@ pub const MAX_LOGIT_BIAS: usize = 300;
 pub const MAX_TOP_LOGPROBS: u64 = 20;
 /// Most `logprobs` for completions.
 pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
+/// Most choices (`n`) one request may ask for: each is a sequence in the
+/// model's batch.
+pub const MAX_CHOICES: u64 = 8;
 /// OpenAI's default `max_tokens` for the legacy completions endpoint.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 
@@ -51,6 +54,8 @@ pub struct Common {
     pub adapter: Option<Vec<String>>,
     /// `response_format`: the grammar the output must match (`None`: text).
     pub grammar: Option<Grammar>,
+    /// Choices to generate (`n`), from one prefill.
+    pub n: usize,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -245,12 +250,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         max_tokens,
         stream,
     } = read_routing(f, endpoint)?;
-    if f.positive_int("n")?.is_some_and(|n| n > 1) {
-        return Err(unsupported(
-            "n",
-            "n > 1 is not supported: this server generates one choice per request. Send n = 1 or leave it out.",
-        ));
-    }
+    let n = f.int_in("n", 1, MAX_CHOICES)?.unwrap_or(1) as usize;
     let include_usage = match f.get("stream_options") {
         None => false,
         Some(_) if !stream => {
@@ -305,6 +305,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         prompt_cache: prompt_cache(f)?,
         adapter: adapter(f)?,
         grammar: response_format(f)?,
+        n,
     })
 }
 
@@ -1124,7 +1125,7 @@ mod tests {
                 json!(-1),
                 "integer_below_min_value",
             ),
-            ("n", json!(2), "unsupported_value"),
+            ("n", json!(9), "integer_above_max_value"),
             ("n", json!(0), "integer_below_min_value"),
             ("stream", json!("yes"), "invalid_type"),
             ("logprobs", json!(1), "invalid_type"),
@@ -1157,8 +1158,8 @@ mod tests {
             e.to_string(),
             "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 3 instead."
         );
-        let e = chat_request(&chat(json!({"n": 3}))).unwrap_err();
-        assert!(e.to_string().contains("n > 1 is not supported"), "{e}");
+        assert_eq!(chat_request(&chat(json!({"n": 3}))).unwrap().common.n, 3);
+        assert_eq!(chat_request(&chat(json!({}))).unwrap().common.n, 1);
     }
 
     #[test]
@@ -1350,9 +1351,9 @@ mod tests {
             "unsupported_value",
         );
         rejects(
-            completion_request(&completion(json!({"n": 2}))),
+            completion_request(&completion(json!({"n": 9}))),
             "n",
-            "unsupported_value",
+            "integer_above_max_value",
         );
     }
 }
