@@ -57,6 +57,18 @@ pub struct StepReport {
     pub seconds: f64,
 }
 
+/// The averaged gradients of one optimiser step, and what its micro-batches
+/// held.
+struct Accumulated {
+    grads: Vec<Array>,
+    /// Sum of the micro-batches' mean losses.
+    loss_sum: f64,
+    /// Counted (loss) tokens.
+    trained: usize,
+    /// Non-padding input tokens.
+    input: usize,
+}
+
 /// A LoRA training run on one model (one thread).
 pub struct Trainer<'m> {
     pub(super) model: &'m Transformer,
@@ -134,6 +146,34 @@ impl<'m> Trainer<'m> {
         let started = Instant::now();
         let step = self.state.step;
         let accumulation = self.settings.grad_accumulation.max(1);
+        let Accumulated {
+            grads,
+            loss_sum,
+            trained,
+            input,
+        } = self.accumulate(step, accumulation)?;
+        let (grads, grad_norm) = self.clip(grads)?;
+        let learning_rate = self.settings.learning_rate_at(step);
+        self.update(&grads, learning_rate)?;
+        let seconds = started.elapsed().as_secs_f64();
+        self.state.step += 1;
+        self.state.trained_tokens += trained as u64;
+        self.state.input_tokens += input as u64;
+        self.state.train_seconds += seconds;
+        Ok(StepReport {
+            step: self.state.step,
+            loss: loss_sum / accumulation as f64,
+            grad_norm,
+            learning_rate,
+            trained_tokens: trained,
+            input_tokens: input,
+            seconds,
+        })
+    }
+
+    /// The gradients of optimiser step `step` over its `accumulation`
+    /// micro-batches (averaged), each evaluated as it is made.
+    fn accumulate(&self, step: usize, accumulation: usize) -> Result<Accumulated, TrainError> {
         let argnums: Vec<i32> = (0..self.lora.params.len() as i32).collect();
         let mut summed: Option<Vec<Array>> = None;
         let (mut loss_sum, mut trained, mut input) = (0.0f64, 0usize, 0usize);
@@ -170,6 +210,17 @@ impl<'m> Trainer<'m> {
                 .map(|g| multiply(g, &inv))
                 .collect::<MlxResult<_>>()?;
         }
+        Ok(Accumulated {
+            grads,
+            loss_sum,
+            trained,
+            input,
+        })
+    }
+
+    /// The global norm of `grads`, and `grads` scaled down to
+    /// `max_grad_norm` when that is set and exceeded.
+    fn clip(&self, mut grads: Vec<Array>) -> Result<(Vec<Array>, f64), TrainError> {
         let mut norm2 = Array::from_f32(0.0);
         for g in &grads {
             norm2 = add(&norm2, &g.square()?.sum(None)?)?;
@@ -182,10 +233,15 @@ impl<'m> Trainer<'m> {
                 .map(|g| multiply(g, &factor))
                 .collect::<MlxResult<_>>()?;
         }
-        let learning_rate = self.settings.learning_rate_at(step);
+        Ok((grads, grad_norm))
+    }
+
+    /// One AdamW update of the factors at `learning_rate`, evaluated with
+    /// the optimiser's moments.
+    fn update(&mut self, grads: &[Array], learning_rate: f64) -> Result<(), TrainError> {
         self.optimizer.lr = Array::from_f32(learning_rate as f32);
         let names: Vec<Rc<str>> = self.lora.names().into_iter().map(Rc::from).collect();
-        for ((name, g), p) in names.iter().zip(&grads).zip(self.lora.params.iter_mut()) {
+        for ((name, g), p) in names.iter().zip(grads).zip(self.lora.params.iter_mut()) {
             self.optimizer.update_single(name, g, p)?;
         }
         let mut live: Vec<&Array> = self.lora.params.iter().collect();
@@ -194,20 +250,7 @@ impl<'m> Trainer<'m> {
             live.push(v);
         }
         mlx_rs::transforms::eval(live)?;
-        let seconds = started.elapsed().as_secs_f64();
-        self.state.step += 1;
-        self.state.trained_tokens += trained as u64;
-        self.state.input_tokens += input as u64;
-        self.state.train_seconds += seconds;
-        Ok(StepReport {
-            step: self.state.step,
-            loss: loss_sum / accumulation as f64,
-            grad_norm,
-            learning_rate,
-            trained_tokens: trained,
-            input_tokens: input,
-            seconds,
-        })
+        Ok(())
     }
 
     /// Mean loss over the validation split (the first `val_batches`

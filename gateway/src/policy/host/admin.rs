@@ -31,31 +31,9 @@ impl PolicyHost {
         bytes: &[u8],
         opts: PolicyOptions,
     ) -> Result<PolicyInfo, PolicyError> {
-        validate_name(name)?;
-        let limits = opts.limits.unwrap_or_else(|| kind.default_limits());
-        self.validate_limits(kind, &limits)?;
-        if bytes.len() > self.cfg.max_component_bytes {
-            return Err(PolicyError::TooLarge {
-                size: bytes.len(),
-                max: self.cfg.max_component_bytes,
-            });
-        }
-        if let Some(size) = opts.config.as_ref().map(String::len)
-            && size > MAX_CONFIG_BYTES
-        {
-            return Err(PolicyError::ConfigTooLarge {
-                size,
-                max: MAX_CONFIG_BYTES,
-            });
-        }
-        check_header(bytes)?;
+        let limits = self.check_upload(name, kind, bytes, &opts)?;
         let engine = &self.engine.engine;
-        let artifact = engine
-            .precompile_component(bytes)
-            .map_err(|e| PolicyError::Malformed(truncate(format!("{e:#}"), 2048)))?;
-        // SAFETY: `artifact` was produced just above by this engine.
-        let component = unsafe { Component::deserialize(engine, &artifact) }
-            .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+        let (artifact, component) = compile(engine, bytes)?;
         let interface = exported_interface(engine, &component, kind)?;
 
         let _admin = self.admin.lock().unwrap_or_else(PoisonError::into_inner);
@@ -88,30 +66,14 @@ impl PolicyHost {
         };
         // Fresh counters for validation so probe calls do not count; the
         // name's real counters are attached once the policy is accepted.
-        let probe = LoadedPolicy::new(
-            engine,
-            &self.linker,
-            &component,
-            info.clone(),
-            Arc::new(Counters::default()),
-            Arc::clone(&self.engine.watchdog),
-            self.cfg.max_calls_per_instance,
-        )?;
+        let probe = self.instantiate(&component, info.clone(), Arc::new(Counters::default()))?;
         info.decision_inputs = synthetic_call(&probe)?;
 
         self.storage.save_blob(&sha, bytes)?;
         self.storage
             .save_artifact(&sha, &self.engine.compat_key, &artifact)?;
         self.storage.save_meta(&to_meta(&info))?;
-        let loaded = LoadedPolicy::new(
-            engine,
-            &self.linker,
-            &component,
-            info,
-            self.counters_for(name),
-            Arc::clone(&self.engine.watchdog),
-            self.cfg.max_calls_per_instance,
-        )?;
+        let loaded = self.instantiate(&component, info, self.counters_for(name))?;
         let old_sha = previous.map(|p| p.info.sha256.clone());
         let mut snap = self.clone_snap();
         let loaded = Arc::new(loaded);
@@ -326,12 +288,53 @@ impl PolicyHost {
             bound_as: vec![],
             decision_inputs: meta.decision_inputs,
         };
+        self.instantiate(&component, info, self.counters_for(&meta.name))
+    }
+
+    /// The checks an upload passes before compiling, in order: name, limits,
+    /// size, configuration size, Wasm header. The limits the policy gets.
+    fn check_upload(
+        &self,
+        name: &str,
+        kind: PolicyKind,
+        bytes: &[u8],
+        opts: &PolicyOptions,
+    ) -> Result<Limits, PolicyError> {
+        validate_name(name)?;
+        let limits = opts.limits.unwrap_or_else(|| kind.default_limits());
+        self.validate_limits(kind, &limits)?;
+        if bytes.len() > self.cfg.max_component_bytes {
+            return Err(PolicyError::TooLarge {
+                size: bytes.len(),
+                max: self.cfg.max_component_bytes,
+            });
+        }
+        if let Some(size) = opts.config.as_ref().map(String::len)
+            && size > MAX_CONFIG_BYTES
+        {
+            return Err(PolicyError::ConfigTooLarge {
+                size,
+                max: MAX_CONFIG_BYTES,
+            });
+        }
+        check_header(bytes)?;
+        Ok(limits)
+    }
+
+    /// A compiled `component` with this host's linker, watchdog and
+    /// per-instance call cap, its calls counted into `counters`.
+    fn instantiate(
+        &self,
+        component: &Component,
+        info: PolicyInfo,
+        counters: Arc<Counters>,
+    ) -> Result<LoadedPolicy, PolicyError> {
         LoadedPolicy::new(
-            engine,
+            &self.engine.engine,
             &self.linker,
-            &component,
+            component,
             info,
-            self.counters_for(&meta.name),
+            counters,
             Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )
@@ -343,6 +346,18 @@ impl PolicyHost {
             self.storage.remove_content(sha);
         }
     }
+}
+
+/// Compiles an uploaded component: the artifact to store, and the component
+/// loaded from it.
+fn compile(engine: &wasmtime::Engine, bytes: &[u8]) -> Result<(Vec<u8>, Component), PolicyError> {
+    let artifact = engine
+        .precompile_component(bytes)
+        .map_err(|e| PolicyError::Malformed(truncate(format!("{e:#}"), 2048)))?;
+    // SAFETY: `artifact` was produced just above by this engine.
+    let component = unsafe { Component::deserialize(engine, &artifact) }
+        .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+    Ok((artifact, component))
 }
 
 fn to_meta(info: &PolicyInfo) -> StoredMeta {

@@ -246,40 +246,62 @@ impl<'a> Cursor<'a> {
 
 fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
     let mut c = Cursor { bytes, at: 0 };
-    let header = || "the header".to_owned();
-    let magic = c.array::<4>(&header)?;
-    if &magic != MAGIC {
-        return Err(GgufError::BadMagic(magic));
-    }
-    let version = c.u32(&header)?;
-    if !(2..=3).contains(&version) {
-        return Err(GgufError::UnsupportedVersion(version));
-    }
-    // A tensor entry takes at least 8 + 4 + 4 + 8 bytes, a metadata entry 8 + 4 + 1.
-    let tensor_count = c.count(24, &|| "the tensor count".into())?;
-    let kv_count = c.count(13, &|| "the metadata count".into())?;
-    let mut metadata = HashMap::with_capacity(kv_count);
-    for index in 0..kv_count {
-        let key = c.string(&|| format!("the key of metadata entry {index}"))?;
-        let kind = c.u32(&|| format!("the type of metadata `{key}`"))?;
-        let value = c.value(kind, &key)?;
-        metadata.insert(key, value);
-    }
-    let alignment = match metadata.get("general.alignment") {
-        Some(value) => {
-            let a = value.as_f64().unwrap_or(0.0) as u64;
-            if a == 0 || !a.is_power_of_two() {
-                return Err(GgufError::BadAlignment(a));
-            }
-            a as usize
-        }
-        None => DEFAULT_ALIGNMENT,
-    };
-    let mut infos = Vec::with_capacity(tensor_count);
+    let (version, tensor_count, kv_count) = c.header()?;
+    let metadata = c.metadata(kv_count)?;
+    let alignment = alignment(&metadata)?;
+    let mut entries = Vec::with_capacity(tensor_count);
     for index in 0..tensor_count {
-        let name = c.string(&|| format!("the name of tensor {index}"))?;
+        entries.push(c.tensor_entry(index)?);
+    }
+    let data_start = c.at.div_ceil(alignment) * alignment;
+    let mut tensors = Vec::with_capacity(entries.len());
+    for entry in entries {
+        tensors.push(entry.locate(bytes.len(), data_start, alignment)?);
+    }
+    Ok(Parsed {
+        version,
+        alignment,
+        metadata,
+        tensors,
+    })
+}
+
+impl Cursor<'_> {
+    /// The magic number and version, and the tensor and metadata counts.
+    fn header(&mut self) -> Result<(u32, usize, usize), GgufError> {
+        let header = || "the header".to_owned();
+        let magic = self.array::<4>(&header)?;
+        if &magic != MAGIC {
+            return Err(GgufError::BadMagic(magic));
+        }
+        let version = self.u32(&header)?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion(version));
+        }
+        // A tensor entry takes at least 8 + 4 + 4 + 8 bytes, a metadata entry 8 + 4 + 1.
+        let tensor_count = self.count(24, &|| "the tensor count".into())?;
+        let kv_count = self.count(13, &|| "the metadata count".into())?;
+        Ok((version, tensor_count, kv_count))
+    }
+
+    /// `count` metadata entries: key, value type, value.
+    fn metadata(&mut self, count: usize) -> Result<HashMap<String, MetaValue>, GgufError> {
+        let mut metadata = HashMap::with_capacity(count);
+        for index in 0..count {
+            let key = self.string(&|| format!("the key of metadata entry {index}"))?;
+            let kind = self.u32(&|| format!("the type of metadata `{key}`"))?;
+            let value = self.value(kind, &key)?;
+            metadata.insert(key, value);
+        }
+        Ok(metadata)
+    }
+
+    /// Entry `index` of the tensor table, as written (not yet checked
+    /// against the file).
+    fn tensor_entry(&mut self, index: usize) -> Result<TensorEntry, GgufError> {
+        let name = self.string(&|| format!("the name of tensor {index}"))?;
         let what = || format!("the entry of tensor `{name}`");
-        let n_dims = c.u32(&what)?;
+        let n_dims = self.u32(&what)?;
         if n_dims > 4 {
             return Err(GgufError::BadTensor {
                 name,
@@ -289,15 +311,57 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
-            dims.push(c.u64(&what)?);
+            dims.push(self.u64(&what)?);
         }
-        let kind = GgmlType::from_id(c.u32(&what)?);
-        let offset = c.u64(&what)?;
-        infos.push((name, dims, kind, offset));
+        let kind = GgmlType::from_id(self.u32(&what)?);
+        let offset = self.u64(&what)?;
+        Ok(TensorEntry {
+            name,
+            dims,
+            kind,
+            offset,
+        })
     }
-    let data_start = c.at.div_ceil(alignment) * alignment;
-    let mut tensors = Vec::with_capacity(infos.len());
-    for (name, dims, kind, offset) in infos {
+}
+
+/// `general.alignment` when given (a power of two), else the default.
+fn alignment(metadata: &HashMap<String, MetaValue>) -> Result<usize, GgufError> {
+    match metadata.get("general.alignment") {
+        Some(value) => {
+            let a = value.as_f64().unwrap_or(0.0) as u64;
+            if a == 0 || !a.is_power_of_two() {
+                return Err(GgufError::BadAlignment(a));
+            }
+            Ok(a as usize)
+        }
+        None => Ok(DEFAULT_ALIGNMENT),
+    }
+}
+
+/// One tensor-table entry as read: `offset` is relative to the data section.
+struct TensorEntry {
+    name: String,
+    dims: Vec<u64>,
+    kind: GgmlType,
+    offset: u64,
+}
+
+impl TensorEntry {
+    /// The tensor's place in a file of `file_len` bytes whose data section
+    /// starts at `data_start`: its size follows from its type and shape, and
+    /// it must be aligned and lie inside the file.
+    fn locate(
+        self,
+        file_len: usize,
+        data_start: usize,
+        alignment: usize,
+    ) -> Result<TensorInfo, GgufError> {
+        let TensorEntry {
+            name,
+            dims,
+            kind,
+            offset,
+        } = self;
         let bad = |detail: String| GgufError::BadTensor {
             name: name.clone(),
             kind,
@@ -306,7 +370,7 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
         let elements = dims
             .iter()
             .try_fold(1u64, |n, &d| n.checked_mul(d))
-            .filter(|&n| n <= bytes.len() as u64 * 8)
+            .filter(|&n| n <= file_len as u64 * 8)
             .ok_or_else(|| bad(format!("dimensions {dims:?} are too large")))?;
         let size = match kind.block() {
             Some((values, block_bytes)) => {
@@ -326,26 +390,20 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
             .filter(|_| offset % alignment as u64 == 0)
             .ok_or_else(|| bad(format!("offset {offset} is not aligned to {alignment}")))?;
         let end = start.saturating_add(size);
-        if end > bytes.len() as u64 {
+        if end > file_len as u64 {
             return Err(GgufError::Truncated {
                 what: format!("the data of tensor `{name}` ({kind})"),
-                offset: start.min(bytes.len() as u64) as usize,
+                offset: start.min(file_len as u64) as usize,
                 needed: size,
-                available: bytes.len().saturating_sub(start as usize),
+                available: file_len.saturating_sub(start as usize),
             });
         }
-        tensors.push(TensorInfo {
+        Ok(TensorInfo {
             name,
             dims,
             kind,
             offset: start as usize,
             size: size as usize,
-        });
+        })
     }
-    Ok(Parsed {
-        version,
-        alignment,
-        metadata,
-        tensors,
-    })
 }
