@@ -19,6 +19,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MLX_PREFIX");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=include/mlxgate_prelude.h");
+    // The whole directory: every source and the headers they include
+    // (quantized_matmul.cpp's qmm_*.h parts among them).
     println!("cargo:rerun-if-changed=kernels");
 
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -190,6 +192,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .flag(mlx.include.to_str().expect("utf-8 MLX path"))
         .flag("-include")
         .flag(prelude.to_str().expect("utf-8 prelude path"))
+        // One translation unit with its qmm_*.h parts, which it includes.
         .file(kernels.join("quantized_matmul.cpp"))
         .file(kernels.join("attention.cpp"))
         .file(kernels.join("activation.cpp"))

@@ -78,7 +78,40 @@ pub fn convert_gguf(
         arrays.insert(name, array.as_dtype(Dtype::Float32)?);
     }
     let tensor_count = tensors.len();
-    let mut converted = Vec::with_capacity(tensor_count);
+    let converted = requantized_tensors(tensors, requantize)?;
+    let main_quantization = most_common_quantization(&converted);
+    let (overrides, quantized) = add_tensors(&mut arrays, converted, main_quantization)?;
+    write_weights(output, &arrays)?;
+
+    let mut config_json = hf_config(&config, &codec);
+    if let Some((group_size, bits)) = main_quantization {
+        let mut quantization = serde_json::Map::from_iter([
+            ("group_size".to_owned(), json!(group_size)),
+            ("bits".to_owned(), json!(bits)),
+        ]);
+        quantization.extend(overrides);
+        config_json["quantization"] = Value::Object(quantization);
+    }
+    write_json(&output.join("config.json"), &config_json)?;
+    codec
+        .save(output)
+        .map_err(|e| ConvertError::Write(output.to_owned(), e))?;
+    let bytes = arrays.values().map(Array::nbytes).sum();
+    Ok(ConvertReport {
+        output: output.to_owned(),
+        tensors: tensor_count,
+        quantized,
+        bytes,
+    })
+}
+
+/// The tensors as they are written: quantized ones (and dense linear
+/// weights) requantized to `requantize` when given, the rest unchanged.
+fn requantized_tensors(
+    tensors: BTreeMap<String, Kernel>,
+    requantize: Option<Requantize>,
+) -> Result<Vec<(String, Kernel)>, ConvertError> {
+    let mut converted = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
         let tensor = match requantize {
             Some(target)
@@ -91,22 +124,37 @@ pub fn convert_gguf(
         };
         converted.push((name, tensor));
     }
-    // The most common (group size, bits) is the directory-wide setting; the
-    // rest become mlx-lm's per-module overrides.
+    Ok(converted)
+}
+
+/// The most common `(group size, bits)` of the quantized tensors: the
+/// directory-wide setting; the rest become mlx-lm's per-module overrides.
+fn most_common_quantization(tensors: &[(String, Kernel)]) -> Option<(i32, i32)> {
     let mut settings: BTreeMap<(i32, i32), usize> = BTreeMap::new();
-    for setting in converted
+    for setting in tensors
         .iter()
         .filter_map(|(_, tensor)| tensor.quantization())
     {
         *settings.entry(setting).or_default() += 1;
     }
-    let main_quantization = settings
+    settings
         .iter()
         .max_by_key(|(_, count)| **count)
-        .map(|(setting, _)| *setting);
+        .map(|(setting, _)| *setting)
+}
+
+/// Adds each tensor's arrays (`{name}.weight`, and `.scales` / `.biases`
+/// when quantized) to `arrays`; returns mlx-lm's per-module overrides of
+/// the tensors quantized otherwise than `main_quantization`, and how many
+/// tensors are quantized.
+fn add_tensors(
+    arrays: &mut BTreeMap<String, Array>,
+    tensors: Vec<(String, Kernel)>,
+    main_quantization: Option<(i32, i32)>,
+) -> Result<(serde_json::Map<String, Value>, usize), ConvertError> {
     let mut overrides = serde_json::Map::new();
     let mut quantized = 0;
-    for (name, tensor) in converted {
+    for (name, tensor) in tensors {
         match tensor {
             Kernel::Dense(array) => {
                 arrays.insert(format!("{name}.weight"), array.as_dtype(Dtype::Float32)?);
@@ -131,6 +179,11 @@ pub fn convert_gguf(
             }
         }
     }
+    Ok((overrides, quantized))
+}
+
+/// Writes `arrays` as `output/model.safetensors`, creating `output`.
+fn write_weights(output: &Path, arrays: &BTreeMap<String, Array>) -> Result<(), ConvertError> {
     std::fs::create_dir_all(output)
         .map_err(|e| ConvertError::Write(output.to_owned(), e.to_string()))?;
     let weights_path = output.join("model.safetensors");
@@ -140,28 +193,7 @@ pub fn convert_gguf(
         &metadata,
         &weights_path,
     )
-    .map_err(|e| ConvertError::Write(weights_path.clone(), e.to_string()))?;
-
-    let mut config_json = hf_config(&config, &codec);
-    if let Some((group_size, bits)) = main_quantization {
-        let mut quantization = serde_json::Map::from_iter([
-            ("group_size".to_owned(), json!(group_size)),
-            ("bits".to_owned(), json!(bits)),
-        ]);
-        quantization.extend(overrides);
-        config_json["quantization"] = Value::Object(quantization);
-    }
-    write_json(&output.join("config.json"), &config_json)?;
-    codec
-        .save(output)
-        .map_err(|e| ConvertError::Write(output.to_owned(), e))?;
-    let bytes = arrays.values().map(Array::nbytes).sum();
-    Ok(ConvertReport {
-        output: output.to_owned(),
-        tensors: tensor_count,
-        quantized,
-        bytes,
-    })
+    .map_err(|e| ConvertError::Write(weights_path.clone(), e.to_string()))
 }
 
 /// GGUF arrays grouped into tensors under HF module names, fixed up for HF layout.

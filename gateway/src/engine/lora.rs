@@ -308,28 +308,18 @@ fn parse_tensor_name(name: &str) -> Option<(usize, Projection, bool)> {
     Some((layer, projection, is_a))
 }
 
-/// Loads and validates the adapter in `dir` against `targets`; nothing is
-/// kept unless every pair is complete and fits. `served` is the base model's
-/// id, checked against the config's record when there is one.
-pub fn load(
+/// Both factors of each `(layer, projection)` an adapter names, as found.
+type Halves = BTreeMap<(usize, Projection), (Option<Array>, Option<Array>)>;
+
+/// The adapter file's LoRA factors by the projection they adapt, and how
+/// many of its tensors are not LoRA factors. A factor of a projection the
+/// base model lacks, or no factor of one it has, is an error.
+fn factor_halves(
     id: &str,
-    dir: &Path,
-    served: &str,
+    tensors: HashMap<String, Array>,
     targets: &Targets,
-) -> Result<Adapter, AdapterError> {
-    validate_id(id)?;
-    let config = read_config(dir)?;
-    if let Some(recorded) = &config.base_model
-        && !recorded_base_fits(recorded, served, targets)
-    {
-        return Err(AdapterError::Invalid(format!(
-            "adapter `{id}` was trained on `{recorded}`, not on the served model `{served}`"
-        )));
-    }
-    let mlx = |e: mlx_rs::error::Exception| AdapterError::Io(config.weights.clone(), e.to_string());
-    let tensors = Array::load_safetensors(&config.weights)
-        .map_err(|e| AdapterError::Io(config.weights.clone(), e.to_string()))?;
-    let mut halves: BTreeMap<(usize, Projection), (Option<Array>, Option<Array>)> = BTreeMap::new();
+) -> Result<(Halves, usize), AdapterError> {
+    let mut halves = Halves::new();
     let mut skipped = 0;
     for (name, array) in tensors {
         match parse_tensor_name(&name) {
@@ -355,6 +345,73 @@ pub fn load(
             "adapter `{id}` matches none of the base model's projections (q/k/v/o/gate/up/down_proj): was it trained for another model?"
         )));
     }
+    Ok((halves, skipped))
+}
+
+/// A factor pair in mlx-lm's orientation (`a` `[in, r]`, `b` `[r, out]`;
+/// PEFT stores both transposed), checked against the base linear's
+/// `(in, out)`; with its rank.
+fn oriented_pair(
+    module: &str,
+    a: Array,
+    b: Array,
+    peft: bool,
+    (input, output): (usize, usize),
+) -> Result<(Array, Array, usize), AdapterError> {
+    let (a, b) = if peft { (a.t(), b.t()) } else { (a, b) };
+    let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
+    let fits = a_shape.len() == 2
+        && b_shape.len() == 2
+        && a_shape[0] as usize == input
+        && a_shape[1] == b_shape[0]
+        && b_shape[1] as usize == output;
+    if !fits {
+        return Err(AdapterError::Invalid(format!(
+            "{module}: lora_a {a_shape:?} and lora_b {b_shape:?} do not fit the base linear (in {input}, out {output}); was this adapter trained for another base model?"
+        )));
+    }
+    let rank = a_shape[1] as usize;
+    Ok((a, b, rank))
+}
+
+/// Evaluates every pair, and gives each its native copy (what the native
+/// decode step adds) where activations are float32.
+fn materialize(
+    pairs: &mut HashMap<(usize, Projection), Pair>,
+    dtype: mlx_rs::Dtype,
+) -> MlxResult<()> {
+    let arrays: Vec<&Array> = pairs.values().flat_map(|p| [&p.a, &p.b_scaled]).collect();
+    mlx_rs::transforms::eval(arrays)?;
+    if dtype == mlx_rs::Dtype::Float32 {
+        for pair in pairs.values_mut() {
+            pair.native = Some(NativePair::new(&pair.a, &pair.b_scaled)?);
+        }
+    }
+    Ok(())
+}
+
+/// Loads and validates the adapter in `dir` against `targets`; nothing is
+/// kept unless every pair is complete and fits. `served` is the base model's
+/// id, checked against the config's record when there is one.
+pub fn load(
+    id: &str,
+    dir: &Path,
+    served: &str,
+    targets: &Targets,
+) -> Result<Adapter, AdapterError> {
+    validate_id(id)?;
+    let config = read_config(dir)?;
+    if let Some(recorded) = &config.base_model
+        && !recorded_base_fits(recorded, served, targets)
+    {
+        return Err(AdapterError::Invalid(format!(
+            "adapter `{id}` was trained on `{recorded}`, not on the served model `{served}`"
+        )));
+    }
+    let mlx = |e: mlx_rs::error::Exception| AdapterError::Io(config.weights.clone(), e.to_string());
+    let tensors = Array::load_safetensors(&config.weights)
+        .map_err(|e| AdapterError::Io(config.weights.clone(), e.to_string()))?;
+    let (halves, skipped) = factor_halves(id, tensors, targets)?;
     let peft = config.format == "peft";
     let dtype = super::model::compute_dtype();
     let scale = Array::from_f32(config.scale);
@@ -367,21 +424,7 @@ pub fn load(
                 "{module}: the adapter has only one of lora_a / lora_b"
             )));
         };
-        // Both formats to mlx-lm's orientation: a [in, r], b [r, out].
-        let (a, b) = if peft { (a.t(), b.t()) } else { (a, b) };
-        let (input, output) = targets[&(layer, projection)];
-        let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
-        let fits = a_shape.len() == 2
-            && b_shape.len() == 2
-            && a_shape[0] as usize == input
-            && a_shape[1] == b_shape[0]
-            && b_shape[1] as usize == output;
-        if !fits {
-            return Err(AdapterError::Invalid(format!(
-                "{module}: lora_a {a_shape:?} and lora_b {b_shape:?} do not fit the base linear (in {input}, out {output}); was this adapter trained for another base model?"
-            )));
-        }
-        let r = a_shape[1] as usize;
+        let (a, b, r) = oriented_pair(&module, a, b, peft, targets[&(layer, projection)])?;
         if *rank.get_or_insert(r) != r {
             return Err(AdapterError::Invalid(format!(
                 "{module}: rank {r} differs from the other modules' {}",
@@ -399,13 +442,7 @@ pub fn load(
             },
         );
     }
-    let arrays: Vec<&Array> = pairs.values().flat_map(|p| [&p.a, &p.b_scaled]).collect();
-    mlx_rs::transforms::eval(arrays).map_err(mlx)?;
-    if dtype == mlx_rs::Dtype::Float32 {
-        for pair in pairs.values_mut() {
-            pair.native = Some(NativePair::new(&pair.a, &pair.b_scaled).map_err(mlx)?);
-        }
-    }
+    materialize(&mut pairs, dtype).map_err(mlx)?;
     let size_bytes = std::fs::metadata(&config.weights).map_or(0, |m| m.len());
     Ok(Adapter {
         info: AdapterInfo {

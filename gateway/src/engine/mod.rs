@@ -186,6 +186,49 @@ impl LoadedModel {
     }
 }
 
+/// Loads the model at `path` on the calling (engine) thread with every
+/// weight evaluated and the native decode step's weights built, so the
+/// first request pays for neither.
+fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
+    let model = LoadedModel::load(path)?;
+    mlx_rs::transforms::eval(model.transformer.parameters())
+        .map_err(|error| LoadError::Mlx(error.to_string()))?;
+    model.transformer.prepare_native_decode();
+    Ok(model)
+}
+
+/// What clients are told of a loaded model.
+fn model_card(model: &LoadedModel) -> ModelCard {
+    let config = &model.transformer.config;
+    ModelCard {
+        id: model.id.clone(),
+        architecture: config.family.name().to_owned(),
+        context_length: config.context_length,
+        vocab_size: config.vocab_size,
+        max_prompt_bytes: config
+            .context_length
+            .saturating_mul(model.codec.longest_token_bytes().max(1)),
+    }
+}
+
+/// What a prompt cache saved for the model at `path` must match to be
+/// reused, for the base model (an adapter set is added where one is used,
+/// by [`Fingerprint::with_adapters`]).
+fn cache_fingerprint(model: &LoadedModel, path: &Path) -> Fingerprint {
+    let config = &model.transformer.config;
+    Fingerprint {
+        model: model.id.clone(),
+        architecture: config.family.name().to_owned(),
+        weights: prompt_cache::weights_digest(path),
+        quantization: model.transformer.quantization_label(),
+        dtype: prompt_cache::tensors::dtype_name(model::compute_dtype()).to_owned(),
+        layers: config.layers,
+        kv_heads: config.kv_heads,
+        head_dim: config.head_dim,
+        adapters: String::new(),
+    }
+}
+
 impl EngineHandle {
     /// Loads the model at `path` with default options. Blocking.
     pub fn load(path: &Path) -> Result<EngineHandle, LoadError> {
@@ -211,39 +254,15 @@ impl EngineHandle {
             .name(name)
             .spawn(move || {
                 kernels::prepare_engine_thread(options.kernels);
-                let model = match LoadedModel::load(&path) {
+                let model = match load_for_serving(&path) {
                     Ok(model) => model,
                     Err(error) => {
                         let _ = ready.send(Err(error));
                         return;
                     }
                 };
-                if let Err(error) = mlx_rs::transforms::eval(model.transformer.parameters()) {
-                    let _ = ready.send(Err(LoadError::Mlx(error.to_string())));
-                    return;
-                }
-                model.transformer.prepare_native_decode();
-                let config = &model.transformer.config;
-                let card = ModelCard {
-                    id: model.id.clone(),
-                    architecture: config.family.name().to_owned(),
-                    context_length: config.context_length,
-                    vocab_size: config.vocab_size,
-                    max_prompt_bytes: config
-                        .context_length
-                        .saturating_mul(model.codec.longest_token_bytes().max(1)),
-                };
-                let fingerprint = Fingerprint {
-                    model: model.id.clone(),
-                    architecture: config.family.name().to_owned(),
-                    weights: prompt_cache::weights_digest(&path),
-                    quantization: model.transformer.quantization_label(),
-                    dtype: prompt_cache::tensors::dtype_name(model::compute_dtype()).to_owned(),
-                    layers: config.layers,
-                    kv_heads: config.kv_heads,
-                    head_dim: config.head_dim,
-                    adapters: String::new(),
-                };
+                let card = model_card(&model);
+                let fingerprint = cache_fingerprint(&model, &path);
                 let codec = Arc::new(model.codec);
                 if ready
                     .send(Ok((card, Arc::clone(&codec), fingerprint.clone())))

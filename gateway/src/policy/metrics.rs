@@ -132,30 +132,61 @@ impl PolicyMetrics {
 /// `mlxgate_policy_decisions_reused_total`).
 pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
     let mut out = String::new();
-    let esc = |s: &str| {
-        s.replace('\\', "\\\\")
-            .replace('"', "\\\"")
-            .replace('\n', "\\n")
-    };
-    // A counter family with one series per policy.
-    let counter = |out: &mut String, name: &str, help: &str, value: fn(&PolicyMetrics) -> u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for m in metrics {
-            let _ = writeln!(
-                out,
-                "{name}{{policy=\"{}\",kind=\"{}\"}} {}",
-                esc(&m.name),
-                m.kind,
-                value(m)
-            );
-        }
-    };
-    counter(
+    write_counter(
         &mut out,
+        metrics,
         "mlxgate_policy_calls_total",
         "Wasm policy calls.",
         |m| m.calls,
     );
+    write_failures(&mut out, metrics);
+    write_latencies(&mut out, metrics);
+    write_counter(
+        &mut out,
+        metrics,
+        "mlxgate_policy_instances_created_total",
+        "Fresh Wasm instances made.",
+        |m| m.instances_created,
+    );
+    write_counter(
+        &mut out,
+        metrics,
+        "mlxgate_policy_decisions_reused_total",
+        "Requests answered with a reused router decision, without a call.",
+        |m| m.decisions_reused,
+    );
+    out
+}
+
+/// A label value with Prometheus' escapes (backslash, quote, newline).
+fn escape_label(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// A counter family with one series per policy.
+fn write_counter(
+    out: &mut String,
+    metrics: &[PolicyMetrics],
+    name: &str,
+    help: &str,
+    value: fn(&PolicyMetrics) -> u64,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for m in metrics {
+        let _ = writeln!(
+            out,
+            "{name}{{policy=\"{}\",kind=\"{}\"}} {}",
+            escape_label(&m.name),
+            m.kind,
+            value(m)
+        );
+    }
+}
+
+/// `mlxgate_policy_failures_total`: one series per policy and failure kind.
+fn write_failures(out: &mut String, metrics: &[PolicyMetrics]) {
     out.push_str(
         "# HELP mlxgate_policy_failures_total Failed Wasm policy calls by failure kind.\n",
     );
@@ -165,17 +196,21 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
             let _ = writeln!(
                 out,
                 "mlxgate_policy_failures_total{{policy=\"{}\",kind=\"{}\",failure=\"{}\"}} {}",
-                esc(&m.name),
+                escape_label(&m.name),
                 m.kind,
                 kind,
                 n
             );
         }
     }
+}
+
+/// `mlxgate_policy_call_duration_seconds`: a latency histogram per policy.
+fn write_latencies(out: &mut String, metrics: &[PolicyMetrics]) {
     out.push_str("# HELP mlxgate_policy_call_duration_seconds Wasm policy call latency.\n");
     out.push_str("# TYPE mlxgate_policy_call_duration_seconds histogram\n");
     for m in metrics {
-        let labels = format!("policy=\"{}\",kind=\"{}\"", esc(&m.name), m.kind);
+        let labels = format!("policy=\"{}\",kind=\"{}\"", escape_label(&m.name), m.kind);
         for (le, n) in &m.latency_buckets {
             let _ = writeln!(
                 out,
@@ -198,17 +233,4 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
             m.calls
         );
     }
-    counter(
-        &mut out,
-        "mlxgate_policy_instances_created_total",
-        "Fresh Wasm instances made.",
-        |m| m.instances_created,
-    );
-    counter(
-        &mut out,
-        "mlxgate_policy_decisions_reused_total",
-        "Requests answered with a reused router decision, without a call.",
-        |m| m.decisions_reused,
-    );
-    out
 }

@@ -112,58 +112,24 @@ impl ModelConfig {
             .ok_or(LoadError::MissingConfig("model_type"))?;
         let family = Family::from_name(&model_type)
             .ok_or_else(|| LoadError::UnsupportedArchitecture(model_type.clone()))?;
-        let usize_field = |key: &'static str| -> Result<usize, LoadError> {
-            text.get(key)
-                .and_then(Value::as_u64)
-                .map(|v| v as usize)
-                .ok_or(LoadError::MissingConfig(key))
-        };
-        let float = |key: &str, default: f32| {
-            text.get(key)
-                .and_then(Value::as_f64)
-                .map_or(default, |v| v as f32)
-        };
-        let hidden_size = usize_field("hidden_size")?;
-        let heads = usize_field("num_attention_heads")?;
-        let head_dim = text
-            .get("head_dim")
-            .and_then(Value::as_u64)
-            .map_or(hidden_size / heads, |v| v as usize);
+        let hidden_size = required_count(text, "hidden_size")?;
+        let heads = required_count(text, "num_attention_heads")?;
+        let head_dim = count_or(text, "head_dim", hidden_size / heads);
         let is_gemma = family == Family::Gemma3;
-        let rope_scale = text
-            .get("rope_scaling")
-            .filter(|s| {
-                s.get("type").or(s.get("rope_type")).and_then(Value::as_str) == Some("linear")
-            })
-            .and_then(|s| s.get("factor"))
-            .and_then(Value::as_f64)
-            .map_or(1.0, |f| 1.0 / f as f32);
-        let quantization = config.get("quantization").and_then(|q| {
-            Some(Quantization {
-                group_size: q.get("group_size")?.as_i64()? as i32,
-                bits: q.get("bits")?.as_i64()? as i32,
-            })
-        });
         Ok(ModelConfig {
             family,
             hidden_size,
-            intermediate_size: usize_field("intermediate_size")?,
-            layers: usize_field("num_hidden_layers")?,
+            intermediate_size: required_count(text, "intermediate_size")?,
+            layers: required_count(text, "num_hidden_layers")?,
             heads,
-            kv_heads: text
-                .get("num_key_value_heads")
-                .and_then(Value::as_u64)
-                .map_or(heads, |v| v as usize),
+            kv_heads: count_or(text, "num_key_value_heads", heads),
             head_dim,
-            vocab_size: usize_field("vocab_size")?,
-            context_length: text
-                .get("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .map_or(4096, |v| v as usize),
-            rms_norm_eps: float("rms_norm_eps", 1e-6),
-            rope_theta: float("rope_theta", 10000.0),
-            rope_local_theta: float("rope_local_base_freq", 10000.0),
-            rope_scale,
+            vocab_size: required_count(text, "vocab_size")?,
+            context_length: count_or(text, "max_position_embeddings", 4096),
+            rms_norm_eps: float_or(text, "rms_norm_eps", 1e-6),
+            rope_theta: float_or(text, "rope_theta", 10000.0),
+            rope_local_theta: float_or(text, "rope_local_base_freq", 10000.0),
+            rope_scale: linear_rope_scale(text),
             rope_traditional: false,
             tie_word_embeddings: text
                 .get("tie_word_embeddings")
@@ -177,19 +143,57 @@ impl ModelConfig {
             } else {
                 None
             },
-            sliding_window_pattern: text
-                .get("sliding_window_pattern")
-                .and_then(Value::as_u64)
-                .map_or(6, |v| v as usize),
+            sliding_window_pattern: count_or(text, "sliding_window_pattern", 6),
             query_pre_attn_scalar: if is_gemma {
-                Some(float("query_pre_attn_scalar", head_dim as f32))
+                Some(float_or(text, "query_pre_attn_scalar", head_dim as f32))
             } else {
                 None
             },
             norm_weight_offset: if is_gemma { 1.0 } else { 0.0 },
-            quantization,
+            quantization: hf_quantization(config),
         })
     }
+}
+
+/// A count `config.json` must give.
+fn required_count(text: &Value, key: &'static str) -> Result<usize, LoadError> {
+    text.get(key)
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or(LoadError::MissingConfig(key))
+}
+
+/// A count `config.json` may give, else `default`.
+fn count_or(text: &Value, key: &str, default: usize) -> usize {
+    text.get(key)
+        .and_then(Value::as_u64)
+        .map_or(default, |v| v as usize)
+}
+
+/// A number `config.json` may give, else `default`.
+fn float_or(text: &Value, key: &str, default: f32) -> f32 {
+    text.get(key)
+        .and_then(Value::as_f64)
+        .map_or(default, |v| v as f32)
+}
+
+/// The RoPE position scale of `rope_scaling` when it is linear (`1 /
+/// factor`), else 1.
+fn linear_rope_scale(text: &Value) -> f32 {
+    text.get("rope_scaling")
+        .filter(|s| s.get("type").or(s.get("rope_type")).and_then(Value::as_str) == Some("linear"))
+        .and_then(|s| s.get("factor"))
+        .and_then(Value::as_f64)
+        .map_or(1.0, |f| 1.0 / f as f32)
+}
+
+/// mlx-lm's `quantization` entry (group size and bits), when present.
+fn hf_quantization(config: &Value) -> Option<Quantization> {
+    let q = config.get("quantization")?;
+    Some(Quantization {
+        group_size: q.get("group_size")?.as_i64()? as i32,
+        bits: q.get("bits")?.as_i64()? as i32,
+    })
 }
 
 fn str_field(value: &Value, key: &str) -> Option<String> {

@@ -55,7 +55,105 @@ struct Block {
     rope_scale: f32,
 }
 
+impl Attention {
+    /// The attention weights of the layer named `p`, with per-head query and
+    /// key norms where the family has them (Qwen3, Gemma 3).
+    fn load(weights: &mut WeightMap, c: &ModelConfig, p: &str) -> Result<Attention, LoadError> {
+        let (h, q_dim, kv_dim) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let has_qk_norm = matches!(c.family, Family::Qwen3 | Family::Gemma3);
+        let qk_norm = |weights: &mut WeightMap, which: &str| -> Result<Option<Array>, LoadError> {
+            if has_qk_norm {
+                Ok(Some(weights.vector(
+                    &format!("{p}.self_attn.{which}.weight"),
+                    c.head_dim,
+                    c.norm_weight_offset,
+                )?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Attention {
+            q_proj: weights.linear(&format!("{p}.self_attn.q_proj"), q_dim, h)?,
+            k_proj: weights.linear(&format!("{p}.self_attn.k_proj"), kv_dim, h)?,
+            v_proj: weights.linear(&format!("{p}.self_attn.v_proj"), kv_dim, h)?,
+            o_proj: weights.linear(&format!("{p}.self_attn.o_proj"), h, q_dim)?,
+            q_norm: qk_norm(weights, "q_norm")?,
+            k_norm: qk_norm(weights, "k_norm")?,
+        })
+    }
+}
+
+impl Mlp {
+    /// The MLP weights of the layer named `p`.
+    fn load(weights: &mut WeightMap, c: &ModelConfig, p: &str) -> Result<Mlp, LoadError> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Ok(Mlp {
+            gate_proj: weights.linear(&format!("{p}.mlp.gate_proj"), i, h)?,
+            up_proj: weights.linear(&format!("{p}.mlp.up_proj"), i, h)?,
+            down_proj: weights.linear(&format!("{p}.mlp.down_proj"), h, i)?,
+        })
+    }
+}
+
+/// The names of a layer's norms after attention, before the MLP and after
+/// it. Gemma has all of them (and llama.cpp names them differently in
+/// GGUF); the others only the one before the MLP.
+fn norm_names(
+    gemma: bool,
+    from_gguf: bool,
+) -> (Option<&'static str>, &'static str, Option<&'static str>) {
+    match (gemma, from_gguf) {
+        (true, false) => (
+            Some("post_attention_layernorm"),
+            "pre_feedforward_layernorm",
+            Some("post_feedforward_layernorm"),
+        ),
+        (true, true) => (
+            Some("gemma_post_attention_layernorm"),
+            "post_attention_layernorm",
+            Some("post_feedforward_layernorm"),
+        ),
+        (false, _) => (None, "post_attention_layernorm", None),
+    }
+}
+
 impl Block {
+    /// Layer `layer`'s weights, checking every shape (see
+    /// [`Transformer::build`]); sliding-window layers take the local rope.
+    fn load(
+        weights: &mut WeightMap,
+        c: &ModelConfig,
+        layer: usize,
+        from_gguf: bool,
+    ) -> Result<Block, LoadError> {
+        let p = format!("model.layers.{layer}");
+        let (h, offset) = (c.hidden_size, c.norm_weight_offset);
+        let attention = Attention::load(weights, c, &p)?;
+        let mlp = Mlp::load(weights, c, &p)?;
+        let (post_attn, pre_mlp, post_mlp) = norm_names(c.family == Family::Gemma3, from_gguf);
+        let mut norm = |name: &str| weights.vector(&format!("{p}.{name}.weight"), h, offset);
+        let input_norm = norm("input_layernorm")?;
+        let post_attention_norm = post_attn.map(&mut norm).transpose()?;
+        let pre_mlp_norm = norm(pre_mlp)?;
+        let post_mlp_norm = post_mlp.map(&mut norm).transpose()?;
+        let sliding = c.is_sliding(layer);
+        Ok(Block {
+            input_norm,
+            attention,
+            post_attention_norm,
+            pre_mlp_norm,
+            mlp,
+            post_mlp_norm,
+            sliding_window: if sliding { c.sliding_window } else { None },
+            rope_theta: if sliding {
+                c.rope_local_theta
+            } else {
+                c.rope_theta
+            },
+            rope_scale: if sliding { 1.0 } else { c.rope_scale },
+        })
+    }
+
     /// RoPE with this layer's settings, the first position at `offset`.
     fn rotate(&self, y: Array, config: &ModelConfig, offset: i32) -> MlxResult<Array> {
         rope(
@@ -68,6 +166,55 @@ impl Block {
             None,
         )
     }
+
+    /// One sequence's attention: its rotated queries `q` (`[1, heads, L,
+    /// head_dim]`) over the keys and values of its cache, the new ones
+    /// appended; `[1, L, heads, head_dim]`. The native kernel where it
+    /// takes the shape, else MLX's, masked causally (and by this layer's
+    /// window) beyond a single query.
+    #[inline]
+    fn attend(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        span: Span,
+        scale: f32,
+        head_dim: usize,
+    ) -> MlxResult<Array> {
+        if kernels::causal_attention_is_native(q, head_dim) {
+            let window = self.sliding_window.unwrap_or(0);
+            let first_query = span.offset - span.cached_start;
+            return kernels::causal_attention(q, k, v, scale, first_query, window);
+        }
+        let key_count = k.shape()[2] as usize;
+        let window_mask;
+        let mask = if span.length == 1 {
+            None
+        } else if let Some(window) = self.sliding_window.filter(|&w| key_count > w) {
+            window_mask = sliding_mask(
+                span.offset,
+                span.length,
+                span.cached_start,
+                key_count,
+                window,
+            );
+            Some(ScaledDotProductAttentionMask::Array(&window_mask))
+        } else {
+            Some(ScaledDotProductAttentionMask::Causal)
+        };
+        // [1, heads, L, head_dim] -> [1, L, heads, head_dim], as the native kernel gives.
+        scaled_dot_product_attention(q, k, v, scale, mask, None)?.transpose_axes(&[0, 2, 1, 3])
+    }
+}
+
+/// Where one sequence's queries and cached keys sit: its first new
+/// position, its new positions, and the position of its cache's first key.
+#[derive(Clone, Copy)]
+struct Span {
+    offset: usize,
+    length: usize,
+    cached_start: usize,
 }
 
 /// A loaded decoder-only transformer.
@@ -91,74 +238,11 @@ impl Transformer {
         from_gguf: bool,
     ) -> Result<Transformer, LoadError> {
         let c = &config;
-        let (h, q_dim, kv_dim) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let offset = c.norm_weight_offset;
-        let gemma = c.family == Family::Gemma3;
+        let (h, offset) = (c.hidden_size, c.norm_weight_offset);
         let embed = weights.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut blocks = Vec::with_capacity(c.layers);
         for layer in 0..c.layers {
-            let p = format!("model.layers.{layer}");
-            let has_qk_norm = matches!(c.family, Family::Qwen3 | Family::Gemma3);
-            let qk_norm =
-                |weights: &mut WeightMap, which: &str| -> Result<Option<Array>, LoadError> {
-                    if has_qk_norm {
-                        Ok(Some(weights.vector(
-                            &format!("{p}.self_attn.{which}.weight"),
-                            c.head_dim,
-                            offset,
-                        )?))
-                    } else {
-                        Ok(None)
-                    }
-                };
-            let attention = Attention {
-                q_proj: weights.linear(&format!("{p}.self_attn.q_proj"), q_dim, h)?,
-                k_proj: weights.linear(&format!("{p}.self_attn.k_proj"), kv_dim, h)?,
-                v_proj: weights.linear(&format!("{p}.self_attn.v_proj"), kv_dim, h)?,
-                o_proj: weights.linear(&format!("{p}.self_attn.o_proj"), h, q_dim)?,
-                q_norm: qk_norm(weights, "q_norm")?,
-                k_norm: qk_norm(weights, "k_norm")?,
-            };
-            let mlp = Mlp {
-                gate_proj: weights.linear(&format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
-                up_proj: weights.linear(&format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
-                down_proj: weights.linear(&format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
-            };
-            // Gemma's four norms; llama.cpp names them differently in GGUF.
-            let (post_attn, pre_mlp, post_mlp) = match (gemma, from_gguf) {
-                (true, false) => (
-                    Some("post_attention_layernorm"),
-                    "pre_feedforward_layernorm",
-                    Some("post_feedforward_layernorm"),
-                ),
-                (true, true) => (
-                    Some("gemma_post_attention_layernorm"),
-                    "post_attention_layernorm",
-                    Some("post_feedforward_layernorm"),
-                ),
-                (false, _) => (None, "post_attention_layernorm", None),
-            };
-            let mut norm = |name: &str| weights.vector(&format!("{p}.{name}.weight"), h, offset);
-            let input_norm = norm("input_layernorm")?;
-            let post_attention_norm = post_attn.map(&mut norm).transpose()?;
-            let pre_mlp_norm = norm(pre_mlp)?;
-            let post_mlp_norm = post_mlp.map(&mut norm).transpose()?;
-            let sliding = c.is_sliding(layer);
-            blocks.push(Block {
-                input_norm,
-                attention,
-                post_attention_norm,
-                pre_mlp_norm,
-                mlp,
-                post_mlp_norm,
-                sliding_window: if sliding { c.sliding_window } else { None },
-                rope_theta: if sliding {
-                    c.rope_local_theta
-                } else {
-                    c.rope_theta
-                },
-                rope_scale: if sliding { 1.0 } else { c.rope_scale },
-            });
+            blocks.push(Block::load(weights, c, layer, from_gguf)?);
         }
         let final_norm = weights.vector("model.norm.weight", h, offset)?;
         let lm_head = if weights.contains("lm_head.weight") {
@@ -584,42 +668,13 @@ impl Transformer {
             let k = rotate(one(&keys))?;
             let v = one(&values);
             let layer_cache = &mut cache.layers[layer];
-            let cached_start = layer_cache.start;
-            let (k, v) = layer_cache.append(k, v)?;
-            if kernels::causal_attention_is_native(&q, c.head_dim) {
-                let window = block.sliding_window.unwrap_or(0);
-                let first_query = offset as usize - cached_start;
-                outputs.push(kernels::causal_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    first_query,
-                    window,
-                )?);
-                continue;
-            }
-            let key_count = k.shape()[2] as usize;
-            let window_mask;
-            let mask = if length == 1 {
-                None
-            } else if let Some(window) = block.sliding_window.filter(|&w| key_count > w) {
-                window_mask = sliding_mask(
-                    offset as usize,
-                    length as usize,
-                    cached_start,
-                    key_count,
-                    window,
-                );
-                Some(ScaledDotProductAttentionMask::Array(&window_mask))
-            } else {
-                Some(ScaledDotProductAttentionMask::Causal)
+            let span = Span {
+                offset: offset as usize,
+                length: length as usize,
+                cached_start: layer_cache.start,
             };
-            // [1, heads, L, head_dim] -> [1, L, heads, head_dim], as the native kernel gives.
-            outputs.push(
-                scaled_dot_product_attention(&q, &k, &v, scale, mask, None)?
-                    .transpose_axes(&[0, 2, 1, 3])?,
-            );
+            let (k, v) = layer_cache.append(k, v)?;
+            outputs.push(block.attend(&q, &k, &v, span, scale, c.head_dim)?);
         }
         let attended = if outputs.len() == 1 {
             outputs.pop().expect("one output")

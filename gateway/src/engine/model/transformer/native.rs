@@ -317,44 +317,13 @@ impl NativeDecoder {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
-        let adapted = adapters.iter().any(|stack| !stack.is_empty());
-        // Each row's low-rank terms on `target`, after its base product.
-        let lora = |layer: usize, target: Target, x: &[f32], y: &mut [f32]| {
-            if !adapted {
-                return;
-            }
-            let (input, output) = (x.len() / tokens.len(), y.len() / tokens.len());
-            for ((stack, x), y) in adapters
-                .iter()
-                .zip(x.chunks(input))
-                .zip(y.chunks_mut(output))
-            {
-                lora::add_native(stack, layer, target, x, y);
-            }
-        };
-        let c = config;
-        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+        let lora = RowAdapters::new(adapters, tokens.len());
+        let (c, head_dim) = (config, config.head_dim);
         let (q_width, kv_width) = (c.heads * head_dim, c.kv_heads * head_dim);
-        let eps = c.rms_norm_eps;
-        let mut x = vec![0.0; tokens.len() * hidden];
-        let embedding_scale = c.embedding_scale();
-        for (row, &token) in x.chunks_mut(hidden).zip(tokens) {
-            self.embed.dequantize_row(token as usize, row);
-            if let Some(scale) = embedding_scale {
-                row.iter_mut().for_each(|v| *v *= scale);
-            }
-        }
+        let (eps, gelu) = (c.rms_norm_eps, c.family == Family::Gemma3);
+        let mut x = self.embed(c, tokens);
         let scale = c.attention_scale();
-        // Each sequence's rotation angles, per distinct rope of the model.
-        let angles = caches
-            .iter()
-            .map(|cache| {
-                self.ropes
-                    .iter()
-                    .map(|rope| rope.angles(head_dim, cache.offset))
-                    .collect::<MlxResult<Vec<_>>>()
-            })
-            .collect::<MlxResult<Vec<_>>>()?;
+        let angles = self.angles(head_dim, caches)?;
         let mut s = Scratch::default();
         for (layer, block) in self.blocks.iter().enumerate() {
             let rope = &self.ropes[block.rope];
@@ -367,9 +336,9 @@ impl NativeDecoder {
                     (&block.v, &mut s.v),
                 ],
             );
-            lora(layer, Target::Q, &s.normed, &mut s.q);
-            lora(layer, Target::K, &s.normed, &mut s.k);
-            lora(layer, Target::V, &s.normed, &mut s.v);
+            lora.add(layer, Target::Q, &s.normed, &mut s.q);
+            lora.add(layer, Target::K, &s.normed, &mut s.k);
+            lora.add(layer, Target::V, &s.normed, &mut s.v);
             s.attended.resize(tokens.len() * q_width, 0.0);
             for (b, cache) in caches.iter_mut().enumerate() {
                 let q = &mut s.q[b * q_width..(b + 1) * q_width];
@@ -390,7 +359,7 @@ impl NativeDecoder {
                 layer_cache.attend_native(out, q, c.heads, scale);
             }
             block.o.apply(&s.attended, &mut s.projected);
-            lora(layer, Target::O, &s.attended, &mut s.projected);
+            lora.add(layer, Target::O, &s.attended, &mut s.projected);
             add_residual(
                 &mut x,
                 &mut s.projected,
@@ -402,14 +371,13 @@ impl NativeDecoder {
                 &s.normed,
                 &mut [(&block.gate, &mut s.gate), (&block.up, &mut s.up)],
             );
-            lora(layer, Target::Gate, &s.normed, &mut s.gate);
-            lora(layer, Target::Up, &s.normed, &mut s.up);
-            let gelu = c.family == Family::Gemma3;
+            lora.add(layer, Target::Gate, &s.normed, &mut s.gate);
+            lora.add(layer, Target::Up, &s.normed, &mut s.up);
             for (g, u) in s.gate.iter_mut().zip(&s.up) {
                 *g = if gelu { gelu_approximate(*g) } else { silu(*g) } * u;
             }
             block.down.apply(&s.gate, &mut s.projected);
-            lora(layer, Target::Down, &s.gate, &mut s.projected);
+            lora.add(layer, Target::Down, &s.gate, &mut s.projected);
             add_residual(
                 &mut x,
                 &mut s.projected,
@@ -417,23 +385,100 @@ impl NativeDecoder {
                 eps,
             );
         }
-        for cache in caches.iter_mut() {
-            cache.offset += 1;
-            for layer in &mut cache.layers {
-                layer.trim()?;
+        advance(caches)?;
+        rms_norm_rows(&x, &self.final_norm, eps, &mut s.normed);
+        Ok(self.logits(&s.normed, tokens.len()))
+    }
+
+    /// The tokens' embedding rows (`[B * hidden]`), scaled where the model
+    /// scales them (Gemma).
+    fn embed(&self, config: &ModelConfig, tokens: &[u32]) -> Vec<f32> {
+        let hidden = config.hidden_size;
+        let mut x = vec![0.0; tokens.len() * hidden];
+        let embedding_scale = config.embedding_scale();
+        for (row, &token) in x.chunks_mut(hidden).zip(tokens) {
+            self.embed.dequantize_row(token as usize, row);
+            if let Some(scale) = embedding_scale {
+                row.iter_mut().for_each(|v| *v *= scale);
             }
         }
-        rms_norm_rows(&x, &self.final_norm, eps, &mut s.normed);
+        x
+    }
+
+    /// Each sequence's rotation angles at its next position, per distinct
+    /// rope of the model: `[sequence][rope]`.
+    fn angles(&self, head_dim: usize, caches: &[&mut KvCache]) -> MlxResult<Vec<Vec<Vec<f32>>>> {
+        caches
+            .iter()
+            .map(|cache| {
+                self.ropes
+                    .iter()
+                    .map(|rope| rope.angles(head_dim, cache.offset))
+                    .collect::<MlxResult<Vec<_>>>()
+            })
+            .collect()
+    }
+
+    /// Logits of the final-normed rows: the output head, or the embedding
+    /// table when tied to it.
+    fn logits(&self, normed: &[f32], rows: usize) -> Vec<f32> {
         let mut logits = Vec::new();
         match &self.lm_head {
-            Some(head) => head.apply(&s.normed, &mut logits),
+            Some(head) => head.apply(normed, &mut logits),
             None => {
-                logits.resize(tokens.len() * self.embed.rows, 0.0);
-                self.embed.matmul(&s.normed, &mut logits);
+                logits.resize(rows * self.embed.rows, 0.0);
+                self.embed.matmul(normed, &mut logits);
             }
         }
-        Ok(logits)
+        logits
     }
+}
+
+/// Each row's adapter stack, whose low-rank terms follow its base products.
+struct RowAdapters<'a> {
+    stacks: &'a [&'a AdapterStack],
+    rows: usize,
+    /// Some row has an adapter (else there is nothing to add).
+    adapted: bool,
+}
+
+impl<'a> RowAdapters<'a> {
+    fn new(stacks: &'a [&'a AdapterStack], rows: usize) -> RowAdapters<'a> {
+        let adapted = stacks.iter().any(|stack| !stack.is_empty());
+        RowAdapters {
+            stacks,
+            rows,
+            adapted,
+        }
+    }
+
+    /// Each row's low-rank terms on `target`, after its base product.
+    #[inline]
+    fn add(&self, layer: usize, target: Target, x: &[f32], y: &mut [f32]) {
+        if !self.adapted {
+            return;
+        }
+        let (input, output) = (x.len() / self.rows, y.len() / self.rows);
+        for ((stack, x), y) in self
+            .stacks
+            .iter()
+            .zip(x.chunks(input))
+            .zip(y.chunks_mut(output))
+        {
+            lora::add_native(stack, layer, target, x, y);
+        }
+    }
+}
+
+/// After a step: each sequence one token longer, sliding windows trimmed.
+fn advance(caches: &mut [&mut KvCache]) -> MlxResult<()> {
+    for cache in caches.iter_mut() {
+        cache.offset += 1;
+        for layer in &mut cache.layers {
+            layer.trim()?;
+        }
+    }
+    Ok(())
 }
 
 /// `x += norm(y)` (or `x += y` without a norm), row by row.
