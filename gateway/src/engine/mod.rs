@@ -406,38 +406,15 @@ impl EngineHandle {
     /// choice `i` uses `seed + i`).
     pub fn generate_n(
         &self,
-        request: GenerateRequest,
+        mut request: GenerateRequest,
         n: usize,
     ) -> Result<Vec<GenerationStream>, EngineError> {
-        let card = &self.inner.card;
-        let prompt = self.prompt_tokens(request.prompt)?;
-        let context = card.context_length;
-        let wanted = request.max_tokens.unwrap_or(1).max(1);
-        if prompt.len() + wanted > context {
-            return Err(EngineError::ContextLengthExceeded {
-                context_length: context,
-                prompt_tokens: prompt.len(),
-                max_tokens: wanted,
-                requested: prompt.len() + wanted,
-            });
-        }
-        {
-            let mounted = self
-                .inner
-                .adapters
-                .read()
-                .unwrap_or_else(|e| e.into_inner());
-            if let Some(unknown) = request
-                .adapters
-                .iter()
-                .find(|id| !mounted.contains_key(*id))
-            {
-                return Err(EngineError::UnknownAdapter {
-                    requested: unknown.clone(),
-                    mounted: mounted.keys().cloned().collect(),
-                });
-            }
-        }
+        let prompt = self.prompt_tokens(std::mem::replace(
+            &mut request.prompt,
+            Prompt::Tokens(Vec::new()),
+        ))?;
+        let context = self.inner.card.context_length;
+        self.check_fits(prompt.len(), &request)?;
         let constraint = match &request.grammar {
             Some(grammar) => Some(self.compile(grammar)?),
             None => None,
@@ -494,6 +471,37 @@ impl EngineHandle {
 }
 
 impl EngineHandle {
+    /// Refuses a request whose prompt plus `max_tokens` overflows the
+    /// context, or that names an adapter not mounted.
+    fn check_fits(&self, prompt_len: usize, request: &GenerateRequest) -> Result<(), EngineError> {
+        let context = self.inner.card.context_length;
+        let wanted = request.max_tokens.unwrap_or(1).max(1);
+        if prompt_len + wanted > context {
+            return Err(EngineError::ContextLengthExceeded {
+                context_length: context,
+                prompt_tokens: prompt_len,
+                max_tokens: wanted,
+                requested: prompt_len + wanted,
+            });
+        }
+        let mounted = self
+            .inner
+            .adapters
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        match request
+            .adapters
+            .iter()
+            .find(|id| !mounted.contains_key(*id))
+        {
+            Some(unknown) => Err(EngineError::UnknownAdapter {
+                requested: unknown.clone(),
+                mounted: mounted.keys().cloned().collect(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// `grammar` compiled for one sequence of this model, on the caller's
     /// thread (a schema that compiles slowly never holds the engine up).
     fn compile(&self, grammar: &Grammar) -> Result<Constraint, EngineError> {
