@@ -12,7 +12,7 @@ mod common;
 
 use std::time::Instant;
 
-use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Grammar, Prompt};
+use mlxgate::engine::{EngineHandle, GenerateRequest, Grammar, Prompt};
 use serde_json::json;
 
 const DECODE_TOKENS: usize = 64;
@@ -40,25 +40,10 @@ fn request(prompt: &str, constrained: bool) -> GenerateRequest {
     r
 }
 
-/// Decode tokens/s of one request: tokens after the first over the time
-/// after the first.
+/// Decode tokens/s of one request, and its tokens.
 fn run(engine: &EngineHandle, request: GenerateRequest) -> (f64, usize) {
-    let started = Instant::now();
-    let mut stream = engine.generate(request).expect("generate");
-    let mut first = None;
-    while let Some(event) = stream.blocking_next() {
-        match event.expect("event") {
-            GenerateEvent::Delta { .. } => {
-                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            }
-            GenerateEvent::Finished { usage, .. } => {
-                let total = started.elapsed().as_secs_f64();
-                let tokens = usage.completion_tokens;
-                return ((tokens - 1) as f64 / (total - first.unwrap_or(0.0)), tokens);
-            }
-        }
-    }
-    panic!("stream ended early");
+    let t = common::timed(engine, request);
+    (t.decode_rate(), t.usage.completion_tokens)
 }
 
 /// Aggregate decode tokens/s of 8 concurrent requests.

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Instant;
 
-use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Prompt};
+use mlxgate::engine::{EngineHandle, GenerateRequest, Prompt};
 
 const DECODE_TOKENS: usize = 48;
 
@@ -20,23 +20,10 @@ fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
     GenerateRequest::greedy(Prompt::Text(prompt.into()), max_tokens).suppressing(&[0, 2])
 }
 
-/// Runs one request; returns (seconds to first token, seconds total, tokens).
+/// Runs one request: (seconds to first token, seconds in all, tokens).
 fn run(engine: &EngineHandle, request: GenerateRequest) -> (f64, f64, usize) {
-    let started = Instant::now();
-    let mut stream = engine.generate(request).expect("generate");
-    let mut first = None;
-    while let Some(event) = stream.blocking_next() {
-        match event.expect("event") {
-            GenerateEvent::Delta { .. } => {
-                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            }
-            GenerateEvent::Finished { usage, .. } => {
-                let total = started.elapsed().as_secs_f64();
-                return (first.unwrap_or(total), total, usage.completion_tokens);
-            }
-        }
-    }
-    panic!("stream ended early");
+    let t = common::timed(engine, request);
+    (t.first, t.total, t.usage.completion_tokens)
 }
 
 fn main() {

@@ -9,15 +9,16 @@
 //!
 //! `cargo bench -p mlxgate --bench prompt_cache` (about five minutes on 2 cores).
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use mlxgate::engine::prompt_cache::file::{self, LayerBytes};
 use mlxgate::engine::prompt_cache::{CacheStore, PromptCacheOptions, tensors};
-use mlxgate::engine::{
-    EngineHandle, EngineOptions, GenerateEvent, GenerateRequest, Prompt, SamplingParams,
-};
+use mlxgate::engine::{EngineHandle, EngineOptions, GenerateRequest, Prompt, SamplingParams};
 
 const DOCUMENT_TOKENS: usize = 2000;
 
@@ -40,21 +41,8 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
 
 /// Seconds to the first token, and the prompt tokens a cache served.
 fn time_to_first_token(engine: &EngineHandle, prompt: Vec<u32>) -> (f64, usize) {
-    let started = Instant::now();
-    let mut stream = engine.generate(request(prompt)).expect("generate");
-    let mut first = None;
-    while let Some(event) = stream.blocking_next() {
-        match event.expect("event") {
-            GenerateEvent::Delta { .. } => {
-                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            }
-            GenerateEvent::Finished { usage, .. } => {
-                let total = started.elapsed().as_secs_f64();
-                return (first.unwrap_or(total), usage.cached_tokens);
-            }
-        }
-    }
-    panic!("stream ended early");
+    let t = common::timed(engine, request(prompt));
+    (t.first, t.usage.cached_tokens)
 }
 
 fn engine(model: &Path, memory_bytes: usize, store: &Arc<CacheStore>) -> EngineHandle {

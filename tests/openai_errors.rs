@@ -104,9 +104,9 @@ fn malformed_chat_requests_are_400_with_param() {
     expect_400(
         &s,
         p,
-        json!({"model": "m", "messages": user, "n": 2}),
+        json!({"model": "m", "messages": user, "n": 9}),
         "n",
-        "unsupported_value",
+        "integer_above_max_value",
     );
     expect_400(
         &s,

@@ -1,12 +1,14 @@
-//! What the benchmarks share: the model they run and plain HTTP/1.1 on
-//! loopback (no client library: each request is written by hand, so the
-//! client costs the same in every run).
+//! What the benchmarks share: the model they run, one timed generation on
+//! an engine, and plain HTTP/1.1 on loopback (no client library: each
+//! request is written by hand, so the client costs the same in every run).
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+use mlxgate::engine::{EngineHandle, GenerateEvent, GenerateRequest, Usage};
 
 /// The GGUF a benchmark runs: `MLXGATE_BENCH_MODEL`, or the packaged
 /// SmolLM2 (`scripts/setup.sh` installs it).
@@ -18,6 +20,45 @@ pub fn bench_model() -> PathBuf {
         },
         PathBuf::from,
     )
+}
+
+/// One generation, timed from the call: seconds to the first token,
+/// seconds in all, and its usage.
+pub struct Timed {
+    pub first: f64,
+    pub total: f64,
+    pub usage: Usage,
+}
+
+impl Timed {
+    /// Decode tokens/s: the tokens after the first over the time after it.
+    pub fn decode_rate(&self) -> f64 {
+        (self.usage.completion_tokens.saturating_sub(1)) as f64 / (self.total - self.first)
+    }
+}
+
+/// Runs `request` on `engine` to its end; panics if the stream fails.
+pub fn timed(engine: &EngineHandle, request: GenerateRequest) -> Timed {
+    let started = Instant::now();
+    let mut stream = engine.generate(request).expect("generate");
+    let mut first = None;
+    while let Some(event) = stream.blocking_next() {
+        match event.expect("event") {
+            GenerateEvent::Delta { .. } => {
+                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            }
+            GenerateEvent::Finished { usage, .. } => {
+                let total = started.elapsed().as_secs_f64();
+                let first = first.unwrap_or(total);
+                return Timed {
+                    first,
+                    total,
+                    usage,
+                };
+            }
+        }
+    }
+    panic!("stream ended early");
 }
 
 pub fn free_port() -> u16 {

@@ -495,3 +495,37 @@ pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (ExitStatus, String, Str
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Runs the Python SDK script `tests/<script>` against `server` (its base
+/// URL first, then `args`), with the packages `scripts/setup.sh` put in
+/// `.deps/py` (`package` must be among them); asserts it succeeds and
+/// prints `all checks passed`, and returns its output.
+pub fn run_sdk_script(server: &Server, script: &str, package: &str, args: &[&str]) -> String {
+    let root = workspace_root();
+    let deps = root.join(".deps/py");
+    assert!(
+        deps.join(package).is_dir(),
+        "{} has no {package} package: run scripts/setup.sh",
+        deps.display()
+    );
+    let out = Command::new("python3")
+        .arg(root.join("tests").join(script))
+        .arg(format!("http://{}/v1", server.addr))
+        .args(args)
+        .env("PYTHONPATH", &deps)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL")
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{script} failed ({}):\n{stdout}\n{stderr}\nserver log:\n{}",
+        out.status,
+        server.log_text()
+    );
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+    stdout
+}
