@@ -6,7 +6,8 @@
 //! precompiles them, stores them durably under the data dir, and calls them
 //! under strict limits (deadline, fuel, memory, stack; no capabilities at all:
 //! guests import nothing). This module knows nothing of HTTP: the HTTP layer
-//! maps [`PolicyError::status`] and renders [`render_prometheus`].
+//! maps [`PolicyError`] to statuses (`http/error.rs`) and renders
+//! [`render_prometheus`].
 
 mod bindings;
 mod engine;

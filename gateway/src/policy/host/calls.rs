@@ -23,7 +23,7 @@ impl PolicyHost {
     /// Asks the bound router where to send a request. On `Err`, callers check
     /// [`PolicyError::is_fail_open`]: true (nothing bound, or a failing
     /// `fail_open` policy) means "use the default route"; false means refuse
-    /// with [`PolicyError::status`] (503).
+    /// (503, mapped in `http/error.rs`).
     pub fn route(
         &self,
         facts: &RequestFacts,
