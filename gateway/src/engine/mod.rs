@@ -524,11 +524,6 @@ impl EngineHandle {
         jobs.send(command).map_err(|_| EngineError::Unavailable)
     }
 
-    /// The prompt-cache store this engine uses, if any.
-    pub fn prompt_cache_store(&self) -> Option<&Arc<CacheStore>> {
-        self.inner.store.as_ref()
-    }
-
     pub fn prompt_cache_stats(&self) -> CacheStatsSnapshot {
         self.inner.cache_stats.snapshot()
     }

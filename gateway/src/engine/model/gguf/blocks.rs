@@ -32,14 +32,6 @@ pub fn decode_blocks(kind: GgmlType, bytes: &[u8], out: &mut [f32]) -> Option<()
     Some(())
 }
 
-/// Convenience for tests and tools: the values of whole blocks of `kind`.
-pub fn dequantize_blocks(kind: GgmlType, bytes: &[u8]) -> Option<Vec<f32>> {
-    let (values, size) = kind.block()?;
-    let mut out = vec![0.0; bytes.len() / size * values];
-    decode_blocks(kind, bytes, &mut out)?;
-    Some(out)
-}
-
 // Block decoders, written from the GGML block definitions. Callers hand each
 // one exactly one block (`chunks_exact`), so the fixed indices are in bounds.
 

@@ -31,7 +31,7 @@ mod reader;
 mod requantize;
 mod writer;
 
-pub use blocks::{affine_blocks, decode_blocks, dequantize_blocks};
+pub use blocks::{affine_blocks, decode_blocks};
 pub use metadata::GgufMetadata;
 pub use reader::GgufReader;
 pub use requantize::{

@@ -500,22 +500,6 @@ impl Transformer {
         })
     }
 
-    /// Logits of every position, `[B, L, vocab]` float32, for training and
-    /// scoring: no KV cache (each sequence starts at position 0), causal
-    /// attention over the whole batch at once. `tokens` are B sequences of
-    /// equal length (pad at the end: causal attention never looks ahead).
-    pub fn forward_all_positions(
-        &self,
-        tokens: &[&[u32]],
-        adapters: &[&AdapterStack],
-    ) -> MlxResult<Array> {
-        let ids = token_ids(tokens);
-        let hidden = self.forward_hidden_with(&ids, &|y, x, layer, projection| {
-            lora::apply(y, x, layer, projection, adapters)
-        })?;
-        self.logits_of_hidden(&hidden)
-    }
-
     /// The final-normed hidden states of every position, `[B, L, hidden]`,
     /// of the token ids `ids` (`[B, L]`, uint32), without a KV cache. Every
     /// projection's output goes through `residual(y, x, layer, projection)`
