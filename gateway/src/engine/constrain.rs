@@ -68,12 +68,8 @@ impl Grammars {
     /// allowed. `eos` are the ids that end generation; a grammar allows
     /// them once its output is complete.
     pub fn new(tokenizer: &Tokenizer, eos: &[u32], rows: usize) -> Result<Grammars, String> {
-        let json: serde_json::Value = serde_json::from_str(
-            &tokenizer
-                .to_string(false)
-                .map_err(|e| format!("cannot read the tokenizer for constrained decoding: {e}"))?,
-        )
-        .map_err(|e| format!("cannot read the tokenizer for constrained decoding: {e}"))?;
+        let json = serde_json::to_value(tokenizer)
+            .map_err(|e| format!("cannot read the tokenizer for constrained decoding: {e}"))?;
         // The library asserts on vocabularies it does not expect.
         let mut words = std::panic::catch_unwind(AssertUnwindSafe(|| {
             llguidance::token_bytes_from_tokenizer_json(&json)
@@ -90,13 +86,12 @@ impl Grammars {
             ));
         }
         // Ids without text (padding rows, holes) get a special name that no
-        // grammar can produce.
-        let len = words.len();
+        // grammar can produce: the marker byte, then `<[id]>`.
         words.resize(rows, Vec::new());
         for (id, w) in words.iter_mut().enumerate() {
-            if w.is_empty() || id >= len {
-                *w = format!("\u{ff}<[{id}]>").into_bytes();
-                w[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+            if w.is_empty() {
+                w.push(TokTrie::SPECIAL_TOKEN_MARKER);
+                w.extend_from_slice(format!("<[{id}]>").as_bytes());
             }
         }
         let first_eos = *eos

@@ -193,6 +193,13 @@ fn fail(seq: Sequence, why: &str) {
     ))));
 }
 
+/// Sends `error` to every choice of a request that cannot start.
+fn fail_all(events: &[EventSender], error: &EngineError) {
+    for e in events {
+        let _ = e.send(Err(error.clone()));
+    }
+}
+
 /// The engine thread's prompt-cache state.
 pub struct Caching {
     pub options: PromptCacheOptions,
@@ -299,9 +306,7 @@ impl Scheduler {
                                 tracing::error!(error = %why, "prefill panicked; failing its request");
                                 let error =
                                     EngineError::Internal(format!("generation failed: {why}"));
-                                for e in events {
-                                    let _ = e.send(Err(error.clone()));
-                                }
+                                fail_all(&events, &error);
                             }
                         }
                     }
@@ -383,18 +388,18 @@ impl Scheduler {
     }
 
     /// Prefills a new request once and emits the first token of each of its
-    /// choices; returns those that go on.
+    /// choices; returns those that go on. A request's choices are admitted
+    /// together, so `max_batch` may be passed by up to `n - 1` for a while.
     fn start(&mut self, job: Job) -> Vec<Sequence> {
         self.queued.fetch_sub(1, Ordering::Relaxed);
-        if job.events.is_closed() && job.forks.iter().all(|f| f.events.is_closed()) {
+        let everyone = job.all_events();
+        if everyone.iter().all(EventSender::is_closed) {
             return Vec::new();
         }
         let adapters = match self.stack(&job.adapters) {
             Ok(stack) => stack,
             Err(error) => {
-                for e in job.all_events() {
-                    let _ = e.send(Err(error.clone()));
-                }
+                fail_all(&everyone, &error);
                 return Vec::new();
             }
         };
@@ -437,10 +442,7 @@ impl Scheduler {
         {
             Ok(logits) => logits,
             Err(error) => {
-                let error = EngineError::Internal(error.to_string());
-                for e in std::iter::once(&seq.events).chain(job.forks.iter().map(|f| &f.events)) {
-                    let _ = e.send(Err(error.clone()));
-                }
+                fail_all(&everyone, &EngineError::Internal(error.to_string()));
                 return Vec::new();
             }
         };

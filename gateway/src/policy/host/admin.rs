@@ -138,17 +138,7 @@ impl PolicyHost {
         }
         let _admin = self.admin.lock().unwrap_or_else(PoisonError::into_inner);
         let mut snap = self.clone_snap();
-        let p = snap
-            .policies
-            .get(name)
-            .ok_or_else(|| PolicyError::NotFound(name.to_string()))?;
-        if p.info.kind != kind {
-            return Err(PolicyError::KindMismatch {
-                name: name.to_string(),
-                wanted: kind,
-                actual: p.info.kind,
-            });
-        }
+        snap.of_kind(name, kind)?;
         snap.bindings.set(kind, Some(name.to_string()));
         self.storage.save_bindings(&snap.bindings)?;
         self.publish(snap);

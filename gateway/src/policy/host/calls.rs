@@ -184,20 +184,7 @@ impl PolicyHost {
     }
 
     fn policy(&self, name: &str, kind: PolicyKind) -> Result<Arc<LoadedPolicy>, PolicyError> {
-        let p = self
-            .snap()
-            .policies
-            .get(name)
-            .cloned()
-            .ok_or_else(|| PolicyError::NotFound(name.to_string()))?;
-        if p.info.kind != kind {
-            return Err(PolicyError::KindMismatch {
-                name: name.to_string(),
-                wanted: kind,
-                actual: p.info.kind,
-            });
-        }
-        Ok(p)
+        self.snap().of_kind(name, kind).cloned()
     }
 }
 

@@ -44,6 +44,22 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// The stored policy `name`, which must be of `kind`.
+    fn of_kind(&self, name: &str, kind: PolicyKind) -> Result<&Arc<LoadedPolicy>, PolicyError> {
+        let p = self
+            .policies
+            .get(name)
+            .ok_or_else(|| PolicyError::NotFound(name.to_string()))?;
+        if p.info.kind != kind {
+            return Err(PolicyError::KindMismatch {
+                name: name.to_string(),
+                wanted: kind,
+                actual: p.info.kind,
+            });
+        }
+        Ok(p)
+    }
+
     /// The policy bound for `kind`, borrowed: a call holds the snapshot, so
     /// a swap during it leaves this version alive until the call ends.
     fn bound(&self, kind: PolicyKind) -> Result<&LoadedPolicy, PolicyError> {
