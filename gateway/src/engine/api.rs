@@ -10,6 +10,71 @@ use std::collections::BTreeMap;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The calls an assistant turn made (`role: "assistant"`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `role: "tool"` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn text(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
+/// A function the model may call: its name, what it does, and a JSON
+/// Schema of its arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON Schema (an object schema); `{}` when the tool takes anything.
+    pub parameters: serde_json::Value,
+}
+
+/// Whether and which tools the model may call (OpenAI's `tool_choice`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Text or calls, as the model chooses.
+    Auto,
+    /// Text only: the tools are left out of the prompt.
+    None,
+    /// At least one call, to any tool.
+    Required,
+    /// One call to this tool.
+    Function(String),
+}
+
+/// The tools of a chat request and how they may be used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolUse {
+    pub tools: Vec<Tool>,
+    pub choice: ToolChoice,
+    /// More than one call per turn allowed (`parallel_tool_calls`).
+    pub parallel: bool,
+}
+
+impl ToolUse {
+    /// Whether the model is told of the tools and may call them.
+    pub fn active(&self) -> bool {
+        !self.tools.is_empty() && self.choice != ToolChoice::None
+    }
+}
+
+/// One call the model made: `arguments` is JSON text (an object).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
 }
 
 /// What to continue: text (tokenized by the engine) or token ids.
@@ -70,6 +135,9 @@ pub enum Grammar {
     Regex(String),
     /// Text in the language of this Lark grammar (llguidance's dialect).
     Lark(String),
+    /// A Lark grammar built from a request's tools ([`super::tools`]):
+    /// its errors name `tools`, not the response format.
+    ToolCalls(String),
 }
 
 /// One generation.
@@ -258,4 +326,7 @@ pub enum EngineError {
     /// compiled; the message says what in it.
     #[error("{0}")]
     Grammar(String),
+    /// A tool's parameters schema cannot be compiled into a grammar.
+    #[error("{0}")]
+    ToolSchema(String),
 }

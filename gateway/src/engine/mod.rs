@@ -14,6 +14,7 @@ pub mod prompt_cache;
 mod sampler;
 mod scheduler;
 pub mod text;
+pub mod tools;
 pub mod train;
 
 use std::path::{Path, PathBuf};
@@ -342,12 +343,32 @@ impl EngineHandle {
     /// The prompt ids for `messages`, from the model's chat template, with
     /// the assistant turn's opening; special tokens come only from the
     /// template, never from message content (`TextCodec::encode_chat`).
-    pub fn chat_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+    pub fn chat_tokens(
+        &self,
+        messages: &[ChatMessage],
+        tools: &ToolUse,
+    ) -> Result<Vec<u32>, EngineError> {
         self.check_chat_bytes(messages)?;
-        self.inner
-            .codec
-            .encode_chat(messages, true)
+        let codec = &self.inner.codec;
+        let prompt = tools::prompt(codec.tool_format(), messages, tools);
+        codec
+            .encode_chat_with_tools(&prompt.messages, &prompt.tools, true)
             .map_err(EngineError::Template)
+    }
+
+    /// The grammar a chat request's output must match: its tools' calls
+    /// in this model's markup and its response format ([`tools::grammar`]).
+    pub fn output_grammar(
+        &self,
+        tools: &ToolUse,
+        answer: Option<&Grammar>,
+    ) -> Result<Option<Grammar>, EngineError> {
+        tools::grammar(self.inner.codec.tool_format(), tools, answer).map_err(EngineError::Grammar)
+    }
+
+    /// Reads tool calls out of this model's output.
+    pub fn call_parser(&self) -> tools::CallParser {
+        tools::CallParser::new(self.inner.codec.tool_format())
     }
 
     /// [`EngineHandle::chat_tokens`] without the assistant turn's opening: a
@@ -363,7 +384,19 @@ impl EngineHandle {
     /// [`EngineHandle::check_prompt_bytes`] for the messages' text, before
     /// the template copies it.
     fn check_chat_bytes(&self, messages: &[ChatMessage]) -> Result<(), EngineError> {
-        self.check_prompt_bytes(messages.iter().map(|m| m.content.len()).sum())
+        self.check_prompt_bytes(
+            messages
+                .iter()
+                .map(|m| {
+                    let calls: usize = m
+                        .tool_calls
+                        .iter()
+                        .map(|c| c.name.len() + c.arguments.len())
+                        .sum();
+                    m.content.len() + calls
+                })
+                .sum(),
+        )
     }
 
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
@@ -511,7 +544,10 @@ impl EngineHandle {
             .codec
             .grammars(rows)
             .map_err(EngineError::Grammar)?;
-        grammars.compile(grammar).map_err(EngineError::Grammar)
+        grammars.compile(grammar).map_err(|message| match grammar {
+            Grammar::ToolCalls(_) => EngineError::ToolSchema(message),
+            _ => EngineError::Grammar(message),
+        })
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {

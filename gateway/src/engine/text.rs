@@ -22,7 +22,8 @@ use minijinja::{Environment, Error as TemplateError, ErrorKind, context};
 use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
-use super::api::ChatMessage;
+use super::api::{ChatMessage, ToolCall};
+use super::tools::ToolFormat;
 use super::constrain::Grammars;
 use super::model::{GgufMetadata, LoadError};
 
@@ -111,6 +112,20 @@ impl Specials {
         }
         out.push_str(&content[last..]);
         Cow::Owned(out)
+    }
+
+    /// `value` with every string in it (keys too) escaped.
+    fn escape_json(&self, value: &Value) -> Value {
+        match value {
+            Value::String(s) => Value::String(self.escape(s).into_owned()),
+            Value::Array(items) => Value::Array(items.iter().map(|v| self.escape_json(v)).collect()),
+            Value::Object(map) => Value::Object(
+                map.iter()
+                    .map(|(k, v)| (self.escape(k).into_owned(), self.escape_json(v)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
     }
 
     /// `text` with the escapes of [`Specials::escape`] undone. A sequence
@@ -434,6 +449,17 @@ impl TextCodec {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, String> {
+        self.encode_chat_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`TextCodec::encode_chat`] with the template's `tools` variable set
+    /// (tools as OpenAI writes them); their text is escaped as content is.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, String> {
         let specials = self
             .specials
             .get_or_init(|| Specials::new(&self.tokenizer))
@@ -444,9 +470,20 @@ impl TextCodec {
             .map(|m| ChatMessage {
                 role: m.role.clone(),
                 content: specials.escape(&m.content).into_owned(),
+                tool_calls: m
+                    .tool_calls
+                    .iter()
+                    .map(|c| ToolCall {
+                        id: c.id.clone(),
+                        name: specials.escape(&c.name).into_owned(),
+                        arguments: specials.escape(&c.arguments).into_owned(),
+                    })
+                    .collect(),
+                tool_call_id: m.tool_call_id.clone(),
             })
             .collect();
-        let rendered = self.render_chat_with(&escaped, add_generation_prompt)?;
+        let tools: Vec<Value> = tools.iter().map(|t| specials.escape_json(t)).collect();
+        let rendered = self.render_chat_full(&escaped, &tools, add_generation_prompt)?;
         if !rendered.contains(ESC) {
             return self.encode(&rendered);
         }
@@ -512,6 +549,22 @@ impl TextCodec {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, String> {
+        self.render_chat_full(messages, &[], add_generation_prompt)
+    }
+
+    /// The tool-call markup this model's template speaks.
+    pub fn tool_format(&self) -> ToolFormat {
+        ToolFormat::of_template(self.chat_template.as_deref())
+    }
+
+    /// Renders `messages` with the template's `tools` variable (`none`
+    /// when `tools` is empty, as Hugging Face passes it).
+    pub fn render_chat_full(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let template = self
             .chat_template
             .as_deref()
@@ -525,11 +578,11 @@ impl TextCodec {
         let rendered = template
             .render(
                 context! {
-                    messages => messages.iter().map(|m| context! { role => m.role.clone(), content => m.content.clone() }).collect::<Vec<_>>(),
+                    messages => messages.iter().map(template_message).collect::<Vec<_>>(),
                     add_generation_prompt => add_generation_prompt,
                     bos_token => self.bos_token.clone().unwrap_or_default(),
                     eos_token => self.eos_token.clone().unwrap_or_default(),
-                    tools => minijinja::Value::from(()),
+                    tools => if tools.is_empty() { minijinja::Value::from(()) } else { minijinja::Value::from(minijinja::value::Serde(tools)) },
                 },
             )
             .map_err(|e| match e.detail() {
@@ -538,6 +591,33 @@ impl TextCodec {
             })?;
         Ok(rendered)
     }
+}
+
+/// One message as Hugging Face templates see it: `role` and `content`,
+/// and for tool use `tool_calls` (OpenAI's shape, arguments as an object
+/// when they are JSON, as templates write them with `tojson`) and
+/// `tool_call_id`.
+fn template_message(m: &ChatMessage) -> minijinja::Value {
+    let mut message = serde_json::Map::new();
+    message.insert("role".into(), json!(m.role));
+    message.insert("content".into(), json!(m.content));
+    if !m.tool_calls.is_empty() {
+        let calls: Vec<Value> = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let arguments = serde_json::from_str::<Value>(&c.arguments)
+                    .unwrap_or_else(|_| Value::String(c.arguments.clone()));
+                json!({"id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": arguments}})
+            })
+            .collect();
+        message.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        message.insert("tool_call_id".into(), json!(id));
+    }
+    minijinja::Value::from(minijinja::value::Serde(&message))
 }
 
 /// A minijinja environment holding `template` as "chat", with the settings
@@ -560,6 +640,24 @@ fn chat_environment(template: String) -> Result<Environment<'static>, String> {
         },
     );
     env.add_function("strftime_now", |format: String| strftime_now(&format));
+    // Hugging Face's `tojson` is Python's `json.dumps` (no HTML escaping,
+    // `", "` and `": "`), not Jinja's.
+    env.add_filter(
+        "tojson",
+        |value: minijinja::Value,
+         kwargs: minijinja::value::Kwargs|
+         -> Result<minijinja::Value, TemplateError> {
+            let indent: Option<usize> = kwargs.get("indent")?;
+            for unused in ["ensure_ascii", "separators", "sort_keys"] {
+                let _: Option<minijinja::Value> = kwargs.get(unused)?;
+            }
+            let text = match indent {
+                Some(n) => crate::util::json::python_dumps_indented(&value, n),
+                None => crate::util::json::python_dumps(&value),
+            };
+            Ok(minijinja::Value::from_safe_string(text))
+        },
+    );
     env.add_template_owned("chat", template)
         .map_err(|e| format!("chat template does not parse: {e}"))?;
     Ok(env)
@@ -756,10 +854,7 @@ mod tests {
     }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::text(role, content)
     }
 
     fn count(ids: &[u32], id: u32) -> usize {

@@ -359,6 +359,11 @@ impl ApiError {
                 param: "response_format".to_owned(),
                 code: "invalid_value",
             },
+            EngineError::ToolSchema(message) => ApiError::InvalidParam {
+                message: format!("Invalid 'tools': {message}"),
+                param: "tools".to_owned(),
+                code: "invalid_value",
+            },
         }
     }
 

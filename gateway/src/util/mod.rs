@@ -1,6 +1,7 @@
 //! Small helpers every layer uses, with no dependencies of their own inside
 //! the crate (the bottom layer; see docs/ARCHITECTURE.md).
 
+pub mod json;
 pub mod time;
 
 /// The error type of boxed bodies and loaders: any error, sendable.

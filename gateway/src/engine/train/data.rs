@@ -61,10 +61,10 @@ pub fn encode_record(
             .ok_or("`messages` must be an array of {role, content}")?;
         let mut chat = Vec::with_capacity(list.len());
         for m in list {
-            chat.push(ChatMessage {
-                role: text_field(m, "role")?.to_owned(),
-                content: text_field(m, "content")?.to_owned(),
-            });
+            chat.push(ChatMessage::text(
+                text_field(m, "role")?,
+                text_field(m, "content")?,
+            ));
         }
         if chat.is_empty() {
             return Err("`messages` is empty".into());
@@ -74,14 +74,8 @@ pub fn encode_record(
         let prompt = prompt.as_str().ok_or("`prompt` must be a string")?;
         let completion = text_field(record, "completion")?;
         let chat = [
-            ChatMessage {
-                role: "user".into(),
-                content: prompt.to_owned(),
-            },
-            ChatMessage {
-                role: "assistant".into(),
-                content: completion.to_owned(),
-            },
+            ChatMessage::text("user", prompt),
+            ChatMessage::text("assistant", completion),
         ];
         match chat_example(codec, &chat) {
             Ok(pair) => pair,

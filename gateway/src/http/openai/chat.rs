@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
+use super::tools::{self, CallOut};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
 use super::{
     HandlerResult, collect_all, generate_request, merged, start_blocking, total_usage, validate,
@@ -26,15 +27,19 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = Prompt::Text(String::new());
     let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
     let (engine, messages, n) = (model.engine.clone(), chat.messages, chat.common.n);
+    let tools = chat.tools;
+    let calls = tools.active();
     let streams = start_blocking(
         &cx,
         move || {
-            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages)?);
+            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages, &tools)?);
+            request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
             engine.generate_n(request, n)
         },
         "messages",
     )
     .await?;
+    let parser = || calls.then(|| model.engine.call_parser());
     let engine_err = |e| ApiError::from_engine(e, "messages");
 
     let id = format!("chatcmpl-{}", cx.request_id);
@@ -44,6 +49,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         let mut framer = Framer::new(Kind::Chat, id, created, model.id, n);
         framer.include_usage = chat.common.include_usage;
         framer.logprobs = logprobs;
+        framer.call_parsers = (0..n).filter_map(|_| parser()).collect();
         return Ok(sse::response(framer, merged(streams)));
     }
     let done = collect_all(streams, logprobs).await.map_err(engine_err)?;
@@ -58,15 +64,22 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             choices: done
                 .into_iter()
                 .enumerate()
-                .map(|(index, done)| ChatChoice {
-                    index,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: done.text,
-                        refusal: None,
-                    },
-                    logprobs: logprobs.then(|| ChatLogprobs::of(&done.tokens)),
-                    finish_reason: done.reason.as_str(),
+                .map(|(index, done)| {
+                    let (content, calls) = match parser() {
+                        Some(parser) => tools::read_answer(parser, &done.text),
+                        None => (Some(done.text), Vec::new()),
+                    };
+                    ChatChoice {
+                        index,
+                        finish_reason: tools::finish_reason(done.reason, calls.len()),
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content,
+                            refusal: None,
+                            tool_calls: calls.into_iter().map(CallOut::whole).collect(),
+                        },
+                        logprobs: logprobs.then(|| ChatLogprobs::of(&done.tokens)),
+                    }
                 })
                 .collect(),
             usage: usage.into(),

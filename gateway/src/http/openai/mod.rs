@@ -10,6 +10,7 @@
 pub mod chat;
 pub mod completions;
 pub mod sse;
+pub mod tools;
 pub mod types;
 pub mod validate;
 

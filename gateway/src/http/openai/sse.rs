@@ -17,6 +17,8 @@ use hyper::body::Frame;
 use serde::Serialize;
 
 use super::engine::{EngineError, FinishReason, GenerateEvent, TokenOutput, Usage};
+use super::tools::CallOut;
+use crate::engine::tools::{CallParser, Piece};
 use super::types::{
     ChatChunk, ChatLogprobs, ChunkChoice, CompletionLogprobs, Delta, TextChoice, TextCompletion,
 };
@@ -47,6 +49,11 @@ pub struct Framer {
     open: usize,
     /// The usage of the finished choices, summed.
     usage: Option<Usage>,
+    /// Per choice, when the request has tools: reads calls out of the
+    /// text, which then go out as `delta.tool_calls`.
+    pub call_parsers: Vec<CallParser>,
+    /// Calls sent so far per choice (the next call's `index`).
+    calls_out: Vec<usize>,
 }
 
 impl Framer {
@@ -69,6 +76,8 @@ impl Framer {
             offsets: vec![0; choices],
             open: choices,
             usage: None,
+            call_parsers: Vec::new(),
+            calls_out: vec![0; choices],
         }
     }
 
@@ -82,6 +91,7 @@ impl Framer {
                         Delta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            tool_calls: Vec::new(),
                         },
                         None,
                         None,
@@ -126,15 +136,11 @@ impl Framer {
         match self.kind {
             Kind::Chat => {
                 let logprobs = self.logprobs.then(|| ChatLogprobs::of(tokens));
-                self.chat_chunk(
-                    index,
-                    Delta {
-                        role: None,
-                        content: Some(text),
-                    },
-                    logprobs,
-                    None,
-                )
+                let pieces = match self.call_parsers.get_mut(index) {
+                    Some(parser) => parser.push(&text),
+                    None => vec![Piece::Text(text)],
+                };
+                self.chat_pieces(index, pieces, logprobs)
             }
             Kind::Completion => {
                 let offset = &mut self.offsets[index];
@@ -154,8 +160,18 @@ impl Framer {
     /// Choice `index`'s last chunk; after the last choice's, the usage
     /// chunk (when asked for) and `[DONE]`.
     fn finish(&mut self, index: usize, reason: FinishReason, usage: Usage) -> String {
-        let reason = Some(reason.as_str());
-        let mut out = match self.kind {
+        let (mut out, reason) = match self.call_parsers.get_mut(index) {
+            Some(parser) => {
+                let rest = parser.finish();
+                let calls = parser.calls();
+                (
+                    self.chat_pieces(index, rest, None),
+                    Some(super::tools::finish_reason(reason, calls)),
+                )
+            }
+            None => (String::new(), Some(reason.as_str())),
+        };
+        out += &match self.kind {
             Kind::Chat => self.chat_chunk(index, Delta::default(), None, reason),
             Kind::Completion => self.text_chunk(index, String::new(), None, reason),
         };
@@ -192,6 +208,44 @@ impl Framer {
             };
         }
         out + "data: [DONE]\n\n"
+    }
+
+    /// Chunks for `pieces` of choice `index`: text as `content`, each call
+    /// as two `tool_calls` deltas. `logprobs` ride on the first chunk (on
+    /// an empty delta when the text is held back, so none are lost).
+    fn chat_pieces(
+        &mut self,
+        index: usize,
+        pieces: Vec<Piece>,
+        mut logprobs: Option<ChatLogprobs>,
+    ) -> String {
+        let mut out = String::new();
+        let mut deltas = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(text) => deltas.push(Delta {
+                    content: Some(text),
+                    ..Delta::default()
+                }),
+                Piece::Call(call) => {
+                    let at = self.calls_out.get(index).copied().unwrap_or(0);
+                    if let Some(n) = self.calls_out.get_mut(index) {
+                        *n += 1;
+                    }
+                    deltas.extend(CallOut::streamed(at, call).map(|c| Delta {
+                        tool_calls: vec![c],
+                        ..Delta::default()
+                    }));
+                }
+            }
+        }
+        if deltas.is_empty() && logprobs.as_ref().is_some_and(|l| !l.content.is_empty()) {
+            deltas.push(Delta::default());
+        }
+        for delta in deltas {
+            out += &self.chat_chunk(index, delta, logprobs.take(), None);
+        }
+        out
     }
 
     fn chat_chunk(

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::engine::{self, TokenOutput};
+use super::tools::CallOut;
 
 /// OpenAI's `usage`.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
@@ -60,8 +61,11 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
     pub refusal: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<CallOut>,
 }
 
 /// `{"content": [...]}` of a chat choice.
@@ -139,6 +143,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<CallOut>,
 }
 
 // ---------------------------------------------------------------- completions

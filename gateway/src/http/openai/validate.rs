@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 
-use super::engine::{ChatMessage, Grammar, Prompt, SamplingParams};
+use super::engine::{ChatMessage, Grammar, Prompt, SamplingParams, ToolUse};
 use crate::engine::lora;
 use crate::http::ApiError;
 use crate::http::body::Picked;
@@ -63,6 +63,8 @@ pub struct Common {
 pub struct ChatRequest {
     pub common: Common,
     pub messages: Vec<ChatMessage>,
+    /// `tools`, `tool_choice` and `parallel_tool_calls`.
+    pub tools: ToolUse,
 }
 
 /// A validated `POST /v1/completions`.
@@ -171,12 +173,13 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
             ));
         }
     };
-    if let Some(tools) = f.get("tools")
-        && tools.as_array().is_none_or(|t| !t.is_empty())
-    {
-        return Err(unsupported("tools", "Tool calling is not supported."));
-    }
-    Ok(ChatRequest { common, messages })
+    let tools = super::tools::tool_use(&f)?;
+    super::tools::check_tool_results(&messages)?;
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools,
+    })
 }
 
 pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
@@ -571,16 +574,8 @@ fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     };
     let content_param = format!("{at}.content");
     let content = match obj.get("content") {
-        // An assistant turn may carry only tool calls; those we don't support.
-        None | Some(Value::Null) if role == "assistant" => {
-            if obj.get("tool_calls").is_some_and(|t| !t.is_null()) {
-                return Err(unsupported(
-                    &format!("{at}.tool_calls"),
-                    "Tool calls are not supported.",
-                ));
-            }
-            String::new()
-        }
+        // An assistant turn may carry only tool calls.
+        None | Some(Value::Null) if role == "assistant" => String::new(),
         None | Some(Value::Null) => return Err(missing(&content_param)),
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => content_parts(&content_param, parts)?,
@@ -589,6 +584,14 @@ fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     Ok(ChatMessage {
         role: role.to_owned(),
         content,
+        tool_calls: match role {
+            "assistant" => super::tools::tool_calls(&at, obj)?,
+            _ => Vec::new(),
+        },
+        tool_call_id: match role {
+            "tool" => Some(super::tools::tool_call_id(&at, obj)?),
+            _ => None,
+        },
     })
 }
 
@@ -681,7 +684,7 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 // ---------------------------------------------------------------- field reader
 
 /// The top-level object of a request body, read one typed field at a time.
-struct Fields<'a> {
+pub(super) struct Fields<'a> {
     obj: Object<'a>,
 }
 
@@ -701,7 +704,7 @@ enum Bound {
 }
 
 impl<'a> Fields<'a> {
-    fn of(body: &'a Value) -> Result<Self, ApiError> {
+    pub(super) fn of(body: &'a Value) -> Result<Self, ApiError> {
         match body {
             Value::Object(obj) => Ok(Fields {
                 obj: Object::Whole(obj),
@@ -717,7 +720,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The field, with `null` read as absent.
-    fn get(&self, name: &str) -> Option<&'a Value> {
+    pub(super) fn get(&self, name: &str) -> Option<&'a Value> {
         let value = match self.obj {
             Object::Whole(obj) => obj.get(name),
             Object::Picked(names, values) => names
@@ -736,7 +739,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+    pub(super) fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
         match self.get(name) {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -840,7 +843,7 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-fn invalid(param: &str, code: &'static str, message: &str) -> ApiError {
+pub(super) fn invalid(param: &str, code: &'static str, message: &str) -> ApiError {
     ApiError::InvalidParam {
         message: message.to_owned(),
         param: param.to_owned(),
@@ -848,11 +851,11 @@ fn invalid(param: &str, code: &'static str, message: &str) -> ApiError {
     }
 }
 
-fn unsupported(param: &str, message: &str) -> ApiError {
+pub(super) fn unsupported(param: &str, message: &str) -> ApiError {
     invalid(param, "unsupported_value", message)
 }
 
-fn missing(param: &str) -> ApiError {
+pub(super) fn missing(param: &str) -> ApiError {
     invalid(
         param,
         "missing_required_parameter",
@@ -860,7 +863,7 @@ fn missing(param: &str) -> ApiError {
     )
 }
 
-fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
+pub(super) fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
     invalid(
         param,
         "invalid_type",
@@ -872,12 +875,12 @@ fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use serde_json::json;
 
     use super::*;
 
-    fn chat(extra: Value) -> Value {
+    pub(in crate::http::openai) fn chat(extra: Value) -> Value {
         let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         if let (Value::Object(base), Value::Object(extra)) = (&mut v, extra) {
             base.extend(extra);
@@ -895,7 +898,7 @@ mod tests {
 
     /// Asserts a 400 with this param and code.
     #[track_caller]
-    fn rejects(result: Result<impl std::fmt::Debug, ApiError>, param: &str, code: &str) {
+    pub(in crate::http::openai) fn rejects(result: Result<impl std::fmt::Debug, ApiError>, param: &str, code: &str) {
         let e = result.expect_err("should be rejected");
         assert_eq!(e.status().as_u16(), 400, "{e}");
         assert_eq!(e.error_type(), "invalid_request_error", "{e}");
@@ -914,10 +917,7 @@ mod tests {
         assert_eq!(r.common.logprobs, None);
         assert_eq!(
             r.messages,
-            vec![ChatMessage {
-                role: "user".into(),
-                content: "hi".into()
-            }]
+            vec![ChatMessage::text("user", "hi")]
         );
     }
 
@@ -927,7 +927,8 @@ mod tests {
             "messages": [
                 {"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
-                {"role": "assistant", "content": null},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "content": "42", "tool_call_id": "t"}
             ],
             "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5,
@@ -1055,8 +1056,8 @@ mod tests {
             chat_request(&three(
                 json!({"role": "assistant", "content": null, "tool_calls": [{}]}),
             )),
-            "messages[2].tool_calls",
-            "unsupported_value",
+            "messages[2].tool_calls[0].id",
+            "missing_required_parameter",
         );
     }
 
@@ -1137,7 +1138,7 @@ mod tests {
             ),
             ("logit_bias", json!([1]), "invalid_type"),
             ("logit_bias", json!({"x": 1}), "invalid_value"),
-            ("tools", json!([{"type": "function"}]), "unsupported_value"),
+            ("tools", json!({"type": "function"}), "invalid_type"),
             ("response_format", json!("json"), "invalid_type"),
         ];
         for (field, value, code) in cases {
