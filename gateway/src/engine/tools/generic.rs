@@ -16,6 +16,7 @@
 //! <tool_call>
 //! {"name": <function-name>, "arguments": <arguments-json-object>}
 //! </tool_call>
+//! The results come back inside <tool_response></tool_response>; answer the user from them.
 //! ```
 
 use super::{ChatMessage, ToolUse, hermes, template_tool};
@@ -32,7 +33,8 @@ pub fn system_prompt(tools: &ToolUse) -> String {
     prompt.push_str(
         "\n</tools>\nTo call functions, answer only with one JSON object per call, each between \
          <tool_call> and </tool_call>:\n<tool_call>\n\
-         {\"name\": <function-name>, \"arguments\": <arguments-json-object>}\n</tool_call>",
+         {\"name\": <function-name>, \"arguments\": <arguments-json-object>}\n</tool_call>\n\
+         The results come back inside <tool_response></tool_response>; answer the user from them.",
     );
     prompt
 }

@@ -128,12 +128,14 @@ pub fn grammar(
         tools.choice,
         ToolChoice::Required | ToolChoice::Function(_)
     );
+    // A named tool is called once.
+    let parallel = tools.parallel && !matches!(tools.choice, ToolChoice::Function(_));
     let lark = match format {
         ToolFormat::Hermes | ToolFormat::Generic => {
-            hermes::grammar(&callable, only_calls, tools.parallel, answer.as_ref())
+            hermes::grammar(&callable, only_calls, parallel, answer.as_ref())
         }
         ToolFormat::Llama3 => {
-            llama3::grammar(&callable, only_calls, tools.parallel, answer.as_ref())
+            llama3::grammar(&callable, only_calls, parallel, answer.as_ref())
         }
     };
     Ok(Some(Grammar::ToolCalls(lark)))
@@ -241,8 +243,12 @@ impl CallParser {
             ToolFormat::Hermes | ToolFormat::Generic => {
                 self.hermes(&mut out);
                 let held = std::mem::take(&mut self.held);
+                // A call cut short after whole ones is dropped (the finish
+                // reason says the output was cut); alone, it is the answer.
                 if self.in_call {
-                    out.push(Piece::Text(format!("{}{held}", hermes::OPEN)));
+                    if self.calls == 0 {
+                        out.push(Piece::Text(format!("{}{held}", hermes::OPEN)));
+                    }
                 } else if self.calls == 0 || !held.trim().is_empty() {
                     self.text(&mut out, held);
                 }
@@ -433,13 +439,14 @@ mod tests {
 
     #[test]
     fn a_call_cut_short_or_malformed_is_text() {
-        let (text, calls) = texts_and_calls(&parse(
-            ToolFormat::Hermes,
-            "<tool_call>\n{\"name\": \"f\", \"argu",
-            3,
-        ));
-        assert_eq!(text, "<tool_call>\n{\"name\": \"f\", \"argu");
+        let cut = "<tool_call>\n{\"name\": \"f\", \"argu";
+        let (text, calls) = texts_and_calls(&parse(ToolFormat::Hermes, cut, 3));
+        assert_eq!(text, cut);
         assert!(calls.is_empty());
+        // After a whole call, a cut one is dropped.
+        let whole = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+        let (text, calls) = texts_and_calls(&parse(ToolFormat::Hermes, &format!("{whole}\n{cut}"), 3));
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
         let (text, calls) =
             texts_and_calls(&parse(ToolFormat::Hermes, "<tool_call>nope</tool_call>", 3));
         assert_eq!(text, "<tool_call>nope</tool_call>");
