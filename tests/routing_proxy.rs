@@ -22,6 +22,9 @@ use support::{Response, Server, ServerBuilder, free_port};
 const ADMIN: &str = "routing-admin-key";
 const TENANTS: [&str; 5] = ["acme", "slowco", "initech", "hooli", "stranger"];
 
+/// The key of no tenant.
+const PLAIN_KEY: &str = "key-without-tenant";
+
 fn key(tenant: &str) -> String {
     format!("key-{tenant}")
 }
@@ -36,6 +39,11 @@ fn gateway(up: &FakeUpstream) -> Server {
             key_hash(&key(t))
         );
     }
+    // A key of no tenant, for routers that read a header instead.
+    config += &format!(
+        "[[keys]]\nid = \"plain-app\"\ntenant = \"\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n",
+        key_hash(PLAIN_KEY)
+    );
     config += &format!(
         "[[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\napi_key = \"sk-upstream\"\ntimeout_secs = 1.0\n\
          models = [\"static-model\"]\n\
@@ -74,7 +82,8 @@ fn bind_router(s: &Server, name: &str, crate_name: &str, on_error: &str, config:
 }
 
 fn post(s: &Server, tenant: &str, path: &str, body: serde_json::Value) -> Response {
-    let auth = format!("Bearer {}", key(tenant));
+    let key = if tenant.is_empty() { PLAIN_KEY.to_owned() } else { key(tenant) };
+    let auth = format!("Bearer {key}");
     s.request(
         "POST",
         path,
@@ -164,6 +173,56 @@ fn no_body_is_served_around_the_router() {
         r#"{"model": "forbidden", "messages": [{"role": "user", "content": "a", "content": "b"}]}"#,
     )
     .api_error(403, "permission_error", "policy_rejected");
+}
+
+/// Routers see what a request asks beyond text in the synthetic
+/// `x-mlxgate-features` header (read from the body, never from the client),
+/// and tools, tool_choice, response_format and n reach the upstream as sent.
+#[test]
+fn routers_see_request_features_and_upstreams_get_them_untouched() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    let config = r#"{"header": "x-mlxgate-features", "tenants": {
+        "tools=1,tool_choice=required,response_format=json_object,n=2": {"upstream": "up"},
+        "tools=1,tool_choice=auto": {"upstream": "up", "model": "up-model"}
+    }, "unknown": "reject"}"#;
+    bind_router(&s, "features", "tenant-router", "fail_closed", config);
+    let path = "/v1/chat/completions";
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let mut forced = chat("gpt-4o");
+    forced["tools"] = tools.clone();
+    forced["tool_choice"] = json!("required");
+    forced["response_format"] = json!({"type": "json_object"});
+    forced["n"] = json!(2);
+    let r = post(&s, "", path, forced.clone());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["body"], forced, "passed through as sent");
+    // The model rewritten: the body is re-encoded, the fields kept.
+    let mut auto = chat("gpt-4o");
+    auto["tools"] = tools;
+    let r = post(&s, "", path, auto.clone());
+    assert_eq!(r.status, 200, "{}", r.text());
+    auto["model"] = json!("up-model");
+    assert_eq!(r.json()["body"], auto);
+    // No features, or features the client claims in a header: refused.
+    post(&s, "", path, chat("gpt-4o")).api_error(403, "permission_error", "policy_rejected");
+    let auth = format!("Bearer {PLAIN_KEY}");
+    let r = s.request(
+        "POST",
+        path,
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+            ("x-mlxgate-features", "tools=1,tool_choice=auto"),
+        ],
+        Some(chat("gpt-4o").to_string().as_bytes()),
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    // Bad tools are a 400 before any router.
+    let mut bad = chat("gpt-4o");
+    bad["tool_choice"] = json!("sometimes");
+    post(&s, "", path, bad).api_error(400, "invalid_request_error", "invalid_value");
 }
 
 #[test]

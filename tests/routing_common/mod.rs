@@ -148,6 +148,7 @@ async fn answer(
             "headers": names,
             "authorization": auth,
             "x_request_id": request_id,
+            "body": v,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "from upstream"}, "finish_reason": "stop"}],
         }),
     ))

@@ -62,6 +62,18 @@ pub struct ToolUse {
     pub parallel: bool,
 }
 
+impl ToolChoice {
+    /// OpenAI's name for the choice (`function` for a named tool).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ToolChoice::Auto => "auto",
+            ToolChoice::None => "none",
+            ToolChoice::Required => "required",
+            ToolChoice::Function(_) => "function",
+        }
+    }
+}
+
 impl ToolUse {
     /// Whether the model is told of the tools and may call them.
     pub fn active(&self) -> bool {
@@ -138,6 +150,19 @@ pub enum Grammar {
     /// A Lark grammar built from a request's tools ([`super::tools`]):
     /// its errors name `tools`, not the response format.
     ToolCalls(String),
+}
+
+impl Grammar {
+    /// The `response_format` type that asks for it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Grammar::JsonSchema(_) => "json_schema",
+            Grammar::JsonObject => "json_object",
+            Grammar::Regex(_) => "regex",
+            Grammar::Lark(_) => "lark",
+            Grammar::ToolCalls(_) => "tools",
+        }
+    }
 }
 
 /// One generation.

@@ -307,6 +307,7 @@ pub async fn for_request(
                 .max_tokens
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
             common.stream,
+            &common.features,
         )
     };
     Ok(cx.state.app.select_adapters(model, facts).await?)

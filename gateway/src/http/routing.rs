@@ -49,6 +49,11 @@ pub static POLICY_HEADERS: [HeaderName; 3] = [
     HeaderName::from_static("x-user"),
 ];
 
+/// The synthetic header that tells policies what a request asks beyond
+/// text ([`validate::RoutingFields::features`]); never taken from the
+/// client.
+pub const FEATURES_HEADER: &str = "x-mlxgate-features";
+
 /// Longest header value passed to a policy; longer ones are cut.
 const MAX_HEADER_VALUE: usize = 256;
 
@@ -64,8 +69,12 @@ pub fn request_facts<'a>(
     prompt_tokens: u32,
     max_tokens: Option<u32>,
     streaming: bool,
+    features: &'a str,
 ) -> RequestFacts<'a> {
     let mut selected = Vec::new();
+    if !features.is_empty() {
+        selected.push((FEATURES_HEADER, features));
+    }
     for n in &POLICY_HEADERS {
         let Some(v) = headers.get(n).and_then(|v| v.to_str().ok()) else {
             continue;
@@ -114,7 +123,7 @@ fn set_model(json: &mut Value, model: String) {
 /// The facts a router sees for a request whose body reads as `fields`.
 pub fn routing_facts<'a>(
     head: &'a http::request::Parts,
-    fields: &RoutingFields<'a>,
+    fields: &'a RoutingFields<'a>,
 ) -> RequestFacts<'a> {
     request_facts(
         &head.method,
@@ -127,6 +136,7 @@ pub fn routing_facts<'a>(
             .max_tokens
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
         fields.stream,
+        &fields.features,
     )
 }
 
@@ -221,11 +231,13 @@ mod tests {
             0,
             Some(5),
             true,
+            "tools=1,tool_choice=auto",
         );
-        assert_eq!(f.headers[0], ("x-tenant", "acme"));
-        assert_eq!(f.headers.len(), 2);
+        assert_eq!(f.headers[0], (FEATURES_HEADER, "tools=1,tool_choice=auto"));
+        assert_eq!(f.headers[1], ("x-tenant", "acme"));
+        assert_eq!(f.headers.len(), 3);
         assert!(f.headers.iter().all(|(k, _)| *k != "authorization"));
-        assert!(f.headers[1].1.len() <= MAX_HEADER_VALUE);
+        assert!(f.headers[2].1.len() <= MAX_HEADER_VALUE);
         assert_eq!((f.max_tokens, f.streaming), (Some(5), true));
     }
 
@@ -267,6 +279,7 @@ mod tests {
                 Just("max_tokens"),
                 Just("max_completion_tokens"),
                 Just("stream"),
+                Just("n"),
             ];
             (
                 prop::collection::vec((key, value()), 0..6),
@@ -312,7 +325,7 @@ mod tests {
                         body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
                     );
                     let plain: Value = serde_json::from_str(&text).unwrap();
-                    let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream"]
+                    let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream", "n"]
                         .iter()
                         .map(|k| text.matches(&format!("\"{k}\": ")).count())
                         .sum();
@@ -344,6 +357,11 @@ mod tests {
                                 served.max_tokens.map(|n| n as u32)
                             );
                             prop_assert_eq!(facts.streaming, served.stream);
+                            let features = served.n.gt(&1).then(|| format!("n={}", served.n));
+                            prop_assert_eq!(
+                                facts.headers.first().map(|h| h.1.to_owned()),
+                                features
+                            );
                         }
                         // Refused before routing: nothing is served.
                         (Err(_), served) => prop_assert!(served.is_err(), "{text}"),

@@ -56,6 +56,8 @@ pub struct Common {
     pub grammar: Option<Grammar>,
     /// Choices to generate (`n`), from one prefill.
     pub n: usize,
+    /// [`RoutingFields::features`], for adapter selectors.
+    pub features: String,
 }
 
 /// A validated `POST /v1/chat/completions`.
@@ -90,10 +92,23 @@ pub struct RoutingFields<'a> {
     pub model: &'a str,
     pub max_tokens: Option<usize>,
     pub stream: bool,
+    /// What the request asks of the model beyond text, as policies see it
+    /// in the `x-mlxgate-features` header ([`features`]).
+    pub features: String,
 }
 
 /// The top-level fields [`routing_fields`] reads, and nothing else.
-pub const ROUTING_FIELDS: [&str; 4] = ["model", "max_tokens", "max_completion_tokens", "stream"];
+pub const ROUTING_FIELDS: [&str; 9] = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "n",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
     read_routing(&Fields::of(body)?, endpoint)
@@ -120,7 +135,39 @@ fn read_routing<'a>(f: &Fields<'a>, endpoint: Endpoint) -> Result<RoutingFields<
         model: model(f)?,
         max_tokens: max_tokens(f, endpoint)?,
         stream: f.bool("stream")?.unwrap_or(false),
+        features: features(f, endpoint)?,
     })
+}
+
+/// The request's features beyond plain text, comma-separated, for the
+/// synthetic `x-mlxgate-features` header router and adapter policies see
+/// (a header, not a new WIT field, so guests built for `policy@0.3.0`
+/// keep working): `tools=<count>` and `tool_choice=<auto|none|required|
+/// function>` when tools are listed, `response_format=<json_schema|
+/// json_object|regex|lark>`, `n=<choices>` when above 1. Empty for a
+/// plain request. Read by the same readers as the request served.
+fn features(f: &Fields, endpoint: Endpoint) -> Result<String, ApiError> {
+    let mut out = Vec::new();
+    if endpoint == Endpoint::Chat {
+        let tools = super::tools::tool_use(f)?;
+        if !tools.tools.is_empty() {
+            out.push(format!("tools={}", tools.tools.len()));
+            out.push(format!("tool_choice={}", tools.choice.kind()));
+        }
+    }
+    if let Some(grammar) = response_format(f)? {
+        out.push(format!("response_format={}", grammar.kind()));
+    }
+    let n = choices(f)?;
+    if n > 1 {
+        out.push(format!("n={n}"));
+    }
+    Ok(out.join(","))
+}
+
+/// `n`: how many choices, 1 to [`MAX_CHOICES`].
+fn choices(f: &Fields) -> Result<usize, ApiError> {
+    Ok(f.int_in("n", 1, MAX_CHOICES)?.unwrap_or(1) as usize)
 }
 
 /// `model`: required, not empty, at most [`MAX_MODEL_BYTES`].
@@ -252,8 +299,9 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         model,
         max_tokens,
         stream,
+        features,
     } = read_routing(f, endpoint)?;
-    let n = f.int_in("n", 1, MAX_CHOICES)?.unwrap_or(1) as usize;
+    let n = choices(f)?;
     let include_usage = match f.get("stream_options") {
         None => false,
         Some(_) if !stream => {
@@ -309,6 +357,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         adapter: adapter(f)?,
         grammar: response_format(f)?,
         n,
+        features,
     })
 }
 
