@@ -118,10 +118,7 @@ fn smollm2_answers_a_chat_question_greedily_and_deterministically() {
     let engine = EngineHandle::load(&smollm2()).unwrap();
     assert_eq!(engine.card().id, "SmolLM2-135M-Instruct");
     assert_eq!(engine.card().context_length, 8192);
-    let messages = [ChatMessage {
-        role: "user".into(),
-        content: "What is the capital of France?".into(),
-    }];
+    let messages = [ChatMessage::text("user", "What is the capital of France?")];
     let prompt = engine.render_chat(&messages).unwrap();
     assert!(
         prompt.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"),

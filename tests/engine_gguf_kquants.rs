@@ -668,10 +668,10 @@ fn qwen_coder_answers_a_coding_question_through_its_chat_template() {
     eprintln!("Qwen2.5-Coder-0.5B loaded in {:?}", start.elapsed());
     assert_eq!(engine.card().architecture, "qwen2");
     let prompt = engine
-        .render_chat(&[ChatMessage {
-            role: "user".into(),
-            content: "Write a Python function that returns the sum of a list of numbers.".into(),
-        }])
+        .render_chat(&[ChatMessage::text(
+            "user",
+            "Write a Python function that returns the sum of a list of numbers.",
+        )])
         .unwrap();
     assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
     let start = Instant::now();

@@ -82,7 +82,11 @@ fn bind_router(s: &Server, name: &str, crate_name: &str, on_error: &str, config:
 }
 
 fn post(s: &Server, tenant: &str, path: &str, body: serde_json::Value) -> Response {
-    let key = if tenant.is_empty() { PLAIN_KEY.to_owned() } else { key(tenant) };
+    let key = if tenant.is_empty() {
+        PLAIN_KEY.to_owned()
+    } else {
+        key(tenant)
+    };
     let auth = format!("Bearer {key}");
     s.request(
         "POST",

@@ -125,7 +125,9 @@ impl Grammars {
                 TopLevelGrammar::from_json_schema(json_options(&json!({"type": "object"})))
             }
             Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            Grammar::Lark(lark) | Grammar::ToolCalls(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Grammar::Lark(lark) | Grammar::ToolCalls(lark) => {
+                TopLevelGrammar::from_lark(lark.clone())
+            }
         };
         let parser = std::panic::catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(top)))
             .map_err(|p| format!("the grammar compiler failed: {}", panic_message(&*p)))?

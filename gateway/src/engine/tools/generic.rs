@@ -24,8 +24,9 @@ use crate::util::json::python_dumps;
 
 /// The system prompt that describes `tools`.
 pub fn system_prompt(tools: &ToolUse) -> String {
-    let mut prompt =
-        String::from("You can call functions. Their signatures are inside <tools></tools>:\n<tools>");
+    let mut prompt = String::from(
+        "You can call functions. Their signatures are inside <tools></tools>:\n<tools>",
+    );
     for tool in &tools.tools {
         prompt.push('\n');
         prompt.push_str(&python_dumps(&template_tool(tool)));
@@ -55,7 +56,10 @@ pub fn messages(messages: &[ChatMessage], tools: &ToolUse) -> Vec<ChatMessage> {
         match m.role.as_str() {
             "system" if i == 0 && tools.active() => {
                 let prompt = system_prompt(tools);
-                out.push(ChatMessage::text("system", &format!("{}\n\n{prompt}", m.content)));
+                out.push(ChatMessage::text(
+                    "system",
+                    &format!("{}\n\n{prompt}", m.content),
+                ));
             }
             "assistant" if !m.tool_calls.is_empty() => {
                 let mut parts: Vec<String> = Vec::new();
@@ -148,6 +152,10 @@ mod tests {
     fn the_prompt_joins_a_system_message() {
         let out = messages(&[ChatMessage::text("system", "Be brief.")], &weather());
         assert_eq!(out.len(), 1);
-        assert!(out[0].content.starts_with("Be brief.\n\nYou can call functions."));
+        assert!(
+            out[0]
+                .content
+                .starts_with("Be brief.\n\nYou can call functions.")
+        );
     }
 }

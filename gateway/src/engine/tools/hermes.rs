@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 
-use super::{Tool, ToolCall, answer_schema, call_of, call_schema};
+use super::{Tool, ToolCall, answer_rule, call_of, call_schema};
 
 pub const OPEN: &str = "<tool_call>";
 pub const CLOSE: &str = "</tool_call>";
@@ -13,7 +13,12 @@ pub const CLOSE: &str = "</tool_call>";
 /// The Lark grammar of an output: calls only (`only_calls`), or free text
 /// (or the `answer` JSON) as an alternative to calls; one call, or several
 /// when `parallel`.
-pub fn grammar(tools: &[&Tool], only_calls: bool, parallel: bool, answer: Option<&Value>) -> String {
+pub fn grammar(
+    tools: &[&Tool],
+    only_calls: bool,
+    parallel: bool,
+    answer: Option<&Value>,
+) -> String {
     let more = if parallel {
         "(\"\\n<tool_call>\" call)*"
     } else {
@@ -22,8 +27,8 @@ pub fn grammar(tools: &[&Tool], only_calls: bool, parallel: bool, answer: Option
     let start = match (only_calls, answer) {
         (true, _) => "start: \"<tool_call>\" call more\n".to_owned(),
         (false, Some(answer)) => format!(
-            "start: answer | \"<tool_call>\" call more\nanswer: %json {}\n",
-            answer_schema(answer)
+            "start: answer | \"<tool_call>\" call more\n{}",
+            answer_rule(answer)
         ),
         // Text that never writes the tag, or text up to the first tag
         // (the lazy rule ends at it) and then calls.
@@ -49,5 +54,8 @@ pub fn write_call(call: &ToolCall) -> String {
     let arguments = serde_json::from_str::<Value>(&call.arguments)
         .unwrap_or_else(|_| Value::String(call.arguments.clone()));
     let body = serde_json::json!({"name": call.name, "arguments": arguments});
-    format!("{OPEN}\n{}\n{CLOSE}", crate::util::json::python_dumps(&body))
+    format!(
+        "{OPEN}\n{}\n{CLOSE}",
+        crate::util::json::python_dumps(&body)
+    )
 }

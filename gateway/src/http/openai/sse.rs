@@ -18,10 +18,10 @@ use serde::Serialize;
 
 use super::engine::{EngineError, FinishReason, GenerateEvent, TokenOutput, Usage};
 use super::tools::CallOut;
-use crate::engine::tools::{CallParser, Piece};
 use super::types::{
     ChatChunk, ChatLogprobs, ChunkChoice, CompletionLogprobs, Delta, TextChoice, TextCompletion,
 };
+use crate::engine::tools::{CallParser, Piece};
 use crate::http::{ApiError, Body, BoxError};
 
 /// Which endpoint's chunk shape to write.

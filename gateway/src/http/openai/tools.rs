@@ -47,7 +47,10 @@ pub(super) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
                 return Err(invalid(
                     &format!("tools[{i}].function.name"),
                     "invalid_value",
-                    &format!("Invalid 'tools': the name '{}' is used twice; give each tool its own name.", t.name),
+                    &format!(
+                        "Invalid 'tools': the name '{}' is used twice; give each tool its own name.",
+                        t.name
+                    ),
                 ));
             }
             tools
@@ -149,8 +152,11 @@ fn tool_choice(value: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiE
                     ));
                 }
             }
-            let function = object("tool_choice.function", obj.get("function").unwrap_or(&Value::Null))
-                .map_err(|_| wrong_type("tool_choice.function", "object", v))?;
+            let function = object(
+                "tool_choice.function",
+                obj.get("function").unwrap_or(&Value::Null),
+            )
+            .map_err(|_| wrong_type("tool_choice.function", "object", v))?;
             let wanted = string("tool_choice.function", function, "name")?
                 .ok_or_else(|| missing("tool_choice.function.name"))?;
             if !tools.iter().any(|t| t.name == wanted) {
@@ -160,7 +166,11 @@ fn tool_choice(value: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiE
                     "invalid_value",
                     &format!(
                         "Invalid 'tool_choice': there is no tool named '{wanted}' in 'tools' (listed: {}).",
-                        if listed.is_empty() { "none".to_owned() } else { listed.join(", ") }
+                        if listed.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            listed.join(", ")
+                        }
                     ),
                 ));
             }
@@ -243,7 +253,11 @@ fn object<'a>(param: &str, value: &'a Value) -> Result<&'a Map<String, Value>, A
 }
 
 /// `obj[key]` as a string (`null` and absent are `None`).
-fn string<'a>(at: &str, obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+fn string<'a>(
+    at: &str,
+    obj: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -379,16 +393,56 @@ mod tests {
     #[test]
     fn bad_tools_name_the_field() {
         let cases = [
-            (json!({"tools": [{"type": "retrieval"}]}), "tools[0].type", "unsupported_value"),
-            (json!({"tools": [{"type": "function"}]}), "tools[0].function", "missing_required_parameter"),
-            (json!({"tools": [{"type": "function", "function": {}}]}), "tools[0].function.name", "missing_required_parameter"),
-            (json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}), "tools[0].function.name", "invalid_value"),
-            (json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}), "tools[0].function.parameters", "invalid_type"),
-            (json!({"tools": [weather(), weather()]}), "tools[1].function.name", "invalid_value"),
-            (json!({"tools": [weather()], "tool_choice": "always"}), "tool_choice", "invalid_value"),
-            (json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice.function.name", "invalid_value"),
-            (json!({"tool_choice": "required"}), "tool_choice", "invalid_value"),
-            (json!({"tools": [weather()], "parallel_tool_calls": "yes"}), "parallel_tool_calls", "invalid_type"),
+            (
+                json!({"tools": [{"type": "retrieval"}]}),
+                "tools[0].type",
+                "unsupported_value",
+            ),
+            (
+                json!({"tools": [{"type": "function"}]}),
+                "tools[0].function",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {}}]}),
+                "tools[0].function.name",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                "tools[0].function.name",
+                "invalid_value",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+                "tools[0].function.parameters",
+                "invalid_type",
+            ),
+            (
+                json!({"tools": [weather(), weather()]}),
+                "tools[1].function.name",
+                "invalid_value",
+            ),
+            (
+                json!({"tools": [weather()], "tool_choice": "always"}),
+                "tool_choice",
+                "invalid_value",
+            ),
+            (
+                json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+                "tool_choice.function.name",
+                "invalid_value",
+            ),
+            (
+                json!({"tool_choice": "required"}),
+                "tool_choice",
+                "invalid_value",
+            ),
+            (
+                json!({"tools": [weather()], "parallel_tool_calls": "yes"}),
+                "parallel_tool_calls",
+                "invalid_type",
+            ),
         ];
         for (body, param, code) in cases {
             rejects(chat_request(&chat(body)), param, code);
@@ -396,7 +450,11 @@ mod tests {
         let many: Vec<Value> = (0..=MAX_TOOLS)
             .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
             .collect();
-        rejects(chat_request(&chat(json!({"tools": many}))), "tools", "array_above_max_length");
+        rejects(
+            chat_request(&chat(json!({"tools": many}))),
+            "tools",
+            "array_above_max_length",
+        );
     }
 
     #[test]
@@ -407,7 +465,10 @@ mod tests {
             {"role": "user", "content": "weather?"}, call,
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})))
         .unwrap();
-        assert_eq!(ok.messages[1].tool_calls[0].arguments, "{\"city\":\"Paris\"}");
+        assert_eq!(
+            ok.messages[1].tool_calls[0].arguments,
+            "{\"city\":\"Paris\"}"
+        );
         assert_eq!(ok.messages[2].tool_call_id.as_deref(), Some("call_1"));
         rejects(
             chat_request(&chat(json!({"messages": [

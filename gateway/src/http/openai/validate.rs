@@ -947,7 +947,11 @@ pub(super) mod tests {
 
     /// Asserts a 400 with this param and code.
     #[track_caller]
-    pub(in crate::http::openai) fn rejects(result: Result<impl std::fmt::Debug, ApiError>, param: &str, code: &str) {
+    pub(in crate::http::openai) fn rejects(
+        result: Result<impl std::fmt::Debug, ApiError>,
+        param: &str,
+        code: &str,
+    ) {
         let e = result.expect_err("should be rejected");
         assert_eq!(e.status().as_u16(), 400, "{e}");
         assert_eq!(e.error_type(), "invalid_request_error", "{e}");
@@ -964,10 +968,7 @@ pub(super) mod tests {
         assert!(r.common.stop.is_empty());
         assert!(!r.common.stream && !r.common.include_usage);
         assert_eq!(r.common.logprobs, None);
-        assert_eq!(
-            r.messages,
-            vec![ChatMessage::text("user", "hi")]
-        );
+        assert_eq!(r.messages, vec![ChatMessage::text("user", "hi")]);
     }
 
     #[test]
