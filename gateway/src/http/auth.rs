@@ -50,6 +50,21 @@ pub fn bearer_token(headers: &HeaderMap) -> Option<Result<&str, ApiError>> {
     Some(token)
 }
 
+/// The API key of a request: an `Authorization: Bearer` token, else an
+/// `x-api-key` header (how Anthropic's SDKs send it).
+pub fn api_key(headers: &HeaderMap) -> Option<Result<&str, ApiError>> {
+    bearer_token(headers).or_else(|| {
+        let key = headers.get("x-api-key")?;
+        Some(
+            key.to_str()
+                .ok()
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .ok_or(ApiError::InvalidApiKey),
+        )
+    })
+}
+
 /// All keys the server accepts (config `[[keys]]` plus `MLXGATE_ADMIN_KEY`).
 #[derive(Debug, Clone)]
 pub struct KeyStore {
@@ -123,7 +138,7 @@ impl KeyStore {
                 other => Err(ApiError::ZoneClosed { scope: other }),
             };
         }
-        let token = bearer_token(headers).ok_or(ApiError::MissingApiKey)??;
+        let token = api_key(headers).ok_or(ApiError::MissingApiKey)??;
         let i = self.position(token).ok_or(ApiError::InvalidApiKey)?;
         let caller = &self.callers[i];
         if !caller.has(scope) {

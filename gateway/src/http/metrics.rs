@@ -35,7 +35,7 @@ pub fn authorize_scrape(
     headers: &HeaderMap,
     peer: SocketAddr,
 ) -> Result<(), ApiError> {
-    if let Some(token) = super::auth::bearer_token(headers) {
+    if let Some(token) = super::auth::api_key(headers) {
         let token = token?;
         if config
             .token_sha256

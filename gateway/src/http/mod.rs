@@ -23,6 +23,7 @@
 
 pub mod adapters;
 pub mod admin_policies;
+pub mod anthropic;
 pub mod auth;
 pub mod body;
 pub mod connections;
@@ -82,6 +83,7 @@ impl AppState {
     pub fn new(config: Config) -> Arc<Self> {
         let mut table = routes();
         table.extend(openai::routes());
+        table.extend(anthropic::routes());
         table.extend(admin_policies::routes());
         table.extend(routing::routes());
         table.extend(jobs::routes());
@@ -232,7 +234,7 @@ async fn route(
     let (r, params, limit) = match admit(&state, &req, peer, &mut outcome) {
         Ok(admitted) => admitted,
         Err(e) => {
-            outcome.response = e.into_response();
+            outcome.response = error_response(req.uri().path(), e);
             return outcome;
         }
     };
@@ -319,14 +321,26 @@ fn match_route<'r>(
 
 /// Runs a handler; its error, or a panic, becomes the error answer.
 async fn call_handler(handler: Handler, cx: Ctx, req: Request<ReqBody>) -> Response<Body> {
+    let path = req.uri().path().to_owned();
     match AssertUnwindSafe(handler(cx, req)).catch_unwind().await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => e.into_response(),
+        Ok(Err(e)) => error_response(&path, e),
         Err(panic) => {
             let what = crate::util::panic_message(&*panic);
             error!(panic = %what, "handler panicked");
-            ApiError::Internal("internal error; the server log has details".into()).into_response()
+            let e = ApiError::Internal("internal error; the server log has details".into());
+            error_response(&path, e)
         }
+    }
+}
+
+/// `e` in the error shape of the API `path` belongs to: Anthropic's on
+/// its Messages paths, OpenAI's everywhere else.
+fn error_response(path: &str, e: ApiError) -> Response<Body> {
+    if anthropic::speaks(path) {
+        anthropic::error_response(e)
+    } else {
+        e.into_response()
     }
 }
 

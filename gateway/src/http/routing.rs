@@ -251,6 +251,7 @@ mod tests {
         use proptest::prelude::*;
 
         use super::super::*;
+        use crate::http::anthropic::validate::messages_request;
         use crate::http::openai::validate::{chat_request, completion_request};
 
         /// JSON text for a value of a routing field, well- or ill-typed.
@@ -336,7 +337,7 @@ mod tests {
                 let top = body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS);
                 prop_assert!(top.is_ok(), "{text}");
                 let top = top.unwrap();
-                for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+                for endpoint in [Endpoint::Chat, Endpoint::Completions, Endpoint::Messages] {
                     // What routing reads of the top level is what the whole
                     // parse gives validation.
                     prop_assert_eq!(
@@ -346,6 +347,9 @@ mod tests {
                     let served = match endpoint {
                         Endpoint::Chat => chat_request(&json).map(|r| r.common),
                         Endpoint::Completions => completion_request(&json).map(|r| r.common),
+                        Endpoint::Messages => {
+                            messages_request(&json, false).map(|r| r.common)
+                        }
                     };
                     let fields = validate::routing_fields(&json, endpoint);
                     match (fields, served) {

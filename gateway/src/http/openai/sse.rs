@@ -316,8 +316,15 @@ pub fn response<S>(framer: Framer, events: S) -> Response<Body>
 where
     S: Stream<Item = (usize, Result<GenerateEvent, EngineError>)> + Send + 'static,
 {
-    let frames =
-        frames(framer, events).map(|text| Ok::<_, BoxError>(Frame::data(Bytes::from(text))));
+    stream_response(frames(framer, events))
+}
+
+/// A `text/event-stream` response writing each of `frames` as it comes.
+pub fn stream_response<S>(frames: S) -> Response<Body>
+where
+    S: Stream<Item = String> + Send + 'static,
+{
+    let frames = frames.map(|text| Ok::<_, BoxError>(Frame::data(Bytes::from(text))));
     let mut resp = Response::new(StreamBody::new(frames).boxed_unsync());
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();

@@ -244,7 +244,10 @@ pub fn check_tool_results(messages: &[ChatMessage]) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn object<'a>(param: &str, value: &'a Value) -> Result<&'a Map<String, Value>, ApiError> {
+pub(crate) fn object<'a>(
+    param: &str,
+    value: &'a Value,
+) -> Result<&'a Map<String, Value>, ApiError> {
     match value {
         Value::Object(obj) => Ok(obj),
         Value::Null => Err(missing(param)),
@@ -253,7 +256,7 @@ fn object<'a>(param: &str, value: &'a Value) -> Result<&'a Map<String, Value>, A
 }
 
 /// `obj[key]` as a string (`null` and absent are `None`).
-fn string<'a>(
+pub(crate) fn string<'a>(
     at: &str,
     obj: &'a Map<String, Value>,
     key: &str,

@@ -81,6 +81,8 @@ pub struct CompletionRequest {
 pub enum Endpoint {
     Chat,
     Completions,
+    /// Anthropic's `/v1/messages` (`http/anthropic`).
+    Messages,
 }
 
 /// What routing reads from a body (and a router policy sees): read by the
@@ -130,7 +132,10 @@ pub fn picked_routing_fields(
     read_routing(&f, endpoint)
 }
 
-fn read_routing<'a>(f: &Fields<'a>, endpoint: Endpoint) -> Result<RoutingFields<'a>, ApiError> {
+pub(crate) fn read_routing<'a>(
+    f: &Fields<'a>,
+    endpoint: Endpoint,
+) -> Result<RoutingFields<'a>, ApiError> {
     Ok(RoutingFields {
         model: model(f)?,
         max_tokens: max_tokens(f, endpoint)?,
@@ -148,12 +153,17 @@ fn read_routing<'a>(f: &Fields<'a>, endpoint: Endpoint) -> Result<RoutingFields<
 /// plain request. Read by the same readers as the request served.
 fn features(f: &Fields, endpoint: Endpoint) -> Result<String, ApiError> {
     let mut out = Vec::new();
-    if endpoint == Endpoint::Chat {
-        let tools = super::tools::tool_use(f)?;
-        if !tools.tools.is_empty() {
-            out.push(format!("tools={}", tools.tools.len()));
-            out.push(format!("tool_choice={}", tools.choice.kind()));
-        }
+    let tools = match endpoint {
+        Endpoint::Chat => Some(super::tools::tool_use(f)?),
+        Endpoint::Messages => Some(crate::http::anthropic::validate::tool_use(f)?),
+        Endpoint::Completions => None,
+    };
+    if let Some(tools) = tools.filter(|t| !t.tools.is_empty()) {
+        out.push(format!("tools={}", tools.tools.len()));
+        out.push(format!("tool_choice={}", tools.choice.kind()));
+    }
+    if endpoint == Endpoint::Messages {
+        return Ok(out.join(","));
     }
     if let Some(grammar) = response_format(f)? {
         out.push(format!("response_format={}", grammar.kind()));
@@ -200,6 +210,8 @@ fn max_tokens(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError>
     Ok(match endpoint {
         Endpoint::Chat => f.positive_int("max_completion_tokens")?.or(max_tokens),
         Endpoint::Completions => max_tokens.or(Some(DEFAULT_COMPLETION_MAX_TOKENS)),
+        // Required: the Messages reader says so in Anthropic's words.
+        Endpoint::Messages => max_tokens,
     })
 }
 
@@ -452,7 +464,7 @@ fn json_schema(spec: Option<&Value>) -> Result<Grammar, ApiError> {
 }
 
 /// `adapter`: the stack to run with (see [`lora::parse_spec`]).
-fn adapter(f: &Fields) -> Result<Option<Vec<String>>, ApiError> {
+pub(crate) fn adapter(f: &Fields) -> Result<Option<Vec<String>>, ApiError> {
     f.string("adapter")?
         .map(|spec| {
             lora::parse_spec(spec).map_err(|message| {
@@ -467,7 +479,7 @@ fn adapter(f: &Fields) -> Result<Option<Vec<String>>, ApiError> {
 }
 
 /// `prompt_cache`: the name of a saved prompt cache (`null` means none).
-fn prompt_cache(f: &Fields) -> Result<Option<String>, ApiError> {
+pub(crate) fn prompt_cache(f: &Fields) -> Result<Option<String>, ApiError> {
     let Some(name) = f.string("prompt_cache")? else {
         return Ok(None);
     };
@@ -733,7 +745,7 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 // ---------------------------------------------------------------- field reader
 
 /// The top-level object of a request body, read one typed field at a time.
-pub(super) struct Fields<'a> {
+pub(crate) struct Fields<'a> {
     obj: Object<'a>,
 }
 
@@ -746,14 +758,14 @@ enum Object<'a> {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum Bound {
+pub(crate) enum Bound {
     Incl(f64),
     Excl(f64),
     None,
 }
 
 impl<'a> Fields<'a> {
-    pub(super) fn of(body: &'a Value) -> Result<Self, ApiError> {
+    pub(crate) fn of(body: &'a Value) -> Result<Self, ApiError> {
         match body {
             Value::Object(obj) => Ok(Fields {
                 obj: Object::Whole(obj),
@@ -769,7 +781,7 @@ impl<'a> Fields<'a> {
     }
 
     /// The field, with `null` read as absent.
-    pub(super) fn get(&self, name: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, name: &str) -> Option<&'a Value> {
         let value = match self.obj {
             Object::Whole(obj) => obj.get(name),
             Object::Picked(names, values) => names
@@ -780,7 +792,7 @@ impl<'a> Fields<'a> {
         value.filter(|v| !v.is_null())
     }
 
-    fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
+    pub(crate) fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
         match self.get(name) {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
@@ -788,7 +800,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub(super) fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+    pub(crate) fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
         match self.get(name) {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -810,7 +822,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn int_in(&self, name: &str, min: u64, max: u64) -> Result<Option<u64>, ApiError> {
+    pub(crate) fn int_in(&self, name: &str, min: u64, max: u64) -> Result<Option<u64>, ApiError> {
         let Some(i) = self.int(name)? else {
             return Ok(None);
         };
@@ -835,11 +847,16 @@ impl<'a> Fields<'a> {
         Ok(Some(i as u64))
     }
 
-    fn positive_int(&self, name: &str) -> Result<Option<usize>, ApiError> {
+    pub(crate) fn positive_int(&self, name: &str) -> Result<Option<usize>, ApiError> {
         Ok(self.int_in(name, 1, u32::MAX as u64)?.map(|n| n as usize))
     }
 
-    fn number_in(&self, name: &str, lo: Bound, hi: Bound) -> Result<Option<f32>, ApiError> {
+    pub(crate) fn number_in(
+        &self,
+        name: &str,
+        lo: Bound,
+        hi: Bound,
+    ) -> Result<Option<f32>, ApiError> {
         let Some(v) = self.get(name) else {
             return Ok(None);
         };
@@ -892,7 +909,7 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-pub(super) fn invalid(param: &str, code: &'static str, message: &str) -> ApiError {
+pub(crate) fn invalid(param: &str, code: &'static str, message: &str) -> ApiError {
     ApiError::InvalidParam {
         message: message.to_owned(),
         param: param.to_owned(),
@@ -900,11 +917,11 @@ pub(super) fn invalid(param: &str, code: &'static str, message: &str) -> ApiErro
     }
 }
 
-pub(super) fn unsupported(param: &str, message: &str) -> ApiError {
+pub(crate) fn unsupported(param: &str, message: &str) -> ApiError {
     invalid(param, "unsupported_value", message)
 }
 
-pub(super) fn missing(param: &str) -> ApiError {
+pub(crate) fn missing(param: &str) -> ApiError {
     invalid(
         param,
         "missing_required_parameter",
@@ -912,7 +929,7 @@ pub(super) fn missing(param: &str) -> ApiError {
     )
 }
 
-pub(super) fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
+pub(crate) fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
     invalid(
         param,
         "invalid_type",
