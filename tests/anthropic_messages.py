@@ -51,6 +51,25 @@ def text_and_usage(client, model):
     return args, message
 
 
+def stop_sequence(client, model, whole):
+    """A stop sequence from the greedy answer ends it there and is named."""
+    words = whole.content[0].text.split()
+    check(len(words) >= 2, f"answer too short to cut: {whole.content!r}")
+    cut = words[1]
+    for stream in (False, True):
+        args = dict(model=model, max_tokens=40, extra_body=GREEDY, system="Be brief.",
+                    messages=[{"role": "user", "content": "Name a colour."}], stop_sequences=[cut])
+        if stream:
+            with client.messages.stream(**args) as s:
+                message = s.get_final_message()
+        else:
+            message = client.messages.create(**args)
+        check(message.stop_reason == "stop_sequence" and message.stop_sequence == cut,
+              f"stream {stream}: {message.stop_reason} {message.stop_sequence!r}, cut at {cut!r}")
+        text = "".join(b.text for b in message.content if b.type == "text")
+        check(cut not in text, f"stop sequence in the text: {text!r}")
+
+
 def streamed_matches_whole(client, args, whole):
     kinds = []
     with client.messages.stream(**args) as stream:
@@ -129,6 +148,8 @@ def main(base_url, model):
     print("text_and_usage: ok", flush=True)
     streamed_matches_whole(client, args, whole)
     print("streamed_matches_whole: ok", flush=True)
+    stop_sequence(client, model, whole)
+    print("stop_sequence: ok", flush=True)
     tool_round_trip(client, model)
     print("tool_round_trip: ok", flush=True)
     bad_input(client, model)

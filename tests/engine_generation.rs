@@ -174,7 +174,7 @@ fn max_tokens_and_stop_strings_end_generation() {
     let (stopped, reason, _) = collect(&engine, request(12, vec![stop.clone()]));
     assert_eq!(
         reason,
-        FinishReason::Stop,
+        FinishReason::StopString(0),
         "{long:?} / {stop:?} / {stopped:?}"
     );
     assert!(

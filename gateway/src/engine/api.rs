@@ -231,18 +231,27 @@ pub struct TokenOutput {
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
+    /// An end-of-sequence token.
     Stop,
+    /// The request's stop string of this index (in `GenerateRequest::stop`,
+    /// empty strings left out).
+    StopString(usize),
     /// `max_tokens` or the context length.
     Length,
 }
 
 impl FinishReason {
+    /// OpenAI's `finish_reason`: both kinds of stop are `stop`.
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopString(_) => "stop",
             FinishReason::Length => "length",
         }
+    }
+
+    /// Whether the model (or a stop string) ended the answer, not a limit.
+    pub fn stopped(self) -> bool {
+        matches!(self, FinishReason::Stop | FinishReason::StopString(_))
     }
 }
 

@@ -54,8 +54,8 @@ pub struct StopFilter {
 pub enum Filtered {
     /// Emit this (possibly empty) text and go on.
     Continue(String),
-    /// A stop string was found: emit this text, then finish.
-    Stop(String),
+    /// Stop string `.1` (its index) was found: emit this text, then finish.
+    Stop(String, usize),
 }
 
 impl StopFilter {
@@ -74,12 +74,13 @@ impl StopFilter {
         let earliest = self
             .stops
             .iter()
-            .filter_map(|stop| self.pending.find(stop.as_str()))
+            .enumerate()
+            .filter_map(|(i, stop)| self.pending.find(stop.as_str()).map(|at| (at, i)))
             .min();
-        if let Some(at) = earliest {
+        if let Some((at, which)) = earliest {
             let out = self.pending[..at].to_owned();
             self.pending.clear();
-            return Filtered::Stop(out);
+            return Filtered::Stop(out, which);
         }
         // Keep the longest tail that is a proper prefix of some stop string.
         let held = self
@@ -121,7 +122,8 @@ mod tests {
         for chunk in ["Hello </", "en", "d> world"] {
             match filter.feed(chunk) {
                 Filtered::Continue(text) => shown.push_str(&text),
-                Filtered::Stop(text) => {
+                Filtered::Stop(text, which) => {
+                    assert_eq!(which, 0);
                     shown.push_str(&text);
                     break;
                 }

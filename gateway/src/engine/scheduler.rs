@@ -706,7 +706,9 @@ impl Scheduler {
             .detokenizer
             .push(choice.token, |ids| self.codec.decode(ids));
         match seq.stop.feed(&text) {
-            Filtered::Stop(text) => self.finish(seq, text, token, FinishReason::Stop),
+            Filtered::Stop(text, which) => {
+                self.finish(seq, text, token, FinishReason::StopString(which))
+            }
             Filtered::Continue(text) if seq.generated >= seq.max_new_tokens || context_full => {
                 let text = text + &seq.stop.flush();
                 self.finish(seq, text, token, FinishReason::Length)

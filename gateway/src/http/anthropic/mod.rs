@@ -69,7 +69,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let parser = calls.then(|| model.engine.call_parser());
     if m.common.stream {
         let frames = stream::frames(
-            stream::Writer::new(id, model.id, prompt_tokens, parser),
+            stream::Writer::new(id, model.id, prompt_tokens, parser, m.common.stop.clone()),
             events(stream),
         );
         return Ok(crate::http::openai::sse::stream_response(frames));
@@ -85,7 +85,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     if let Some(text) = text.filter(|t| !t.is_empty()) {
         content.push(json!({"type": "text", "text": text}));
     }
-    let stop_reason = stop_reason(done.reason, calls.len());
+    let (stop_reason, stop_sequence) = stop_reason(done.reason, calls.len(), &m.common.stop);
     content.extend(calls.into_iter().map(tool_use_block));
     body::json(
         StatusCode::OK,
@@ -96,7 +96,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             "model": model.id,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": null,
+            "stop_sequence": stop_sequence,
             "usage": usage(done.usage),
         }),
     )
@@ -120,12 +120,14 @@ pub async fn count_tokens(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     body::json(StatusCode::OK, &json!({"input_tokens": tokens}))
 }
 
-/// Anthropic's `stop_reason`.
-pub fn stop_reason(reason: FinishReason, calls: usize) -> &'static str {
+/// Anthropic's `stop_reason` and `stop_sequence` (the request's `stops`
+/// say which string a `StopString` index is).
+pub fn stop_reason(reason: FinishReason, calls: usize, stops: &[String]) -> (&'static str, Value) {
     match reason {
-        FinishReason::Length => "max_tokens",
-        FinishReason::Stop if calls > 0 => "tool_use",
-        FinishReason::Stop => "end_turn",
+        FinishReason::Length => ("max_tokens", Value::Null),
+        FinishReason::StopString(i) => ("stop_sequence", json!(stops.get(i))),
+        FinishReason::Stop if calls > 0 => ("tool_use", Value::Null),
+        FinishReason::Stop => ("end_turn", Value::Null),
     }
 }
 

@@ -23,6 +23,8 @@ pub struct Writer {
     /// Blocks started so far (the next block's index).
     blocks: usize,
     calls: usize,
+    /// The request's stop sequences, to name the one that fired.
+    stops: Vec<String>,
 }
 
 impl Writer {
@@ -31,6 +33,7 @@ impl Writer {
         model: String,
         prompt_tokens: usize,
         parser: Option<CallParser>,
+        stops: Vec<String>,
     ) -> Self {
         Writer {
             id,
@@ -40,6 +43,7 @@ impl Writer {
             open_text: None,
             blocks: 0,
             calls: 0,
+            stops,
         }
     }
 
@@ -139,10 +143,11 @@ impl Writer {
                     .unwrap_or_default();
                 let mut out = self.pieces(rest);
                 out += &self.close_text();
+                let (stop_reason, stop_sequence) = stop_reason(reason, self.calls, &self.stops);
                 out += &event(
                     "message_delta",
                     &json!({"type": "message_delta",
-                            "delta": {"stop_reason": stop_reason(reason, self.calls), "stop_sequence": null},
+                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                             "usage": usage(u)}),
                 );
                 out += &event("message_stop", &json!({"type": "message_stop"}));

@@ -351,8 +351,8 @@ pub fn read_answer(
 /// after making calls.
 pub fn finish_reason(reason: crate::engine::FinishReason, calls: usize) -> &'static str {
     match reason {
-        crate::engine::FinishReason::Stop if calls > 0 => "tool_calls",
-        other => other.as_str(),
+        reason if reason.stopped() && calls > 0 => "tool_calls",
+        reason => reason.as_str(),
     }
 }
 
