@@ -3,7 +3,8 @@
 //! (text and usage, the streamed event grammar, a tool round trip,
 //! `count_tokens`, bad input); the gateway's own errors on these paths
 //! (auth) in Anthropic's shape; keys by `x-api-key`; a router policy
-//! sending a Messages request to an upstream, which gets it as sent.
+//! sending a Messages (and a Responses) request to an upstream, which gets
+//! it as sent.
 
 #[path = "policy_common/mod.rs"]
 mod common;
@@ -88,11 +89,11 @@ fn keys_by_x_api_key_and_errors_in_anthropic_shape() {
     assert!(r.json()["input_tokens"].as_u64().is_some_and(|n| n > 0));
 }
 
-/// A router sees `/v1/messages` with its facts and may send it upstream,
-/// which receives the client's body (model as the router rewrote it) on
-/// the Messages path.
+/// A router sees `/v1/messages` (and `/v1/responses`) with its facts and
+/// may send them upstream, which receives the client's body (model as the
+/// router rewrote it) on the same path.
 #[test]
-fn routers_send_messages_upstream_as_sent() {
+fn routers_send_messages_and_responses_upstream_as_sent() {
     let up = FakeUpstream::start();
     let config = format!(
         "[[keys]]\nid = \"client\"\ntenant = \"acme\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
@@ -138,6 +139,20 @@ fn routers_send_messages_upstream_as_sent() {
     assert_eq!(r.status, 200, "{}", r.text());
     let echo = r.json();
     assert_eq!(echo["path"], "/v1/messages");
+    let mut expected = sent.clone();
+    expected["model"] = json!("claude-up");
+    assert_eq!(echo["body"], expected);
+    let sent = json!({"model": "gpt-local", "input": "Hi", "max_output_tokens": 16,
+                      "tools": [{"type": "function", "name": "get_weather"}]});
+    let r = s.request(
+        "POST",
+        "/v1/responses",
+        &[("x-api-key", KEY), ("content-type", "application/json")],
+        Some(sent.to_string().as_bytes()),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let echo = r.json();
+    assert_eq!(echo["path"], "/v1/responses");
     let mut expected = sent.clone();
     expected["model"] = json!("claude-up");
     assert_eq!(echo["body"], expected);

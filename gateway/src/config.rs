@@ -60,6 +60,29 @@ pub struct FileConfig {
     pub metrics: MetricsConfig,
     #[serde(default)]
     pub server: ServerConfig,
+    #[serde(default)]
+    pub responses: ResponsesConfig,
+}
+
+/// The `[responses]` section: how long `/v1/responses` keeps the responses
+/// it stores (`store: true`, the default), for `previous_response_id` and
+/// `GET /v1/responses/{id}`. The oldest go first past either bound.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponsesConfig {
+    /// Most responses kept; 0 stores none (`store: true` is then refused).
+    pub max_stored: usize,
+    /// Days a stored response is kept.
+    pub retention_days: u64,
+}
+
+impl Default for ResponsesConfig {
+    fn default() -> Self {
+        ResponsesConfig {
+            max_stored: 10_000,
+            retention_days: 30,
+        }
+    }
 }
 
 /// The `[metrics]` section: who may scrape `GET /metrics`. The series name
@@ -278,6 +301,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// The `[server]` section.
     pub server: ServerConfig,
+    /// The `[responses]` section.
+    pub responses: ResponsesConfig,
 }
 
 impl Config {
@@ -431,6 +456,7 @@ impl Config {
             adapters: file.adapters,
             metrics: file.metrics,
             server: file.server,
+            responses: file.responses,
         }
     }
 

@@ -91,6 +91,7 @@ pub struct ServerBuilder {
     envs: Vec<(String, String)>,
     port: Option<u16>,
     model: Option<PathBuf>,
+    data_dir: Option<PathBuf>,
 }
 
 impl Default for ServerBuilder {
@@ -107,7 +108,15 @@ impl ServerBuilder {
             envs: Vec::new(),
             port: None,
             model: None,
+            data_dir: None,
         }
+    }
+
+    /// `--data-dir`; by default `data` in the server's temp dir. Give the
+    /// same one to two servers in turn to test what survives a restart.
+    pub fn data_dir(mut self, p: impl Into<PathBuf>) -> Self {
+        self.data_dir = Some(p.into());
+        self
     }
 
     /// TOML text written to `config.toml` in the temp dir and passed with `--config`.
@@ -173,7 +182,8 @@ impl ServerBuilder {
             .model
             .unwrap_or_else(|| dir.path().join("no-such-model.gguf"));
         cmd.arg("--model").arg(&model);
-        cmd.arg("--data-dir").arg(dir.path().join("data"));
+        let data = self.data_dir.unwrap_or_else(|| dir.path().join("data"));
+        cmd.arg("--data-dir").arg(data);
         cmd.args(&self.args);
         for (k, v) in &self.envs {
             cmd.env(k, v);

@@ -12,6 +12,7 @@ pub mod adapters;
 pub mod jobs;
 pub mod models;
 pub mod policies;
+pub mod responses;
 pub mod routing;
 
 use std::future::Future;
@@ -41,6 +42,8 @@ pub struct App {
     /// The prompt-cache files, shared by every model's engine; `None` when
     /// the directory cannot be opened (logged at start).
     pub prompt_caches: Option<Arc<CacheStore>>,
+    /// Stored `/v1/responses`, opened on first use.
+    responses: std::sync::OnceLock<Result<responses::ResponseStore, String>>,
 }
 
 impl App {
@@ -62,6 +65,7 @@ impl App {
             policies: Arc::new(Policies::new(config.data_dir.clone())),
             jobs: jobs::JobsService::default(),
             prompt_caches,
+            responses: std::sync::OnceLock::new(),
             config,
         }
     }
@@ -74,6 +78,19 @@ impl App {
         let mounts = adapters::startup_mounts(&self.config);
         self.models
             .load_in_background(load, self.engine_options(), mounts);
+    }
+
+    /// The store of `/v1/responses` (`<data_dir>/responses.redb`), opened
+    /// on first use; the error says why it cannot be.
+    pub fn responses(&self) -> Result<&responses::ResponseStore, String> {
+        self.responses
+            .get_or_init(|| {
+                let path = self.config.data_dir.join("responses.redb");
+                responses::ResponseStore::open(&path, self.config.responses.clone())
+                    .map_err(|e| format!("{e} ({})", path.display()))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// How every model's engine runs, from the config.

@@ -34,6 +34,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod openai;
 pub mod prompt_caches;
+pub mod responses;
 pub mod routing;
 
 use std::convert::Infallible;
@@ -84,6 +85,7 @@ impl AppState {
         let mut table = routes();
         table.extend(openai::routes());
         table.extend(anthropic::routes());
+        table.extend(responses::routes());
         table.extend(admin_policies::routes());
         table.extend(routing::routes());
         table.extend(jobs::routes());

@@ -253,6 +253,7 @@ mod tests {
         use super::super::*;
         use crate::http::anthropic::validate::messages_request;
         use crate::http::openai::validate::{chat_request, completion_request};
+        use crate::http::responses::validate::responses_request;
 
         /// JSON text for a value of a routing field, well- or ill-typed.
         fn value() -> impl Strategy<Value = String> {
@@ -281,6 +282,7 @@ mod tests {
                 Just("max_completion_tokens"),
                 Just("stream"),
                 Just("n"),
+                Just("max_output_tokens"),
             ];
             (
                 prop::collection::vec((key, value()), 0..6),
@@ -298,7 +300,7 @@ mod tests {
                     let i = at.index(parts.len() + 1);
                     parts.insert(
                         i,
-                        r#""messages": [{"role": "user", "content": "hi"}], "prompt": "hi""#
+                        r#""messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi""#
                             .to_owned(),
                     );
                     format!("{{{}}}", parts.join(", "))
@@ -326,18 +328,23 @@ mod tests {
                         body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS).is_err()
                     );
                     let plain: Value = serde_json::from_str(&text).unwrap();
-                    let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream", "n"]
+                    let written: usize = ["model", "max_tokens", "max_completion_tokens", "stream", "n", "max_output_tokens"]
                         .iter()
                         .map(|k| text.matches(&format!("\"{k}\": ")).count())
                         .sum();
-                    prop_assert!(plain.as_object().unwrap().len() - 2 < written, "{text}");
+                    prop_assert!(plain.as_object().unwrap().len() - 3 < written, "{text}");
                     return Ok(());
                 };
                 prop_assert_eq!(&json, &serde_json::from_str::<Value>(&text).unwrap());
                 let top = body::pick_json_fields(text.as_bytes(), &validate::ROUTING_FIELDS);
                 prop_assert!(top.is_ok(), "{text}");
                 let top = top.unwrap();
-                for endpoint in [Endpoint::Chat, Endpoint::Completions, Endpoint::Messages] {
+                for endpoint in [
+                    Endpoint::Chat,
+                    Endpoint::Completions,
+                    Endpoint::Messages,
+                    Endpoint::Responses,
+                ] {
                     // What routing reads of the top level is what the whole
                     // parse gives validation.
                     prop_assert_eq!(
@@ -350,6 +357,7 @@ mod tests {
                         Endpoint::Messages => {
                             messages_request(&json, false).map(|r| r.common)
                         }
+                        Endpoint::Responses => responses_request(&json).map(|r| r.common),
                     };
                     let fields = validate::routing_fields(&json, endpoint);
                     match (fields, served) {

@@ -83,6 +83,8 @@ pub enum Endpoint {
     Completions,
     /// Anthropic's `/v1/messages` (`http/anthropic`).
     Messages,
+    /// OpenAI's `/v1/responses` (`http/responses`).
+    Responses,
 }
 
 /// What routing reads from a body (and a router policy sees): read by the
@@ -100,7 +102,7 @@ pub struct RoutingFields<'a> {
 }
 
 /// The top-level fields [`routing_fields`] reads, and nothing else.
-pub const ROUTING_FIELDS: [&str; 9] = [
+pub const ROUTING_FIELDS: [&str; 11] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -110,6 +112,9 @@ pub const ROUTING_FIELDS: [&str; 9] = [
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    // `/v1/responses`' token budget and output format.
+    "max_output_tokens",
+    "text",
 ];
 
 pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
@@ -156,14 +161,22 @@ fn features(f: &Fields, endpoint: Endpoint) -> Result<String, ApiError> {
     let tools = match endpoint {
         Endpoint::Chat => Some(super::tools::tool_use(f)?),
         Endpoint::Messages => Some(crate::http::anthropic::validate::tool_use(f)?),
+        Endpoint::Responses => Some(crate::http::responses::validate::tool_use(f)?),
         Endpoint::Completions => None,
     };
     if let Some(tools) = tools.filter(|t| !t.tools.is_empty()) {
         out.push(format!("tools={}", tools.tools.len()));
         out.push(format!("tool_choice={}", tools.choice.kind()));
     }
-    if endpoint == Endpoint::Messages {
-        return Ok(out.join(","));
+    match endpoint {
+        Endpoint::Messages => return Ok(out.join(",")),
+        Endpoint::Responses => {
+            if let Some(grammar) = crate::http::responses::validate::text_format(f)? {
+                out.push(format!("response_format={}", grammar.kind()));
+            }
+            return Ok(out.join(","));
+        }
+        Endpoint::Chat | Endpoint::Completions => {}
     }
     if let Some(grammar) = response_format(f)? {
         out.push(format!("response_format={}", grammar.kind()));
@@ -212,6 +225,7 @@ fn max_tokens(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError>
         Endpoint::Completions => max_tokens.or(Some(DEFAULT_COMPLETION_MAX_TOKENS)),
         // Required: the Messages reader says so in Anthropic's words.
         Endpoint::Messages => max_tokens,
+        Endpoint::Responses => f.positive_int("max_output_tokens")?,
     })
 }
 
@@ -395,7 +409,9 @@ fn response_format(f: &Fields) -> Result<Option<Grammar>, ApiError> {
     match text("type")?.as_str() {
         "text" => Ok(None),
         "json_object" => Ok(Some(Grammar::JsonObject)),
-        "json_schema" => json_schema(format.get("json_schema")).map(Some),
+        "json_schema" => {
+            json_schema_spec(format.get("json_schema"), "response_format.json_schema").map(Some)
+        }
         "regex" => Ok(Some(Grammar::Regex(text("regex")?))),
         "lark" => Ok(Some(Grammar::Lark(text("lark")?))),
         other => Err(invalid(
@@ -408,14 +424,15 @@ fn response_format(f: &Fields) -> Result<Option<Grammar>, ApiError> {
     }
 }
 
-/// `response_format.json_schema`: `{name, schema, strict?, description?}`.
-fn json_schema(spec: Option<&Value>) -> Result<Grammar, ApiError> {
-    const PARAM: &str = "response_format.json_schema";
+/// `response_format.json_schema` (or, flat, `/v1/responses`' `text.format`):
+/// `{name, schema, strict?, description?}`; `param` names it in errors.
+pub(crate) fn json_schema_spec(spec: Option<&Value>, param: &str) -> Result<Grammar, ApiError> {
     let spec = match spec {
-        None | Some(Value::Null) => return Err(missing(PARAM)),
+        None | Some(Value::Null) => return Err(missing(param)),
         Some(Value::Object(spec)) => spec,
-        Some(other) => return Err(wrong_type(PARAM, "object", other)),
+        Some(other) => return Err(wrong_type(param, "object", other)),
     };
+    let name_param = format!("{param}.name");
     match spec.get("name") {
         Some(Value::String(name))
             if !name.is_empty()
@@ -425,29 +442,21 @@ fn json_schema(spec: Option<&Value>) -> Result<Grammar, ApiError> {
                     .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
         Some(Value::String(_)) => {
             return Err(invalid(
-                "response_format.json_schema.name",
+                &name_param,
                 "invalid_value",
-                "Invalid 'response_format.json_schema.name': use 1 to 64 letters, digits, underscores or dashes.",
+                &format!(
+                    "Invalid '{name_param}': use 1 to 64 letters, digits, underscores or dashes."
+                ),
             ));
         }
-        None | Some(Value::Null) => return Err(missing("response_format.json_schema.name")),
-        Some(other) => {
-            return Err(wrong_type(
-                "response_format.json_schema.name",
-                "string",
-                other,
-            ));
-        }
+        None | Some(Value::Null) => return Err(missing(&name_param)),
+        Some(other) => return Err(wrong_type(&name_param, "string", other)),
     }
     if let Some(strict) = spec.get("strict")
         && !strict.is_null()
         && !strict.is_boolean()
     {
-        return Err(wrong_type(
-            "response_format.json_schema.strict",
-            "boolean",
-            strict,
-        ));
+        return Err(wrong_type(&format!("{param}.strict"), "boolean", strict));
     }
     match spec.get("schema") {
         Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
@@ -455,11 +464,7 @@ fn json_schema(spec: Option<&Value>) -> Result<Grammar, ApiError> {
         }
         // No schema: any JSON object.
         None | Some(Value::Null) => Ok(Grammar::JsonObject),
-        Some(other) => Err(wrong_type(
-            "response_format.json_schema.schema",
-            "object",
-            other,
-        )),
+        Some(other) => Err(wrong_type(&format!("{param}.schema"), "object", other)),
     }
 }
 
