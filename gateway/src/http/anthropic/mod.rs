@@ -12,12 +12,10 @@ pub mod validate;
 use http::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
 
-use crate::engine::{FinishReason, Prompt, ToolCall, Usage};
+use crate::engine::{FinishReason, ToolCall, Usage};
 use crate::http::body::{self, ReqBody};
 use crate::http::openai::validate::Endpoint;
-use crate::http::openai::{
-    HandlerResult, collect, events, generate_request, start_blocking, tools,
-};
+use crate::http::openai::{HandlerResult, collect, events, start_blocking, start_chat, tools};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Body, Ctx, Route};
 
@@ -44,31 +42,17 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         Routed::Proxied(resp) => return Ok(resp),
     };
     let m = validate::messages_request(&local.json, false)?;
-    let model = cx.state.app.models.resolve(&m.common.model)?;
-    let mut request =
-        generate_request(&cx, &local, Prompt::Text(String::new()), &m.common, &model).await?;
-    let (engine, messages, tools) = (model.engine.clone(), m.messages, m.tools);
-    let calls = tools.active();
-    let (streams, prompt_tokens) = start_blocking(
-        &cx,
-        move || {
-            let ids = engine.chat_tokens(&messages, &tools)?;
-            let prompt_tokens = ids.len();
-            request.prompt = Prompt::Tokens(ids);
-            request.grammar = engine.output_grammar(&tools, None)?;
-            Ok((engine.generate_n(request, 1)?, prompt_tokens))
-        },
-        "messages",
-    )
-    .await?;
-    let stream = streams
+    let started = start_chat(&cx, &local, &m.common, m.messages, m.tools, "messages").await?;
+    let parser = started.call_parser();
+    let (model, prompt_tokens) = (started.model, started.prompt_tokens);
+    let stream = started
+        .streams
         .into_iter()
         .next()
         .ok_or_else(|| ApiError::Internal("the engine started no generation".into()))?;
     let id = format!("msg_{}", cx.request_id);
-    let parser = calls.then(|| model.engine.call_parser());
     if m.common.stream {
-        let frames = stream::frames(
+        let frames = crate::http::openai::sse::writer_frames(
             stream::Writer::new(id, model.id, prompt_tokens, parser, m.common.stop.clone()),
             events(stream),
         );

@@ -4,13 +4,13 @@
 //! `content_block_stop`, then `message_delta` (stop reason, usage) and
 //! `message_stop`. An error mid-stream is an `error` event, and the end.
 
-use futures_util::{Stream, StreamExt};
 use serde_json::{Value, json};
 
 use super::{error_json, stop_reason, tool_use_block, usage};
 use crate::engine::tools::{CallParser, Piece};
 use crate::engine::{EngineError, GenerateEvent};
 use crate::http::ApiError;
+use crate::http::openai::sse::EventWriter;
 
 /// Turns one generation's events into Anthropic events.
 pub struct Writer {
@@ -49,7 +49,7 @@ impl Writer {
 
     /// `message_start` (prompt tokens as `input_tokens`: the cached share
     /// is known at the end, in `message_delta`) and a `ping`.
-    fn start(&self) -> String {
+    fn head(&self) -> String {
         event(
             "message_start",
             &json!({"type": "message_start", "message": {
@@ -124,9 +124,15 @@ impl Writer {
             None => String::new(),
         }
     }
+}
+
+impl EventWriter for Writer {
+    fn start(&mut self) -> String {
+        self.head()
+    }
 
     /// Events for one engine event, and whether the stream is over.
-    fn event(&mut self, e: Result<GenerateEvent, EngineError>) -> (String, bool) {
+    fn on(&mut self, e: Result<GenerateEvent, EngineError>) -> (String, bool) {
         match e {
             Ok(GenerateEvent::Delta { text, .. }) => {
                 let pieces = match &mut self.parser {
@@ -163,38 +169,4 @@ impl Writer {
 
 fn event(name: &str, data: &Value) -> String {
     format!("event: {name}\ndata: {data}\n\n")
-}
-
-/// The SSE text of a streamed message; ends after `message_stop` or an
-/// error, dropping `events` (which cancels the generation) there.
-pub fn frames<S>(writer: Writer, events: S) -> impl Stream<Item = String> + Send + 'static
-where
-    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
-{
-    let first = writer.start();
-    let state = (Some(Box::pin(events)), writer);
-    let rest = futures_util::stream::unfold(state, |(mut events, mut writer)| async move {
-        loop {
-            let stream = events.as_mut()?;
-            let (text, done) = match stream.next().await {
-                Some(e) => writer.event(e),
-                None => (
-                    event(
-                        "error",
-                        &error_json(&ApiError::Internal(
-                            "the generation ended unexpectedly; the server log has details".into(),
-                        )),
-                    ),
-                    true,
-                ),
-            };
-            if done {
-                events = None;
-            }
-            if !text.is_empty() {
-                return Some((text, (events, writer)));
-            }
-        }
-    });
-    futures_util::stream::iter([first]).chain(rest)
 }

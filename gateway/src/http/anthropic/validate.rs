@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::engine::{ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
-use crate::http::openai::tools::{MAX_TOOLS, object, string};
+use crate::http::openai::tools::{object, read_tools, string, tool_name};
 use crate::http::openai::validate::{
     Bound, Common, Endpoint, Fields, MAX_STOP, MAX_STOP_BYTES, RoutingFields, adapter, invalid,
     missing, prompt_cache, read_routing, unsupported, wrong_type,
@@ -278,39 +278,7 @@ fn stop_sequences(f: &Fields) -> Result<Vec<String>, ApiError> {
 /// search are refused) and `tool_choice` (`auto`, `any`, `tool` with a
 /// name, `none`; `disable_parallel_tool_use`).
 pub(crate) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
-    let tools: Vec<Tool> = match f.get("tools") {
-        None => Vec::new(),
-        Some(Value::Array(items)) => {
-            if items.len() > MAX_TOOLS {
-                return Err(invalid(
-                    "tools",
-                    "invalid_value",
-                    &format!("tools: at most {MAX_TOOLS} tools, got {}.", items.len()),
-                ));
-            }
-            items
-                .iter()
-                .enumerate()
-                .map(|(i, t)| tool(&format!("tools[{i}]"), t))
-                .collect::<Result<_, _>>()?
-        }
-        Some(other) => return Err(wrong_type("tools", "array", other)),
-    };
-    let mut seen = HashSet::new();
-    if let Some((i, t)) = tools
-        .iter()
-        .enumerate()
-        .find(|(_, t)| !seen.insert(t.name.as_str()))
-    {
-        return Err(invalid(
-            &format!("tools[{i}].name"),
-            "invalid_value",
-            &format!(
-                "tools: the name '{}' is used twice; give each tool its own name.",
-                t.name
-            ),
-        ));
-    }
+    let tools = read_tools(f.get("tools"), "name", tool)?;
     let (choice, parallel) = match f.get("tool_choice") {
         None => (ToolChoice::Auto, true),
         Some(v) => {
@@ -385,19 +353,7 @@ fn tool(at: &str, value: &Value) -> Result<Tool, ApiError> {
             ));
         }
     }
-    let name = string(at, obj, "name")?.ok_or_else(|| missing(&format!("{at}.name")))?;
-    if name.is_empty()
-        || name.len() > 64
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
-        return Err(invalid(
-            &format!("{at}.name"),
-            "invalid_value",
-            &format!("{at}.name: '{name}' does not match ^[a-zA-Z0-9_-]{{1,64}}$."),
-        ));
-    }
+    let name = tool_name(&format!("{at}.name"), string(at, obj, "name")?)?;
     let parameters = match obj.get("input_schema") {
         Some(schema @ Value::Object(_)) => schema.clone(),
         None | Some(Value::Null) => return Err(missing(&format!("{at}.input_schema"))),

@@ -3,13 +3,10 @@
 use http::{Request, StatusCode};
 use serde_json::Value;
 
-use super::engine::Prompt;
 use super::sse::{self, Framer, Kind};
 use super::tools::{self, CallOut};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
-use super::{
-    HandlerResult, collect_all, generate_request, merged, start_blocking, total_usage, validate,
-};
+use super::{HandlerResult, collect_all, merged, start_chat, total_usage, validate};
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -23,23 +20,18 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     };
     let json: &Value = &local.json;
     let chat = validate::chat_request(json)?;
-    let model = cx.state.app.models.resolve(&chat.common.model)?;
-    let prompt = Prompt::Text(String::new());
-    let mut request = generate_request(&cx, &local, prompt, &chat.common, &model).await?;
-    let (engine, messages, n) = (model.engine.clone(), chat.messages, chat.common.n);
-    let tools = chat.tools;
-    let calls = tools.active();
-    let streams = start_blocking(
+    let n = chat.common.n;
+    let started = start_chat(
         &cx,
-        move || {
-            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages, &tools)?);
-            request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
-            engine.generate_n(request, n)
-        },
+        &local,
+        &chat.common,
+        chat.messages,
+        chat.tools,
         "messages",
     )
     .await?;
-    let parser = || calls.then(|| model.engine.call_parser());
+    let mut parsers: Vec<_> = (0..n).map(|_| started.call_parser()).collect();
+    let (model, streams) = (started.model, started.streams);
     let engine_err = |e| ApiError::from_engine(e, "messages");
 
     let id = format!("chatcmpl-{}", cx.request_id);
@@ -49,7 +41,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         let mut framer = Framer::new(Kind::Chat, id, created, model.id, n);
         framer.include_usage = chat.common.include_usage;
         framer.logprobs = logprobs;
-        framer.call_parsers = (0..n).filter_map(|_| parser()).collect();
+        framer.call_parsers = parsers.into_iter().flatten().collect();
         return Ok(sse::response(framer, merged(streams)));
     }
     let done = collect_all(streams, logprobs).await.map_err(engine_err)?;
@@ -65,7 +57,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
                 .into_iter()
                 .enumerate()
                 .map(|(index, done)| {
-                    let (content, calls) = match parser() {
+                    let (content, calls) = match parsers[index].take() {
                         Some(parser) => tools::read_answer(parser, &done.text),
                         None => (Some(done.text), Vec::new()),
                     };

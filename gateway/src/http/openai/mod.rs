@@ -22,9 +22,10 @@ use futures_util::{Stream, StreamExt};
 use http::{Method, Response};
 
 use crate::app::LoadedModel;
+use crate::engine::tools::CallParser;
 use crate::engine::{
-    EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream, Prompt,
-    TokenOutput, Usage,
+    ChatMessage, EngineError, FinishReason, GenerateEvent, GenerateRequest, GenerationStream,
+    Prompt, TokenOutput, ToolUse, Usage,
 };
 use crate::http::adapters;
 use crate::http::routing::Local;
@@ -81,6 +82,59 @@ pub async fn generate_request(
         adapters,
         cache_scope: crate::http::prompt_caches::scope(cx, local.head.extensions.get()),
         grammar: common.grammar.clone(),
+    })
+}
+
+/// A chat generation begun (by any of the chat-shaped APIs): its model,
+/// one stream per choice, the prompt's length in tokens, and whether tool
+/// calls are to be read out of the text.
+pub struct ChatStart {
+    pub model: LoadedModel,
+    pub streams: Vec<GenerationStream>,
+    pub prompt_tokens: usize,
+    pub tools_active: bool,
+}
+
+impl ChatStart {
+    /// A reader of tool calls for one choice, when the request has tools.
+    pub fn call_parser(&self) -> Option<CallParser> {
+        self.tools_active.then(|| self.model.engine.call_parser())
+    }
+}
+
+/// Starts generating the answer to `messages` with `tools` under
+/// `common`: finds the model, picks adapters, renders the chat template
+/// (tools included), builds the grammar of tool calls and the response
+/// format, and queues `common.n` choices.
+pub async fn start_chat(
+    cx: &Ctx,
+    local: &Local,
+    common: &validate::Common,
+    messages: Vec<ChatMessage>,
+    tools: ToolUse,
+    prompt_param: &'static str,
+) -> Result<ChatStart, ApiError> {
+    let model = cx.state.app.models.resolve(&common.model)?;
+    let mut request =
+        generate_request(cx, local, Prompt::Text(String::new()), common, &model).await?;
+    let (engine, n, tools_active) = (model.engine.clone(), common.n, tools.active());
+    let (streams, prompt_tokens) = start_blocking(
+        cx,
+        move || {
+            let ids = engine.chat_tokens(&messages, &tools)?;
+            let prompt_tokens = ids.len();
+            request.prompt = Prompt::Tokens(ids);
+            request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
+            Ok((engine.generate_n(request, n)?, prompt_tokens))
+        },
+        prompt_param,
+    )
+    .await?;
+    Ok(ChatStart {
+        model,
+        streams,
+        prompt_tokens,
+        tools_active,
     })
 }
 

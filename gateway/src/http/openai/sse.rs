@@ -319,6 +319,45 @@ where
     stream_response(frames(framer, events))
 }
 
+/// One generation's events in another API's streaming grammar (Anthropic's
+/// Messages, OpenAI's Responses).
+pub trait EventWriter: Send + 'static {
+    /// What goes out before the first event.
+    fn start(&mut self) -> String;
+    /// Frames for one engine event, and whether the stream is over.
+    fn on(&mut self, event: Result<GenerateEvent, EngineError>) -> (String, bool);
+}
+
+/// The SSE text `writer` makes of one generation's `events`; ends after
+/// the writer's last frame, dropping `events` (which cancels the
+/// generation) there. A stream that stops without finishing is an error.
+pub fn writer_frames<W, S>(mut writer: W, events: S) -> impl Stream<Item = String> + Send + 'static
+where
+    W: EventWriter,
+    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
+{
+    let first = writer.start();
+    let state = (Some(Box::pin(events)), writer);
+    let rest = futures_util::stream::unfold(state, |(mut events, mut writer)| async move {
+        loop {
+            let stream = events.as_mut()?;
+            let (text, done) = match stream.next().await {
+                Some(e) => writer.on(e),
+                None => writer.on(Err(EngineError::Internal(
+                    "the generation ended without a finish reason".into(),
+                ))),
+            };
+            if done {
+                events = None;
+            }
+            if !text.is_empty() {
+                return Some((text, (events, writer)));
+            }
+        }
+    });
+    futures_util::stream::iter([first]).chain(rest)
+}
+
 /// A `text/event-stream` response writing each of `frames` as it comes.
 pub fn stream_response<S>(frames: S) -> Response<Body>
 where

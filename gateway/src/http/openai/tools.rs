@@ -20,43 +20,7 @@ pub const MAX_TOOL_NAME: usize = 64;
 /// `tools`, `tool_choice` and `parallel_tool_calls`, checked against each
 /// other: a named choice must name a listed tool.
 pub(super) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
-    let tools = match f.get("tools") {
-        None => Vec::new(),
-        Some(Value::Array(items)) => {
-            if items.len() > MAX_TOOLS {
-                return Err(invalid(
-                    "tools",
-                    "array_above_max_length",
-                    &format!(
-                        "Invalid 'tools': array too long. Expected an array with maximum length {MAX_TOOLS}, but got an array with length {} instead.",
-                        items.len()
-                    ),
-                ));
-            }
-            let tools: Vec<Tool> = items
-                .iter()
-                .enumerate()
-                .map(|(i, t)| tool(&format!("tools[{i}]"), t))
-                .collect::<Result<_, _>>()?;
-            let mut seen = HashSet::new();
-            if let Some((i, t)) = tools
-                .iter()
-                .enumerate()
-                .find(|(_, t)| !seen.insert(t.name.as_str()))
-            {
-                return Err(invalid(
-                    &format!("tools[{i}].function.name"),
-                    "invalid_value",
-                    &format!(
-                        "Invalid 'tools': the name '{}' is used twice; give each tool its own name.",
-                        t.name
-                    ),
-                ));
-            }
-            tools
-        }
-        Some(other) => return Err(wrong_type("tools", "array", other)),
-    };
+    let tools = read_tools(f.get("tools"), "function.name", tool)?;
     let choice = tool_choice(f.get("tool_choice"), &tools)?;
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
     Ok(ToolUse {
@@ -64,6 +28,52 @@ pub(super) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
         choice,
         parallel,
     })
+}
+
+/// A `tools` array of any of the APIs: at most [`MAX_TOOLS`], each read by
+/// `read` (given its param, `tools[i]`), names distinct (`name_at` is where
+/// a tool's name sits, for the error's param).
+pub(crate) fn read_tools(
+    value: Option<&Value>,
+    name_at: &str,
+    read: impl Fn(&str, &Value) -> Result<Tool, ApiError>,
+) -> Result<Vec<Tool>, ApiError> {
+    let items = match value {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(wrong_type("tools", "array", other)),
+    };
+    if items.len() > MAX_TOOLS {
+        return Err(invalid(
+            "tools",
+            "array_above_max_length",
+            &format!(
+                "Invalid 'tools': array too long. Expected an array with maximum length {MAX_TOOLS}, but got an array with length {} instead.",
+                items.len()
+            ),
+        ));
+    }
+    let tools: Vec<Tool> = items
+        .iter()
+        .enumerate()
+        .map(|(i, t)| read(&format!("tools[{i}]"), t))
+        .collect::<Result<_, _>>()?;
+    let mut seen = HashSet::new();
+    if let Some((i, t)) = tools
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !seen.insert(t.name.as_str()))
+    {
+        return Err(invalid(
+            &format!("tools[{i}].{name_at}"),
+            "invalid_value",
+            &format!(
+                "Invalid 'tools': the name '{}' is used twice; give each tool its own name.",
+                t.name
+            ),
+        ));
+    }
+    Ok(tools)
 }
 
 /// One `{"type": "function", "function": {name, description?, parameters?, strict?}}`.
@@ -81,7 +91,7 @@ fn tool(at: &str, value: &Value) -> Result<Tool, ApiError> {
     }
     let at = format!("{at}.function");
     let function = object(&at, obj.get("function").unwrap_or(&Value::Null))?;
-    let name = name(&format!("{at}.name"), string(&at, function, "name")?)?;
+    let name = tool_name(&format!("{at}.name"), string(&at, function, "name")?)?;
     let description = string(&at, function, "description")?.map(str::to_owned);
     let parameters = match function.get("parameters") {
         None | Some(Value::Null) => Value::Object(Map::new()),
@@ -101,8 +111,9 @@ fn tool(at: &str, value: &Value) -> Result<Tool, ApiError> {
     })
 }
 
-/// A function name: 1 to 64 letters, digits, `_` or `-` (OpenAI's rule).
-fn name<'a>(param: &str, name: Option<&'a str>) -> Result<&'a str, ApiError> {
+/// A function name: 1 to 64 letters, digits, `_` or `-` (OpenAI's and
+/// Anthropic's rule).
+pub(crate) fn tool_name<'a>(param: &str, name: Option<&'a str>) -> Result<&'a str, ApiError> {
     let name = name.ok_or_else(|| missing(param))?;
     if name.is_empty()
         || name.len() > MAX_TOOL_NAME
@@ -206,7 +217,7 @@ pub fn tool_calls(at: &str, message: &Map<String, Value>) -> Result<Vec<ToolCall
             let id = string(&at, obj, "id")?.ok_or_else(|| missing(&format!("{at}.id")))?;
             let fat = format!("{at}.function");
             let function = object(&fat, obj.get("function").unwrap_or(&Value::Null))?;
-            let name = name(&format!("{fat}.name"), string(&fat, function, "name")?)?;
+            let name = tool_name(&format!("{fat}.name"), string(&fat, function, "name")?)?;
             let arguments = string(&fat, function, "arguments")?.unwrap_or("{}");
             Ok(ToolCall {
                 id: id.to_owned(),

@@ -15,12 +15,10 @@ use http::{Method, Request, StatusCode};
 use serde_json::{Value, json};
 
 use crate::app::responses::StoredResponse;
-use crate::engine::{ChatMessage, FinishReason, Prompt, ToolCall, Usage};
+use crate::engine::{ChatMessage, FinishReason, ToolCall, Usage};
 use crate::http::body::{self, ReqBody};
 use crate::http::openai::validate::Endpoint;
-use crate::http::openai::{
-    HandlerResult, collect, events, generate_request, start_blocking, tools,
-};
+use crate::http::openai::{HandlerResult, collect, events, start_chat, tools};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Caller, Ctx, Route};
 use crate::util::time::unix_secs;
@@ -160,7 +158,6 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         Routed::Proxied(resp) => return Ok(resp),
     };
     let r = validate::responses_request(&local.json)?;
-    let model = cx.state.app.models.resolve(&r.common.model)?;
     let owner = tenant(local.head.extensions.get::<Caller>());
     let store = if r.store {
         let store = cx.state.app.responses().map_err(ApiError::Internal)?;
@@ -191,28 +188,18 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     }
     messages.extend(conversation.iter().cloned());
 
-    let mut request =
-        generate_request(&cx, &local, Prompt::Text(String::new()), &r.common, &model).await?;
-    let (engine, tool_use) = (model.engine.clone(), r.tools.clone());
-    let calls = tool_use.active();
-    let streams = start_blocking(
-        &cx,
-        move || {
-            request.prompt = Prompt::Tokens(engine.chat_tokens(&messages, &tool_use)?);
-            request.grammar = engine.output_grammar(&tool_use, request.grammar.as_ref())?;
-            engine.generate_n(request, 1)
-        },
-        "input",
-    )
-    .await?;
-    let stream = streams
+    let started = start_chat(&cx, &local, &r.common, messages, r.tools.clone(), "input").await?;
+    let parser = started.call_parser();
+    let model_id = started.model.id.clone();
+    let stream = started
+        .streams
         .into_iter()
         .next()
         .ok_or_else(|| ApiError::Internal("the engine started no generation".into()))?;
     let echo = Echo {
         id: format!("resp_{}", cx.request_id),
         created_at: unix_secs(),
-        model: model.id.clone(),
+        model: model_id,
         request: local.json.clone(),
         previous_response_id: r.previous_response_id.clone(),
     };
@@ -220,9 +207,9 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         store,
         conversation,
     };
-    let parser = calls.then(|| model.engine.call_parser());
     if r.common.stream {
-        let frames = stream::frames(stream::Writer::new(echo, parser, keeper), events(stream));
+        let writer = stream::Writer::new(echo, parser, keeper);
+        let frames = crate::http::openai::sse::writer_frames(writer, events(stream));
         return Ok(crate::http::openai::sse::stream_response(frames));
     }
     let done = collect(events(stream), false)

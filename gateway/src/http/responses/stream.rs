@@ -8,13 +8,13 @@
 //! `max_output_tokens` cut it) with the whole response, which is stored
 //! then. Every event carries its `sequence_number`.
 
-use futures_util::{Stream, StreamExt};
 use serde_json::{Value, json};
 
 use super::{Echo, Keeper, call_item, message_item};
 use crate::engine::tools::{CallParser, Piece};
 use crate::engine::{EngineError, FinishReason, GenerateEvent, ToolCall};
 use crate::http::ApiError;
+use crate::http::openai::sse::EventWriter;
 
 pub struct Writer {
     echo: Echo,
@@ -54,7 +54,7 @@ impl Writer {
         format!("event: {kind}\ndata: {data}\n\n")
     }
 
-    fn start(&mut self) -> String {
+    fn head(&mut self) -> String {
         let response = self.echo.response("in_progress", Vec::new(), None, None);
         self.event("response.created", json!({"response": response.clone()}))
             + &self.event("response.in_progress", json!({"response": response}))
@@ -143,6 +143,12 @@ impl Writer {
         }
         out
     }
+}
+
+impl EventWriter for Writer {
+    fn start(&mut self) -> String {
+        self.head()
+    }
 
     fn on(&mut self, e: Result<GenerateEvent, EngineError>) -> (String, bool) {
         match e {
@@ -193,32 +199,4 @@ impl Writer {
             }
         }
     }
-}
-
-/// The SSE text of a streamed response; ends after its last event,
-/// dropping `events` (which cancels the generation) there.
-pub fn frames<S>(mut writer: Writer, events: S) -> impl Stream<Item = String> + Send + 'static
-where
-    S: Stream<Item = Result<GenerateEvent, EngineError>> + Send + 'static,
-{
-    let first = writer.start();
-    let state = (Some(Box::pin(events)), writer);
-    let rest = futures_util::stream::unfold(state, |(mut events, mut writer)| async move {
-        loop {
-            let stream = events.as_mut()?;
-            let (text, done) = match stream.next().await {
-                Some(e) => writer.on(e),
-                None => writer.on(Err(EngineError::Internal(
-                    "the generation ended without a finish reason".into(),
-                ))),
-            };
-            if done {
-                events = None;
-            }
-            if !text.is_empty() {
-                return Some((text, (events, writer)));
-            }
-        }
-    });
-    futures_util::stream::iter([first]).chain(rest)
 }

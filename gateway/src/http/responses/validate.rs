@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::engine::{ChatMessage, Grammar, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
-use crate::http::openai::tools::{MAX_TOOLS, object, string};
+use crate::http::openai::tools::{object, read_tools, string, tool_name};
 use crate::http::openai::validate::{
     Bound, Common, Endpoint, Fields, RoutingFields, adapter, invalid, json_schema_spec, missing,
     prompt_cache, read_routing, unsupported, wrong_type,
@@ -253,37 +253,7 @@ pub fn check_outputs(messages: &[ChatMessage]) -> Result<(), ApiError> {
 /// strict?}`; built-in tools are refused), `tool_choice` (`none`, `auto`,
 /// `required`, `{"type": "function", "name"}`), `parallel_tool_calls`.
 pub(crate) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
-    let tools: Vec<Tool> = match f.get("tools") {
-        None => Vec::new(),
-        Some(Value::Array(items)) if items.len() > MAX_TOOLS => {
-            return Err(invalid(
-                "tools",
-                "array_above_max_length",
-                &format!(
-                    "Invalid 'tools': at most {MAX_TOOLS} tools, got {}.",
-                    items.len()
-                ),
-            ));
-        }
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, t)| tool(&format!("tools[{i}]"), t))
-            .collect::<Result<_, _>>()?,
-        Some(other) => return Err(wrong_type("tools", "array", other)),
-    };
-    let mut seen = HashSet::new();
-    if let Some((i, t)) = tools
-        .iter()
-        .enumerate()
-        .find(|(_, t)| !seen.insert(t.name.as_str()))
-    {
-        return Err(invalid(
-            &format!("tools[{i}].name"),
-            "invalid_value",
-            &format!("Invalid 'tools': the name '{}' is used twice.", t.name),
-        ));
-    }
+    let tools = read_tools(f.get("tools"), "name", tool)?;
     let choice = match f.get("tool_choice") {
         None => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
@@ -346,21 +316,7 @@ fn tool(at: &str, value: &Value) -> Result<Tool, ApiError> {
         }
         None => return Err(missing(&format!("{at}.type"))),
     }
-    let name = string(at, obj, "name")?.ok_or_else(|| missing(&format!("{at}.name")))?;
-    if name.is_empty()
-        || name.len() > 64
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
-        return Err(invalid(
-            &format!("{at}.name"),
-            "invalid_value",
-            &format!(
-                "Invalid '{at}.name': '{name}' is not a function name (1 to 64 letters, digits, '_' or '-')."
-            ),
-        ));
-    }
+    let name = tool_name(&format!("{at}.name"), string(at, obj, "name")?)?;
     let parameters = match obj.get("parameters") {
         None | Some(Value::Null) => Value::Object(Default::default()),
         Some(p @ Value::Object(_)) => p.clone(),
