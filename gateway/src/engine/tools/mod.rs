@@ -328,6 +328,20 @@ impl CallParser {
     }
 }
 
+/// `text` in pieces: read by `parser` when the request has tools, else
+/// all of it text.
+pub fn pieces(parser: Option<&mut CallParser>, text: String) -> Vec<Piece> {
+    match parser {
+        Some(parser) => parser.push(&text),
+        None => vec![Piece::Text(text)],
+    }
+}
+
+/// What `parser` still holds when the output ends (nothing without one).
+pub fn rest(parser: Option<&mut CallParser>) -> Vec<Piece> {
+    parser.map(CallParser::finish).unwrap_or_default()
+}
+
 /// The length of the longest end of `text` that begins `tag`.
 fn partial_suffix(text: &str, tag: &str) -> usize {
     (1..tag.len().min(text.len() + 1))

@@ -7,7 +7,7 @@
 use serde_json::{Value, json};
 
 use super::{error_json, stop_reason, tool_use_block, usage};
-use crate::engine::tools::{CallParser, Piece};
+use crate::engine::tools::{self, CallParser, Piece};
 use crate::engine::{EngineError, GenerateEvent};
 use crate::http::ApiError;
 use crate::http::openai::sse::EventWriter;
@@ -135,18 +135,11 @@ impl EventWriter for Writer {
     fn on(&mut self, e: Result<GenerateEvent, EngineError>) -> (String, bool) {
         match e {
             Ok(GenerateEvent::Delta { text, .. }) => {
-                let pieces = match &mut self.parser {
-                    Some(parser) => parser.push(&text),
-                    None => vec![Piece::Text(text)],
-                };
+                let pieces = tools::pieces(self.parser.as_mut(), text);
                 (self.pieces(pieces), false)
             }
             Ok(GenerateEvent::Finished { reason, usage: u }) => {
-                let rest = self
-                    .parser
-                    .as_mut()
-                    .map(CallParser::finish)
-                    .unwrap_or_default();
+                let rest = tools::rest(self.parser.as_mut());
                 let mut out = self.pieces(rest);
                 out += &self.close_text();
                 let (stop_reason, stop_sequence) = stop_reason(reason, self.calls, &self.stops);

@@ -10,10 +10,10 @@ use serde_json::Value;
 
 use crate::engine::{ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
-use crate::http::openai::tools::{object, read_tools, string, tool_name};
+use crate::http::openai::tools::{kind, object, read_tools, string, tool_name};
 use crate::http::openai::validate::{
-    Bound, Common, Endpoint, Fields, MAX_STOP, MAX_STOP_BYTES, RoutingFields, adapter, invalid,
-    missing, prompt_cache, read_routing, unsupported, wrong_type,
+    Common, Endpoint, Fields, MAX_STOP, MAX_STOP_BYTES, RoutingFields, adapter, basic_sampling,
+    invalid, missing, prompt_cache, read_routing, unsupported, wrong_type,
 };
 
 /// A validated Messages request.
@@ -39,16 +39,9 @@ pub fn messages_request(body: &Value, count_only: bool) -> Result<MessagesReques
     }
     let mut messages = system(&f)?;
     messages.extend(turns(&f)?);
-    let d = SamplingParams::default();
     let sampling = SamplingParams {
-        temperature: f
-            .number_in("temperature", Bound::Incl(0.0), Bound::Incl(1.0))?
-            .unwrap_or(d.temperature),
-        top_p: f
-            .number_in("top_p", Bound::Excl(0.0), Bound::Incl(1.0))?
-            .unwrap_or(d.top_p),
         top_k: f.int_in("top_k", 0, u32::MAX as u64)?.unwrap_or(0) as usize,
-        ..d
+        ..basic_sampling(&f, 1.0)?
     };
     if let Some(thinking) = f.get("thinking")
         && thinking.get("type").and_then(Value::as_str) != Some("disabled")
@@ -103,15 +96,14 @@ fn system(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
 /// The text of a `{"type": "text", "text": ...}` block.
 fn text_block<'a>(at: &str, block: &'a Value) -> Result<&'a str, ApiError> {
     let obj = object(at, block)?;
-    match string(at, obj, "type")? {
-        Some("text") => {}
-        Some(other) => {
+    match kind(at, obj)? {
+        "text" => {}
+        other => {
             return Err(unsupported(
                 &format!("{at}.type"),
                 &format!("Unsupported block type '{other}' here: only 'text' blocks are accepted."),
             ));
         }
-        None => return Err(missing(&format!("{at}.type"))),
     }
     string(at, obj, "text")?.ok_or_else(|| missing(&format!("{at}.text")))
 }

@@ -21,7 +21,7 @@ use super::tools::CallOut;
 use super::types::{
     ChatChunk, ChatLogprobs, ChunkChoice, CompletionLogprobs, Delta, TextChoice, TextCompletion,
 };
-use crate::engine::tools::{CallParser, Piece};
+use crate::engine::tools::{self, CallParser, Piece};
 use crate::http::{ApiError, Body, BoxError};
 
 /// Which endpoint's chunk shape to write.
@@ -136,10 +136,7 @@ impl Framer {
         match self.kind {
             Kind::Chat => {
                 let logprobs = self.logprobs.then(|| ChatLogprobs::of(tokens));
-                let pieces = match self.call_parsers.get_mut(index) {
-                    Some(parser) => parser.push(&text),
-                    None => vec![Piece::Text(text)],
-                };
+                let pieces = tools::pieces(self.call_parsers.get_mut(index), text);
                 self.chat_pieces(index, pieces, logprobs)
             }
             Kind::Completion => {

@@ -266,6 +266,11 @@ pub(crate) fn object<'a>(
     }
 }
 
+/// `obj.type` (required): which kind of block, part, item or tool it is.
+pub(crate) fn kind<'a>(at: &str, obj: &'a Map<String, Value>) -> Result<&'a str, ApiError> {
+    string(at, obj, "type")?.ok_or_else(|| missing(&format!("{at}.type")))
+}
+
 /// `obj[key]` as a string (`null` and absent are `None`).
 pub(crate) fn string<'a>(
     at: &str,

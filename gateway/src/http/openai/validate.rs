@@ -347,14 +347,8 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         Some(other) => return Err(wrong_type("stream_options", "object", other)),
     };
 
-    let d = SamplingParams::default();
+    let d = basic_sampling(f, 2.0)?;
     let sampling = SamplingParams {
-        temperature: f
-            .number_in("temperature", Bound::Incl(0.0), Bound::Incl(2.0))?
-            .unwrap_or(d.temperature),
-        top_p: f
-            .number_in("top_p", Bound::Excl(0.0), Bound::Incl(1.0))?
-            .unwrap_or(d.top_p),
         top_k: top_k(f)?,
         min_p: f
             .number_in("min_p", Bound::Incl(0.0), Bound::Incl(1.0))?
@@ -370,6 +364,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
             .number_in("repetition_penalty", Bound::Excl(0.0), Bound::None)?
             .unwrap_or(d.repetition_penalty),
         logit_bias: logit_bias(f)?,
+        ..d
     };
     Ok(Common {
         model: model.to_owned(),
@@ -384,6 +379,25 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         grammar: response_format(f)?,
         n,
         features,
+    })
+}
+
+/// `temperature` (0 to `max_temperature`: 2 for OpenAI, 1 for Anthropic)
+/// and `top_p`, the rest of the sampling settings at their defaults.
+pub(crate) fn basic_sampling(f: &Fields, max_temperature: f64) -> Result<SamplingParams, ApiError> {
+    let d = SamplingParams::default();
+    Ok(SamplingParams {
+        temperature: f
+            .number_in(
+                "temperature",
+                Bound::Incl(0.0),
+                Bound::Incl(max_temperature),
+            )?
+            .unwrap_or(d.temperature),
+        top_p: f
+            .number_in("top_p", Bound::Excl(0.0), Bound::Incl(1.0))?
+            .unwrap_or(d.top_p),
+        ..d
     })
 }
 

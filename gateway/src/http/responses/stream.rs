@@ -11,7 +11,7 @@
 use serde_json::{Value, json};
 
 use super::{Echo, Keeper, call_item, message_item};
-use crate::engine::tools::{CallParser, Piece};
+use crate::engine::tools::{self, CallParser, Piece};
 use crate::engine::{EngineError, FinishReason, GenerateEvent, ToolCall};
 use crate::http::ApiError;
 use crate::http::openai::sse::EventWriter;
@@ -153,18 +153,11 @@ impl EventWriter for Writer {
     fn on(&mut self, e: Result<GenerateEvent, EngineError>) -> (String, bool) {
         match e {
             Ok(GenerateEvent::Delta { text, .. }) => {
-                let pieces = match &mut self.parser {
-                    Some(parser) => parser.push(&text),
-                    None => vec![Piece::Text(text)],
-                };
+                let pieces = tools::pieces(self.parser.as_mut(), text);
                 (self.pieces(pieces), false)
             }
             Ok(GenerateEvent::Finished { reason, usage }) => {
-                let rest = self
-                    .parser
-                    .as_mut()
-                    .map(CallParser::finish)
-                    .unwrap_or_default();
+                let rest = tools::rest(self.parser.as_mut());
                 let mut out = self.pieces(rest);
                 // As whole: a message item unless the answer is only calls.
                 if self.calls.is_empty() {

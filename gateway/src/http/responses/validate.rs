@@ -10,10 +10,10 @@ use serde_json::Value;
 
 use crate::engine::{ChatMessage, Grammar, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
-use crate::http::openai::tools::{object, read_tools, string, tool_name};
+use crate::http::openai::tools::{kind, object, read_tools, string, tool_name};
 use crate::http::openai::validate::{
-    Bound, Common, Endpoint, Fields, RoutingFields, adapter, invalid, json_schema_spec, missing,
-    prompt_cache, read_routing, unsupported, wrong_type,
+    Common, Endpoint, Fields, RoutingFields, adapter, basic_sampling, invalid, json_schema_spec,
+    missing, prompt_cache, read_routing, unsupported, wrong_type,
 };
 
 /// A validated Responses request.
@@ -39,16 +39,9 @@ pub fn responses_request(body: &Value) -> Result<ResponsesRequest, ApiError> {
         stream,
         features,
     } = read_routing(&f, Endpoint::Responses)?;
-    let d = SamplingParams::default();
     let sampling = SamplingParams {
-        temperature: f
-            .number_in("temperature", Bound::Incl(0.0), Bound::Incl(2.0))?
-            .unwrap_or(d.temperature),
-        top_p: f
-            .number_in("top_p", Bound::Excl(0.0), Bound::Incl(1.0))?
-            .unwrap_or(d.top_p),
         seed: f.int_in("seed", 0, u64::MAX >> 1)?,
-        ..d
+        ..basic_sampling(&f, 2.0)?
     };
     for field in ["reasoning", "background", "conversation", "prompt"] {
         if f.get(field)
@@ -306,15 +299,14 @@ pub(crate) fn tool_use(f: &Fields) -> Result<ToolUse, ApiError> {
 
 fn tool(at: &str, value: &Value) -> Result<Tool, ApiError> {
     let obj = object(at, value)?;
-    match string(at, obj, "type")? {
-        Some("function") => {}
-        Some(other) => {
+    match kind(at, obj)? {
+        "function" => {}
+        other => {
             return Err(unsupported(
                 &format!("{at}.type"),
                 &format!("Tools of type '{other}' are not supported; send function tools."),
             ));
         }
-        None => return Err(missing(&format!("{at}.type"))),
     }
     let name = tool_name(&format!("{at}.name"), string(at, obj, "name")?)?;
     let parameters = match obj.get("parameters") {
