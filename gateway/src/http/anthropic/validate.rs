@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::engine::{ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
@@ -127,110 +127,130 @@ fn turns(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
     let mut out = Vec::with_capacity(items.len());
     let mut called: HashSet<String> = HashSet::new();
     for (i, item) in items.iter().enumerate() {
-        let at = format!("messages[{i}]");
-        let obj = object(&at, item)?;
-        let role = match string(&at, obj, "role")? {
-            Some(r @ ("user" | "assistant")) => r,
-            Some(other) => {
-                return Err(invalid(
-                    &format!("{at}.role"),
-                    "invalid_value",
-                    &format!("{at}.role: Input should be 'user' or 'assistant', not '{other}'."),
-                ));
-            }
-            None => return Err(missing(&format!("{at}.role"))),
-        };
-        let blocks: Vec<Value> = match obj.get("content") {
-            Some(Value::String(s)) => vec![serde_json::json!({"type": "text", "text": s})],
-            Some(Value::Array(blocks)) => blocks.clone(),
-            None | Some(Value::Null) => return Err(missing(&format!("{at}.content"))),
-            Some(other) => {
-                return Err(wrong_type(
-                    &format!("{at}.content"),
-                    "string or array",
-                    other,
-                ));
-            }
-        };
-        let mut text = Vec::new();
-        let mut calls = Vec::new();
-        for (j, block) in blocks.iter().enumerate() {
-            let bat = format!("{at}.content[{j}]");
-            let b = object(&bat, block)?;
-            match (role, string(&bat, b, "type")?) {
-                (_, Some("text")) => text.push(text_block(&bat, block)?.to_owned()),
-                ("assistant", Some("tool_use")) => {
-                    let id = string(&bat, b, "id")?.ok_or_else(|| missing(&format!("{bat}.id")))?;
-                    let name =
-                        string(&bat, b, "name")?.ok_or_else(|| missing(&format!("{bat}.name")))?;
-                    let input = match b.get("input") {
-                        Some(input @ Value::Object(_)) => input.to_string(),
-                        None | Some(Value::Null) => "{}".to_owned(),
-                        Some(other) => {
-                            return Err(wrong_type(&format!("{bat}.input"), "object", other));
-                        }
-                    };
-                    called.insert(id.to_owned());
-                    calls.push(ToolCall {
-                        id: id.to_owned(),
-                        name: name.to_owned(),
-                        arguments: input,
-                    });
-                }
-                ("user", Some("tool_result")) => {
-                    let id = string(&bat, b, "tool_use_id")?
-                        .ok_or_else(|| missing(&format!("{bat}.tool_use_id")))?;
-                    if !called.contains(id) {
-                        return Err(invalid(
-                            &format!("{bat}.tool_use_id"),
-                            "invalid_value",
-                            &format!(
-                                "{bat}.tool_use_id: no earlier assistant message has a tool_use block with id '{id}'. Each tool_result must answer a tool_use of a preceding assistant turn."
-                            ),
-                        ));
-                    }
-                    let content = match b.get("content") {
-                        None | Some(Value::Null) => String::new(),
-                        Some(Value::String(s)) => s.clone(),
-                        Some(Value::Array(parts)) => parts
-                            .iter()
-                            .enumerate()
-                            .map(|(k, p)| text_block(&format!("{bat}.content[{k}]"), p))
-                            .collect::<Result<Vec<_>, _>>()?
-                            .join("\n"),
-                        Some(other) => {
-                            return Err(wrong_type(
-                                &format!("{bat}.content"),
-                                "string or array",
-                                other,
-                            ));
-                        }
-                    };
-                    out.push(ChatMessage {
-                        tool_call_id: Some(id.to_owned()),
-                        ..ChatMessage::text("tool", &content)
-                    });
-                }
-                (_, Some(kind)) => {
-                    return Err(unsupported(
-                        &format!("{bat}.type"),
-                        &format!(
-                            "{bat}.type: '{kind}' blocks are not supported in a {role} message. This server takes 'text' blocks, 'tool_use' blocks from the assistant and 'tool_result' blocks from the user (no images, documents or thinking)."
-                        ),
-                    ));
-                }
-                (_, None) => return Err(missing(&format!("{bat}.type"))),
-            }
-        }
-        if role == "user" && text.is_empty() && out.last().is_some_and(|m| m.role == "tool") {
-            continue;
-        }
-        out.push(ChatMessage {
-            tool_calls: calls,
-            ..ChatMessage::text(role, &text.join("\n"))
-        });
+        turn(&format!("messages[{i}]"), item, &mut called, &mut out)?;
     }
     Ok(out)
+}
+
+/// One turn onto `out`: its tool results as `tool` messages, then its
+/// text (and calls); `called` collects the ids of calls made so far.
+fn turn(
+    at: &str,
+    item: &Value,
+    called: &mut HashSet<String>,
+    out: &mut Vec<ChatMessage>,
+) -> Result<(), ApiError> {
+    let obj = object(at, item)?;
+    let role = match string(at, obj, "role")? {
+        Some(r @ ("user" | "assistant")) => r,
+        Some(other) => {
+            return Err(invalid(
+                &format!("{at}.role"),
+                "invalid_value",
+                &format!("{at}.role: Input should be 'user' or 'assistant', not '{other}'."),
+            ));
+        }
+        None => return Err(missing(&format!("{at}.role"))),
+    };
+    let blocks: Vec<Value> = match obj.get("content") {
+        Some(Value::String(s)) => vec![serde_json::json!({"type": "text", "text": s})],
+        Some(Value::Array(blocks)) => blocks.clone(),
+        None | Some(Value::Null) => return Err(missing(&format!("{at}.content"))),
+        Some(other) => {
+            return Err(wrong_type(
+                &format!("{at}.content"),
+                "string or array",
+                other,
+            ));
+        }
+    };
+    let mut text = Vec::new();
+    let mut calls = Vec::new();
+    for (j, block) in blocks.iter().enumerate() {
+        let bat = format!("{at}.content[{j}]");
+        let b = object(&bat, block)?;
+        match (role, kind(&bat, b)?) {
+            (_, "text") => text.push(text_block(&bat, block)?.to_owned()),
+            ("assistant", "tool_use") => {
+                let call = tool_use_call(&bat, b)?;
+                called.insert(call.id.clone());
+                calls.push(call);
+            }
+            ("user", "tool_result") => out.push(tool_result(&bat, b, called)?),
+            (_, other) => {
+                return Err(unsupported(
+                    &format!("{bat}.type"),
+                    &format!(
+                        "{bat}.type: '{other}' blocks are not supported in a {role} message. This server takes 'text' blocks, 'tool_use' blocks from the assistant and 'tool_result' blocks from the user (no images, documents or thinking)."
+                    ),
+                ));
+            }
+        }
+    }
+    if role == "user" && text.is_empty() && out.last().is_some_and(|m| m.role == "tool") {
+        return Ok(());
+    }
+    out.push(ChatMessage {
+        tool_calls: calls,
+        ..ChatMessage::text(role, &text.join("\n"))
+    });
+    Ok(())
+}
+
+/// A `tool_use` block: `{id, name, input}`.
+fn tool_use_call(at: &str, b: &Map<String, Value>) -> Result<ToolCall, ApiError> {
+    let id = string(at, b, "id")?.ok_or_else(|| missing(&format!("{at}.id")))?;
+    let name = string(at, b, "name")?.ok_or_else(|| missing(&format!("{at}.name")))?;
+    let arguments = match b.get("input") {
+        Some(input @ Value::Object(_)) => input.to_string(),
+        None | Some(Value::Null) => "{}".to_owned(),
+        Some(other) => return Err(wrong_type(&format!("{at}.input"), "object", other)),
+    };
+    Ok(ToolCall {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        arguments,
+    })
+}
+
+/// A `tool_result` block (`{tool_use_id, content}`) as a `tool` message;
+/// it must answer a call in `called`.
+fn tool_result(
+    at: &str,
+    b: &Map<String, Value>,
+    called: &HashSet<String>,
+) -> Result<ChatMessage, ApiError> {
+    let id = string(at, b, "tool_use_id")?.ok_or_else(|| missing(&format!("{at}.tool_use_id")))?;
+    if !called.contains(id) {
+        return Err(invalid(
+            &format!("{at}.tool_use_id"),
+            "invalid_value",
+            &format!(
+                "{at}.tool_use_id: no earlier assistant message has a tool_use block with id '{id}'. Each tool_result must answer a tool_use of a preceding assistant turn."
+            ),
+        ));
+    }
+    let content = match b.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .enumerate()
+            .map(|(k, p)| text_block(&format!("{at}.content[{k}]"), p))
+            .collect::<Result<Vec<_>, _>>()?
+            .join("\n"),
+        Some(other) => {
+            return Err(wrong_type(
+                &format!("{at}.content"),
+                "string or array",
+                other,
+            ));
+        }
+    };
+    Ok(ChatMessage {
+        tool_call_id: Some(id.to_owned()),
+        ..ChatMessage::text("tool", &content)
+    })
 }
 
 /// `stop_sequences`: up to [`MAX_STOP`] strings.

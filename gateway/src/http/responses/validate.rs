@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::engine::{ChatMessage, Grammar, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
@@ -118,51 +118,9 @@ fn input(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
         let at = format!("input[{i}]");
         let obj = object(&at, item)?;
         match string(&at, obj, "type")? {
-            None | Some("message") => {
-                let role = match string(&at, obj, "role")? {
-                    Some("system" | "developer") => "system",
-                    Some(r @ ("user" | "assistant")) => r,
-                    Some(other) => {
-                        return Err(invalid(
-                            &format!("{at}.role"),
-                            "invalid_value",
-                            &format!(
-                                "Invalid value: '{other}'. Supported values are: 'user', 'assistant', 'system' and 'developer'."
-                            ),
-                        ));
-                    }
-                    None => return Err(missing(&format!("{at}.role"))),
-                };
-                let content = match obj.get("content") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .enumerate()
-                        .map(|(j, p)| part(&format!("{at}.content[{j}]"), p))
-                        .collect::<Result<Vec<_>, _>>()?
-                        .join("\n"),
-                    None | Some(Value::Null) => return Err(missing(&format!("{at}.content"))),
-                    Some(other) => {
-                        return Err(wrong_type(
-                            &format!("{at}.content"),
-                            "string or array",
-                            other,
-                        ));
-                    }
-                };
-                out.push(ChatMessage::text(role, &content));
-            }
+            None | Some("message") => out.push(message(&at, obj)?),
             Some("function_call") => {
-                let field = |key: &str| -> Result<String, ApiError> {
-                    string(&at, obj, key)?
-                        .map(str::to_owned)
-                        .ok_or_else(|| missing(&format!("{at}.{key}")))
-                };
-                let call = ToolCall {
-                    id: field("call_id")?,
-                    name: field("name")?,
-                    arguments: field("arguments")?,
-                };
+                let call = function_call(&at, obj)?;
                 match out.last_mut() {
                     Some(last) if last.role == "assistant" => last.tool_calls.push(call),
                     _ => out.push(ChatMessage {
@@ -174,19 +132,7 @@ fn input(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
             Some("function_call_output") => {
                 let id = string(&at, obj, "call_id")?
                     .ok_or_else(|| missing(&format!("{at}.call_id")))?;
-                let output = match obj.get("output") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .enumerate()
-                        .map(|(j, p)| part(&format!("{at}.output[{j}]"), p))
-                        .collect::<Result<Vec<_>, _>>()?
-                        .join("\n"),
-                    None | Some(Value::Null) => return Err(missing(&format!("{at}.output"))),
-                    Some(other) => {
-                        return Err(wrong_type(&format!("{at}.output"), "string", other));
-                    }
-                };
+                let output = texts(&format!("{at}.output"), obj.get("output"))?;
                 out.push(ChatMessage {
                     tool_call_id: Some(id.to_owned()),
                     ..ChatMessage::text("tool", &output)
@@ -205,6 +151,55 @@ fn input(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
         }
     }
     Ok(out)
+}
+
+/// A message item: `{role, content}` (a string or text parts).
+fn message(at: &str, obj: &Map<String, Value>) -> Result<ChatMessage, ApiError> {
+    let role = match string(at, obj, "role")? {
+        Some("system" | "developer") => "system",
+        Some(r @ ("user" | "assistant")) => r,
+        Some(other) => {
+            return Err(invalid(
+                &format!("{at}.role"),
+                "invalid_value",
+                &format!(
+                    "Invalid value: '{other}'. Supported values are: 'user', 'assistant', 'system' and 'developer'."
+                ),
+            ));
+        }
+        None => return Err(missing(&format!("{at}.role"))),
+    };
+    let content = texts(&format!("{at}.content"), obj.get("content"))?;
+    Ok(ChatMessage::text(role, &content))
+}
+
+/// A `function_call` item: `{call_id, name, arguments}`.
+fn function_call(at: &str, obj: &Map<String, Value>) -> Result<ToolCall, ApiError> {
+    let field = |key: &str| -> Result<String, ApiError> {
+        string(at, obj, key)?
+            .map(str::to_owned)
+            .ok_or_else(|| missing(&format!("{at}.{key}")))
+    };
+    Ok(ToolCall {
+        id: field("call_id")?,
+        name: field("name")?,
+        arguments: field("arguments")?,
+    })
+}
+
+/// A string, or text parts joined by newlines (`param` names it).
+fn texts(param: &str, value: Option<&Value>) -> Result<String, ApiError> {
+    match value {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => Ok(parts
+            .iter()
+            .enumerate()
+            .map(|(j, p)| part(&format!("{param}[{j}]"), p))
+            .collect::<Result<Vec<_>, _>>()?
+            .join("\n")),
+        None | Some(Value::Null) => Err(missing(param)),
+        Some(other) => Err(wrong_type(param, "string or array", other)),
+    }
 }
 
 /// The text of a content part (`input_text`, `output_text`, `text`).
