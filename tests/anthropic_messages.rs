@@ -32,6 +32,7 @@ fn the_anthropic_sdk_gets_messages_streams_tools_and_errors() {
 }
 
 const KEY: &str = "key-anthropic-client";
+const OTHER_KEY: &str = "key-anthropic-other";
 const ADMIN: &str = "admin-key-anthropic";
 
 /// Keys travel as `x-api-key` or `Authorization: Bearer`; a bad one is a
@@ -97,15 +98,20 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
     let up = FakeUpstream::start();
     let config = format!(
         "[[keys]]\nid = \"client\"\ntenant = \"acme\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
-         [[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\n",
+         [[keys]]\nid = \"other\"\ntenant = \"globex\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
+         [[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\napi_key = \"sk-up\"\nprotocols = [\"openai\", \"anthropic\"]\n\
+         [[upstreams]]\nname = \"oa\"\nbase_url = \"{}\"\n",
         key_hash(KEY),
+        key_hash(OTHER_KEY),
+        up.base_url(),
         up.base_url()
     );
     let s = ServerBuilder::new()
         .config(&config)
         .env("MLXGATE_ADMIN_KEY", ADMIN)
         .start();
-    let router = r#"{"tenants": {"acme": {"upstream": "up", "model": "claude-up"}}}"#;
+    let router = r#"{"tenants": {"acme": {"upstream": "up", "model": "claude-up"},
+                                  "globex": {"upstream": "oa"}}}"#;
     let auth = format!("Bearer {ADMIN}");
     let path = format!(
         "/admin/policies/tenants?kind=router&deadline_ms=200&config={}",
@@ -142,6 +148,39 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
     let mut expected = sent.clone();
     expected["model"] = json!("claude-up");
     assert_eq!(echo["body"], expected);
+    // Anthropic's way: the upstream's key as x-api-key, a version header;
+    // the client's key never leaves.
+    assert_eq!(echo["authorization"], json!(null), "{echo}");
+    let headers: Vec<&str> = echo["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap())
+        .collect();
+    assert!(
+        headers.contains(&"x-api-key") && headers.contains(&"anthropic-version"),
+        "{headers:?}"
+    );
+    // An upstream that speaks only OpenAI's APIs gets no Messages request.
+    let r = s.request(
+        "POST",
+        "/v1/messages",
+        &[
+            ("x-api-key", OTHER_KEY),
+            ("content-type", "application/json"),
+        ],
+        Some(sent.to_string().as_bytes()),
+    );
+    assert_eq!(r.status, 502, "{}", r.text());
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "api_error", "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("protocols"),
+        "{e}"
+    );
     let sent = json!({"model": "gpt-local", "input": "Hi", "max_output_tokens": 16,
                       "tools": [{"type": "function", "name": "get_weather"}]});
     let r = s.request(

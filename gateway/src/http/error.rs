@@ -192,6 +192,7 @@ pub fn upstream_status(e: &UpstreamError) -> StatusCode {
         UpstreamError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         UpstreamError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
         UpstreamError::Request { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        UpstreamError::Protocol { .. } => StatusCode::BAD_GATEWAY,
     }
 }
 
@@ -202,6 +203,7 @@ fn upstream_code(e: &UpstreamError) -> &'static str {
         UpstreamError::Timeout { .. } => "upstream_timeout",
         UpstreamError::InvalidPath { .. } => "invalid_path",
         UpstreamError::Request { .. } => "upstream_request_failed",
+        UpstreamError::Protocol { .. } => "upstream_protocol_mismatch",
     }
 }
 

@@ -204,6 +204,12 @@ pub async fn dispatch(
                     headers: &head.headers,
                     body,
                     request_id: &cx.request_id,
+                    protocol: match endpoint {
+                        Endpoint::Messages => upstream::Protocol::Anthropic,
+                        Endpoint::Chat | Endpoint::Completions | Endpoint::Responses => {
+                            upstream::Protocol::Openai
+                        }
+                    },
                 },
             )
             .await?;

@@ -20,7 +20,7 @@ use http_body_util::Full;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 
 use super::pool::{self, Lease, Pool};
-use super::{Base, DEFAULT_TIMEOUT_SECS, PROXIED_PATHS, UpstreamSpec, normalize_path};
+use super::{Base, DEFAULT_TIMEOUT_SECS, PROXIED_PATHS, Protocol, UpstreamSpec, normalize_path};
 use crate::util::BoxError;
 
 /// After a failure an upstream reports unhealthy for this long (or until a
@@ -51,6 +51,14 @@ pub enum UpstreamError {
         "cannot forward the request to upstream `{name}`; the gateway log has the details (look for this request's x-request-id)"
     )]
     Request { name: String },
+    /// The router chose an upstream that does not speak the client's API.
+    #[error(
+        "upstream `{name}` does not speak the {protocol} API of this request (its `protocols` in [[upstreams]] do not list \"{protocol}\"); route it to an upstream that does: requests are not translated between APIs"
+    )]
+    Protocol {
+        name: String,
+        protocol: &'static str,
+    },
 }
 
 /// What the router (and `GET /admin/upstreams`) sees of an upstream.
@@ -84,6 +92,9 @@ pub struct Upstream {
     name_header: Option<HeaderValue>,
     /// `Bearer <key>`, marked sensitive so it never shows in debug output.
     auth: Option<HeaderValue>,
+    /// The key alone (sensitive), for Anthropic's `x-api-key`.
+    key: Option<HeaderValue>,
+    protocols: Vec<Protocol>,
     timeout: Duration,
     pool: Arc<Pool>,
     in_flight: AtomicU32,
@@ -99,11 +110,13 @@ impl Upstream {
                 .as_ref()
                 .and_then(|v| std::env::var(v).ok())
         });
-        let auth = key.and_then(|k| {
-            let mut v = HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+        let sensitive = |text: String| {
+            let mut v = HeaderValue::from_str(&text).ok()?;
             v.set_sensitive(true);
             Some(v)
-        });
+        };
+        let auth = key.as_ref().and_then(|k| sensitive(format!("Bearer {k}")));
+        let key = key.and_then(sensitive);
         let base = Base::parse(&spec.base_url).unwrap_or_else(|_| Base {
             // Unreachable when validated; the port-0 authority fails fast.
             authority: http::uri::Authority::from_static("invalid.invalid:0"),
@@ -122,6 +135,8 @@ impl Upstream {
             name_header: HeaderValue::from_str(&spec.name).ok(),
             base,
             auth,
+            key,
+            protocols: spec.protocols.clone(),
             timeout: Duration::from_secs_f64(spec.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS)),
             pool: Arc::new(Pool::default()),
             in_flight: AtomicU32::new(0),
@@ -318,6 +333,13 @@ enum TargetError {
 /// `content-type` is always `application/json` and `host` the upstream's.
 const FORWARDED: [HeaderName; 3] = [ACCEPT, USER_AGENT, HeaderName::from_static("openai-beta")];
 
+/// Anthropic's key header, and the version and beta headers its clients
+/// send (passed on to Anthropic-protocol upstreams; `anthropic-version`
+/// defaults to 2023-06-01).
+static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+static ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
+static ANTHROPIC_BETA: HeaderName = HeaderName::from_static("anthropic-beta");
+
 /// Response headers not passed back: hop-by-hop ones, and the length, which hyper recomputes from the streamed body.
 const HOP_BY_HOP: [HeaderName; 8] = [
     CONNECTION,
@@ -345,6 +367,8 @@ pub struct Outgoing<'a> {
     pub body: Bytes,
     /// The gateway's own request id (never a client header unchecked).
     pub request_id: &'a str,
+    /// The API of the request; the upstream must speak it.
+    pub protocol: Protocol,
 }
 
 /// Forwards `out` to `upstream` and returns its answer, streamed. Fails only
@@ -354,6 +378,12 @@ pub async fn proxy(
     upstream: &Arc<Upstream>,
     out: Outgoing<'_>,
 ) -> Result<Response<ProxyBody>, UpstreamError> {
+    if !upstream.protocols.contains(&out.protocol) {
+        return Err(UpstreamError::Protocol {
+            name: upstream.name.clone(),
+            protocol: out.protocol.as_str(),
+        });
+    }
     let target = upstream.target(out.path_and_query)?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
     let request = || {
@@ -372,8 +402,25 @@ pub async fn proxy(
         if let Some(v) = &request_id {
             h.insert(X_REQUEST_ID.clone(), v.clone());
         }
-        if let Some(a) = &upstream.auth {
-            h.insert(AUTHORIZATION, a.clone());
+        match out.protocol {
+            Protocol::Openai => {
+                if let Some(a) = &upstream.auth {
+                    h.insert(AUTHORIZATION, a.clone());
+                }
+            }
+            Protocol::Anthropic => {
+                if let Some(k) = &upstream.key {
+                    h.insert(X_API_KEY.clone(), k.clone());
+                }
+                let version = out.headers.get(&ANTHROPIC_VERSION).cloned();
+                h.insert(
+                    ANTHROPIC_VERSION.clone(),
+                    version.unwrap_or(HeaderValue::from_static("2023-06-01")),
+                );
+                if let Some(beta) = out.headers.get(&ANTHROPIC_BETA) {
+                    h.insert(ANTHROPIC_BETA.clone(), beta.clone());
+                }
+            }
         }
         req
     };
@@ -672,6 +719,7 @@ mod tests {
                 headers: &headers,
                 body: Bytes::from_static(br#"{"model":"m"}"#),
                 request_id: "req-1",
+                protocol: Protocol::Openai,
             },
         )
         .await?;
@@ -715,6 +763,7 @@ mod tests {
                 headers: &headers,
                 body: Bytes::from_static(b"{}"),
                 request_id: "r",
+                protocol: Protocol::Openai,
             };
             let mut body = proxy(&up, out).await.unwrap().into_body();
             let mut got = Vec::new();
@@ -828,6 +877,7 @@ mod tests {
             headers: &headers,
             body: Bytes::from_static(b"{}"),
             request_id: "r",
+            protocol: Protocol::Openai,
         };
         let mut body = proxy(&up, out()).await.unwrap().into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();

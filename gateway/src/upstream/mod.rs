@@ -57,6 +57,36 @@ pub struct UpstreamSpec {
     /// overrides it.
     #[serde(default)]
     pub models: Vec<String>,
+    /// The APIs it speaks: `openai` (chat, completions, responses) and/or
+    /// `anthropic` (messages). A request is forwarded only to an upstream
+    /// that speaks its API, as the client sent it; there is no
+    /// translation between the two.
+    #[serde(default = "openai_only")]
+    pub protocols: Vec<Protocol>,
+}
+
+/// An API family an upstream speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// `/v1/chat/completions`, `/v1/completions`, `/v1/responses`; the key
+    /// goes as `Authorization: Bearer`.
+    Openai,
+    /// `/v1/messages`; the key goes as `x-api-key`, with `anthropic-version`.
+    Anthropic,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Openai => "openai",
+            Protocol::Anthropic => "anthropic",
+        }
+    }
+}
+
+fn openai_only() -> Vec<Protocol> {
+    vec![Protocol::Openai]
 }
 
 impl UpstreamSpec {
@@ -70,6 +100,7 @@ impl UpstreamSpec {
             api_key: None,
             timeout_secs: None,
             models: vec![],
+            protocols: openai_only(),
         }
     }
 }
@@ -110,6 +141,12 @@ pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
             return Err(format!("model `{m}` is listed by two upstreams"));
         }
         Base::parse(&s.base_url).map_err(|e| format!("upstream `{}`: {e}", s.name))?;
+        if s.protocols.is_empty() {
+            return Err(format!(
+                "upstream `{}`: `protocols` is empty; list \"openai\" and/or \"anthropic\"",
+                s.name
+            ));
+        }
         if s.api_key.is_some() && s.api_key_env.is_some() {
             return Err(format!(
                 "upstream `{}`: set api_key or api_key_env, not both",
