@@ -136,6 +136,9 @@ def bad_input(client, model):
                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_missing", "content": "x"}]}])
     rejected(400, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_tide"})
     rejected(400, extra_body={"temperature": 1.5})
+    # More text than the context holds: refused before any work.
+    err = rejected(400, messages=[{"role": "user", "content": "lighthouse " * 60000}])
+    check("context" in err["message"], f"{err}")
     err = rejected(404, model="no-such-model")
     check(err["type"] == "not_found_error", f"{err}")
 
