@@ -15,6 +15,7 @@ import sys
 
 import anthropic
 import jsonschema
+import pydantic
 
 WEATHER = {
     "name": "get_weather",
@@ -111,6 +112,20 @@ def tool_round_trip(client, model):
     check(any(b.type == "tool_use" for b in any_call.content), f"any gave {any_call.content!r}")
 
 
+class Colour(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    warm: bool
+
+
+def structured_output(client, model):
+    """`messages.parse(output_format=...)`: constrained to the schema."""
+    parsed = client.messages.parse(
+        model=model, max_tokens=80, output_format=Colour,
+        messages=[{"role": "user", "content": "Describe a colour as JSON."}],
+    )
+    check(isinstance(parsed.parsed_output, Colour), f"parsed {parsed.parsed_output!r} from {parsed.content!r}")
+
+
 def bad_input(client, model):
     def rejected(status, **args):
         try:
@@ -136,6 +151,7 @@ def bad_input(client, model):
                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_missing", "content": "x"}]}])
     rejected(400, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_tide"})
     rejected(400, extra_body={"temperature": 1.5})
+    rejected(400, output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}})
     # More text than the context holds: refused before any work.
     err = rejected(400, messages=[{"role": "user", "content": "lighthouse " * 60000}])
     check("context" in err["message"], f"{err}")
@@ -155,6 +171,8 @@ def main(base_url, model):
     print("stop_sequence: ok", flush=True)
     tool_round_trip(client, model)
     print("tool_round_trip: ok", flush=True)
+    structured_output(client, model)
+    print("structured_output: ok", flush=True)
     bad_input(client, model)
     print("bad_input: ok", flush=True)
     print("all checks passed")

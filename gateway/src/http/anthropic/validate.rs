@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use serde_json::{Map, Value};
 
-use crate::engine::{ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
+use crate::engine::{ChatMessage, Grammar, SamplingParams, Tool, ToolCall, ToolChoice, ToolUse};
 use crate::http::ApiError;
 use crate::http::openai::tools::{kind, object, read_tools, string, tool_name};
 use crate::http::openai::validate::{
@@ -67,13 +67,40 @@ pub fn messages_request(body: &Value, count_only: bool) -> Result<MessagesReques
             logprobs: None,
             prompt_cache: prompt_cache(&f)?,
             adapter: adapter(&f)?,
-            grammar: None,
+            grammar: output_format(&f)?,
             n: 1,
             features,
         },
         messages,
         tools: tool_use(&f)?,
     })
+}
+
+/// `output_config.format`: `{"type": "json_schema", "schema": {...}}`
+/// (what the SDK's `messages.parse(output_format=...)` sends), enforced by
+/// the same constrained decoding as OpenAI's `response_format`; `effort`
+/// is accepted and has no effect here.
+pub(crate) fn output_format(f: &Fields) -> Result<Option<Grammar>, ApiError> {
+    let Some(config) = f.get("output_config") else {
+        return Ok(None);
+    };
+    let config = object("output_config", config)?;
+    let Some(format) = config.get("format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let format = object("output_config.format", format)?;
+    match kind("output_config.format", format)? {
+        "json_schema" => match format.get("schema") {
+            Some(schema @ Value::Object(_)) => Ok(Some(Grammar::JsonSchema(schema.clone()))),
+            None | Some(Value::Null) => Err(missing("output_config.format.schema")),
+            Some(other) => Err(wrong_type("output_config.format.schema", "object", other)),
+        },
+        other => Err(invalid(
+            "output_config.format.type",
+            "invalid_value",
+            &format!("output_config.format.type: Input should be 'json_schema', not '{other}'."),
+        )),
+    }
 }
 
 /// `system`: a string or text blocks, as the first message.

@@ -102,7 +102,7 @@ pub struct RoutingFields<'a> {
 }
 
 /// The top-level fields [`routing_fields`] reads, and nothing else.
-pub const ROUTING_FIELDS: [&str; 11] = [
+pub const ROUTING_FIELDS: [&str; 12] = [
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -115,6 +115,8 @@ pub const ROUTING_FIELDS: [&str; 11] = [
     // `/v1/responses`' token budget and output format.
     "max_output_tokens",
     "text",
+    // `/v1/messages`' output format.
+    "output_config",
 ];
 
 pub fn routing_fields(body: &Value, endpoint: Endpoint) -> Result<RoutingFields<'_>, ApiError> {
@@ -168,18 +170,16 @@ fn features(f: &Fields, endpoint: Endpoint) -> Result<String, ApiError> {
         out.push(format!("tools={}", tools.tools.len()));
         out.push(format!("tool_choice={}", tools.choice.kind()));
     }
-    match endpoint {
-        Endpoint::Messages => return Ok(out.join(",")),
-        Endpoint::Responses => {
-            if let Some(grammar) = crate::http::responses::validate::text_format(f)? {
-                out.push(format!("response_format={}", grammar.kind()));
-            }
-            return Ok(out.join(","));
-        }
-        Endpoint::Chat | Endpoint::Completions => {}
-    }
-    if let Some(grammar) = response_format(f)? {
+    let format = match endpoint {
+        Endpoint::Messages => crate::http::anthropic::validate::output_format(f)?,
+        Endpoint::Responses => crate::http::responses::validate::text_format(f)?,
+        Endpoint::Chat | Endpoint::Completions => response_format(f)?,
+    };
+    if let Some(grammar) = format {
         out.push(format!("response_format={}", grammar.kind()));
+    }
+    if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) {
+        return Ok(out.join(","));
     }
     let n = choices(f)?;
     if n > 1 {
