@@ -151,7 +151,8 @@ def bad_input(client, model):
                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_missing", "content": "x"}]}])
     rejected(400, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_tide"})
     rejected(400, extra_body={"temperature": 1.5})
-    rejected(400, output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}})
+    err = rejected(400, output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}})
+    check("output_config.format" in err["message"], f"{err}")
     # More text than the context holds: refused before any work.
     err = rejected(400, messages=[{"role": "user", "content": "lighthouse " * 60000}])
     check("context" in err["message"], f"{err}")

@@ -114,6 +114,8 @@ def bad_input(client, model):
     rejected(400, "tools[0].type", tools=[{"type": "web_search"}])
     rejected(400, "text.format.type", text={"format": {"type": "yaml"}})
     rejected(400, "max_output_tokens", max_output_tokens=0)
+    rejected(400, "text.format", text={"format": {"type": "json_schema", "name": "x",
+                                                  "schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}})
     # More text than the context holds: refused before any work.
     rejected(400, "input", input="lighthouse " * 60000)
 

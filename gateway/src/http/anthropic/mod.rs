@@ -15,7 +15,9 @@ use serde_json::{Value, json};
 use crate::engine::{FinishReason, ToolCall, Usage};
 use crate::http::body::{self, ReqBody};
 use crate::http::openai::validate::Endpoint;
-use crate::http::openai::{HandlerResult, collect, events, start_blocking, start_chat, tools};
+use crate::http::openai::{
+    ApiParams, HandlerResult, collect, events, start_blocking, start_chat, tools,
+};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Body, Ctx, Route};
 
@@ -31,6 +33,12 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
+/// Where a Messages body keeps its prompt and output format.
+const PARAMS: ApiParams = ApiParams {
+    prompt: "messages",
+    format: "output_config.format",
+};
+
 /// Whether errors on `path` take Anthropic's shape.
 pub fn speaks(path: &str) -> bool {
     path == "/v1/messages" || path.starts_with("/v1/messages/")
@@ -42,7 +50,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         Routed::Proxied(resp) => return Ok(resp),
     };
     let m = validate::messages_request(&local.json, false)?;
-    let started = start_chat(&cx, &local, &m.common, m.messages, m.tools, "messages").await?;
+    let started = start_chat(&cx, &local, &m.common, m.messages, m.tools, PARAMS).await?;
     let parser = started.call_parser();
     let (model, prompt_tokens) = (started.model, started.prompt_tokens);
     let stream = started

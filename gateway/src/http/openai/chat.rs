@@ -6,7 +6,7 @@ use serde_json::Value;
 use super::sse::{self, Framer, Kind};
 use super::tools::{self, CallOut};
 use super::types::{AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs};
-use super::{HandlerResult, collect_all, merged, start_chat, total_usage, validate};
+use super::{ApiParams, HandlerResult, collect_all, merged, start_chat, total_usage, validate};
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -27,7 +27,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         &chat.common,
         chat.messages,
         chat.tools,
-        "messages",
+        ApiParams::CHAT,
     )
     .await?;
     let mut parsers: Vec<_> = (0..n).map(|_| started.call_parser()).collect();

@@ -85,6 +85,39 @@ pub async fn generate_request(
     })
 }
 
+/// Where an API keeps the prompt and the output format, for errors to
+/// name: OpenAI's chat (`messages`, `response_format`), Anthropic's
+/// (`messages`, `output_config.format`), Responses (`input`, `text.format`).
+#[derive(Debug, Clone, Copy)]
+pub struct ApiParams {
+    pub prompt: &'static str,
+    pub format: &'static str,
+}
+
+impl ApiParams {
+    pub const CHAT: ApiParams = ApiParams {
+        prompt: "messages",
+        format: "response_format",
+    };
+
+    /// `e` naming this API's format field where the engine's error names
+    /// `response_format`.
+    fn renamed(self, e: ApiError) -> ApiError {
+        match e {
+            ApiError::InvalidParam {
+                message,
+                param,
+                code,
+            } if param == "response_format" && self.format != param => ApiError::InvalidParam {
+                message: message.replacen("'response_format'", &format!("'{}'", self.format), 1),
+                param: self.format.to_owned(),
+                code,
+            },
+            other => other,
+        }
+    }
+}
+
 /// A chat generation begun (by any of the chat-shaped APIs): its model,
 /// one stream per choice, the prompt's length in tokens, and whether tool
 /// calls are to be read out of the text.
@@ -112,7 +145,7 @@ pub async fn start_chat(
     common: &validate::Common,
     messages: Vec<ChatMessage>,
     tools: ToolUse,
-    prompt_param: &'static str,
+    params: ApiParams,
 ) -> Result<ChatStart, ApiError> {
     let model = cx.state.app.models.resolve(&common.model)?;
     let mut request =
@@ -127,9 +160,10 @@ pub async fn start_chat(
             request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
             Ok((engine.generate_n(request, n)?, prompt_tokens))
         },
-        prompt_param,
+        params.prompt,
     )
-    .await?;
+    .await
+    .map_err(|e| params.renamed(e))?;
     Ok(ChatStart {
         model,
         streams,

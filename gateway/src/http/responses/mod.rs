@@ -18,7 +18,7 @@ use crate::app::responses::StoredResponse;
 use crate::engine::{ChatMessage, FinishReason, ToolCall, Usage};
 use crate::http::body::{self, ReqBody};
 use crate::http::openai::validate::Endpoint;
-use crate::http::openai::{HandlerResult, collect, events, start_chat, tools};
+use crate::http::openai::{ApiParams, HandlerResult, collect, events, start_chat, tools};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Caller, Ctx, Route};
 use crate::util::time::unix_secs;
@@ -36,6 +36,12 @@ pub fn routes() -> Vec<Route> {
         }),
     ]
 }
+
+/// Where a Responses body keeps its prompt and output format.
+const PARAMS: ApiParams = ApiParams {
+    prompt: "input",
+    format: "text.format",
+};
 
 /// What a response echoes of its request, and what finishing it needs.
 #[derive(Clone)]
@@ -188,7 +194,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     }
     messages.extend(conversation.iter().cloned());
 
-    let started = start_chat(&cx, &local, &r.common, messages, r.tools.clone(), "input").await?;
+    let started = start_chat(&cx, &local, &r.common, messages, r.tools.clone(), PARAMS).await?;
     let parser = started.call_parser();
     let model_id = started.model.id.clone();
     let stream = started
