@@ -33,6 +33,7 @@ fn the_anthropic_sdk_gets_messages_streams_tools_and_errors() {
 
 const KEY: &str = "key-anthropic-client";
 const OTHER_KEY: &str = "key-anthropic-other";
+const THIRD_KEY: &str = "key-anthropic-third";
 const ADMIN: &str = "admin-key-anthropic";
 
 /// Keys travel as `x-api-key` or `Authorization: Bearer`; a bad one is a
@@ -100,9 +101,13 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
         "[[keys]]\nid = \"client\"\ntenant = \"acme\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
          [[keys]]\nid = \"other\"\ntenant = \"globex\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
          [[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\napi_key = \"sk-up\"\nprotocols = [\"openai\", \"anthropic\"]\n\
-         [[upstreams]]\nname = \"oa\"\nbase_url = \"{}\"\n",
+         [[keys]]\nid = \"third\"\ntenant = \"initech\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
+         [[upstreams]]\nname = \"oa\"\nbase_url = \"{}\"\n\
+         [[upstreams]]\nname = \"an\"\nbase_url = \"{}\"\nprotocols = [\"anthropic\"]\n",
         key_hash(KEY),
         key_hash(OTHER_KEY),
+        up.base_url(),
+        key_hash(THIRD_KEY),
         up.base_url(),
         up.base_url()
     );
@@ -111,7 +116,8 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
         .env("MLXGATE_ADMIN_KEY", ADMIN)
         .start();
     let router = r#"{"tenants": {"acme": {"upstream": "up", "model": "claude-up"},
-                                  "globex": {"upstream": "oa"}}}"#;
+                                  "globex": {"upstream": "oa", "model": "echo-body"},
+                                  "initech": {"upstream": "an"}}}"#;
     let auth = format!("Bearer {ADMIN}");
     let path = format!(
         "/admin/policies/tenants?kind=router&deadline_ms=200&config={}",
@@ -161,26 +167,94 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
         headers.contains(&"x-api-key") && headers.contains(&"anthropic-version"),
         "{headers:?}"
     );
-    // An upstream that speaks only OpenAI's APIs gets no Messages request.
+    // An upstream that speaks only OpenAI's APIs gets the Messages request
+    // as a chat completion, and the client gets Anthropic's message.
+    let post_other = |body: &serde_json::Value| {
+        s.request(
+            "POST",
+            "/v1/messages",
+            &[
+                ("x-api-key", OTHER_KEY),
+                ("content-type", "application/json"),
+            ],
+            Some(body.to_string().as_bytes()),
+        )
+    };
+    let mut turn = sent.clone();
+    turn["messages"] = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}
+    ]);
+    turn["stop_sequences"] = json!(["END"]);
+    let r = post_other(&turn);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = r.json();
+    assert_eq!(m["type"], "message", "{m}");
+    assert_eq!(m["stop_reason"], "end_turn", "{m}");
+    assert_eq!(m["usage"]["input_tokens"], 7, "{m}");
+    let chat: serde_json::Value =
+        serde_json::from_str(m["content"][0]["text"].as_str().unwrap()).unwrap();
+    assert_eq!(chat["model"], "echo-body");
+    assert_eq!(chat["stop"], json!(["END"]));
+    assert_eq!(
+        chat["tools"][0]["function"]["name"], "get_weather",
+        "{chat}"
+    );
+    let roles: Vec<&str> = chat["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["system", "user", "assistant", "tool"], "{chat}");
+    assert_eq!(
+        chat["messages"][2]["tool_calls"][0]["function"]["arguments"],
+        "{\"city\":\"Paris\"}"
+    );
+    assert_eq!(chat["messages"][3]["tool_call_id"], "toolu_1");
+    // Streamed: the upstream's chunks as Anthropic's events.
+    up.release();
+    let mut streamed = sent.clone();
+    streamed["stream"] = json!(true);
+    let r = post_other(&streamed);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = r.text();
+    let kinds: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "message_start",
+            "ping",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains("\"text\":\"first\"") && text.contains("\"text\":\"last\""),
+        "{text}"
+    );
+    // An upstream that speaks only Anthropic's API gets no chat request.
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "Hi"}]});
     let r = s.request(
         "POST",
-        "/v1/messages",
+        "/v1/chat/completions",
         &[
-            ("x-api-key", OTHER_KEY),
+            ("x-api-key", THIRD_KEY),
             ("content-type", "application/json"),
         ],
-        Some(sent.to_string().as_bytes()),
+        Some(chat.to_string().as_bytes()),
     );
     assert_eq!(r.status, 502, "{}", r.text());
-    let e = r.json();
-    assert_eq!(e["error"]["type"], "api_error", "{e}");
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("protocols"),
-        "{e}"
-    );
+    assert_eq!(r.json()["error"]["code"], "upstream_protocol_mismatch");
     let sent = json!({"model": "gpt-local", "input": "Hi", "max_output_tokens": 16,
                       "tools": [{"type": "function", "name": "get_weather"}]});
     let r = s.request(

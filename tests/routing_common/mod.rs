@@ -28,7 +28,8 @@ pub const LAST_EVENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"last
 /// JSON echoing what it received (model, path, query, authorization,
 /// request id, the names of all request headers),
 /// or, with `"stream": true`, an SSE stream whose first event is sent at
-/// once and the rest only after [`FakeUpstream::release`]. Model `slow`
+/// once and the rest only after [`FakeUpstream::release`]. Model
+/// `echo-body` answers with the body it received as its text. Model `slow`
 /// answers after 10 s; model `status-429` answers 429 with an error body.
 pub struct FakeUpstream {
     pub addr: SocketAddr,
@@ -149,7 +150,11 @@ async fn answer(
             "authorization": auth,
             "x_request_id": request_id,
             "body": v,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "from upstream"}, "finish_reason": "stop"}],
+            // Model `echo-body`: the body received, as the answer's text.
+            "choices": [{"index": 0, "message": {"role": "assistant", "content":
+                if model == "echo-body" { v.to_string() } else { "from upstream".to_owned() }},
+                "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 2},
         }),
     ))
 }

@@ -186,6 +186,27 @@ pub async fn dispatch(
             head,
         })),
         Destination::Upstream { upstream, .. } => {
+            let protocol = match endpoint {
+                Endpoint::Messages => upstream::Protocol::Anthropic,
+                Endpoint::Chat | Endpoint::Completions | Endpoint::Responses => {
+                    upstream::Protocol::Openai
+                }
+            };
+            // Messages to an upstream of OpenAI's API only: translated.
+            if protocol == upstream::Protocol::Anthropic
+                && !upstream.speaks(protocol)
+                && upstream.speaks(upstream::Protocol::Openai)
+            {
+                let json = whole(rewrite)?;
+                let resp = crate::http::anthropic::translate::via_openai(
+                    &upstream,
+                    &head,
+                    &cx.request_id,
+                    json,
+                )
+                .await?;
+                return Ok(Routed::Proxied(resp));
+            }
             let body = match rewrite {
                 Some(model) => serde_json::to_vec(&whole(Some(model))?)
                     .map(Bytes::from)
@@ -204,12 +225,7 @@ pub async fn dispatch(
                     headers: &head.headers,
                     body,
                     request_id: &cx.request_id,
-                    protocol: match endpoint {
-                        Endpoint::Messages => upstream::Protocol::Anthropic,
-                        Endpoint::Chat | Endpoint::Completions | Endpoint::Responses => {
-                            upstream::Protocol::Openai
-                        }
-                    },
+                    protocol,
                 },
             )
             .await?;

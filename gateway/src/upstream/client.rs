@@ -53,7 +53,7 @@ pub enum UpstreamError {
     Request { name: String },
     /// The router chose an upstream that does not speak the client's API.
     #[error(
-        "upstream `{name}` does not speak the {protocol} API of this request (its `protocols` in [[upstreams]] do not list \"{protocol}\"); route it to an upstream that does: requests are not translated between APIs"
+        "upstream `{name}` does not speak the {protocol} API of this request (its `protocols` in [[upstreams]] do not list \"{protocol}\"); route it to an upstream that does (only Anthropic Messages requests are translated, to OpenAI chat)"
     )]
     Protocol {
         name: String,
@@ -102,6 +102,11 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// Whether it speaks `protocol` (`[[upstreams]] protocols`).
+    pub fn speaks(&self, protocol: Protocol) -> bool {
+        self.protocols.contains(&protocol)
+    }
+
     /// Builds the upstream; the spec must have passed [`validate_specs`]
     /// (an invalid one is reported as unavailable on each request).
     fn new(spec: &UpstreamSpec) -> Upstream {

@@ -58,9 +58,10 @@ pub struct UpstreamSpec {
     #[serde(default)]
     pub models: Vec<String>,
     /// The APIs it speaks: `openai` (chat, completions, responses) and/or
-    /// `anthropic` (messages). A request is forwarded only to an upstream
-    /// that speaks its API, as the client sent it; there is no
-    /// translation between the two.
+    /// `anthropic` (messages). A request goes as the client sent it to an
+    /// upstream that speaks its API; a Messages request to an OpenAI-only
+    /// upstream is translated (`http/anthropic/translate.rs`), the other
+    /// way is refused.
     #[serde(default = "openai_only")]
     pub protocols: Vec<Protocol>,
 }

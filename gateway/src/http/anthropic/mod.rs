@@ -7,6 +7,7 @@
 //! limits), use Anthropic's error shape ([`error_response`]).
 
 pub mod stream;
+pub mod translate;
 pub mod validate;
 
 use http::{Method, Request, Response, StatusCode};
