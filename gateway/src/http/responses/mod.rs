@@ -144,10 +144,19 @@ impl Keeper {
             response: response.clone(),
             conversation,
         };
-        let stored = state
-            .app
-            .responses()
-            .and_then(|s| s.put(&echo.id, &row).map_err(|e| e.to_string()));
+        // A redb commit waits for the disk: tell the runtime, so other
+        // requests move off this worker meanwhile. Stored before the answer
+        // ends, so a `previous_response_id` sent right after finds it.
+        let put = || {
+            state
+                .app
+                .responses()
+                .and_then(|s| s.put(&echo.id, &row).map_err(|e| e.to_string()))
+        };
+        let stored = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(put),
+            _ => put(),
+        };
         if let Err(e) = stored {
             tracing::error!(id = %echo.id, error = %e, "storing a response failed");
         }
