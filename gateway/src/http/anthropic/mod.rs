@@ -142,7 +142,11 @@ pub fn tool_use_block(call: ToolCall) -> Value {
 }
 
 /// Anthropic's spelling of a call id.
+/// (An id already in Anthropic's spelling stays as it is.)
 fn tool_use_id(call_id: &str) -> String {
+    if call_id.starts_with("toolu_") {
+        return call_id.to_owned();
+    }
     format!("toolu_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
 }
 

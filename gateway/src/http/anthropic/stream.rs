@@ -160,6 +160,7 @@ impl EventWriter for Writer {
     }
 }
 
-fn event(name: &str, data: &Value) -> String {
+/// One server-sent event of Anthropic's stream.
+pub(super) fn event(name: &str, data: &Value) -> String {
     format!("event: {name}\ndata: {data}\n\n")
 }

@@ -17,6 +17,8 @@ use http::{Response, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
+use super::stream::event;
+use super::tool_use_id;
 use super::validate::{MessagesRequest, messages_request};
 use crate::engine::{Grammar, ToolChoice};
 use crate::http::body;
@@ -187,14 +189,6 @@ fn usage(u: &Value) -> Value {
         "cache_read_input_tokens": u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
         "cache_creation_input_tokens": 0,
     })
-}
-
-fn tool_use_id(id: &str) -> String {
-    if id.starts_with("toolu_") {
-        id.to_owned()
-    } else {
-        format!("toolu_{}", id.trim_start_matches("call_"))
-    }
 }
 
 /// A whole chat completion as a Messages `message`.
@@ -378,10 +372,6 @@ impl ChunkWriter {
             &json!({"type": "error", "error": {"type": "api_error", "message": message}}),
         )
     }
-}
-
-fn event(name: &str, data: &Value) -> String {
-    format!("event: {name}\ndata: {data}\n\n")
 }
 
 #[cfg(test)]
