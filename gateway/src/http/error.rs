@@ -207,6 +207,26 @@ fn upstream_code(e: &UpstreamError) -> &'static str {
     }
 }
 
+/// Where an API keeps the prompt and the output format, for errors to
+/// name: OpenAI's chat (`messages`, `response_format`), completions
+/// (`prompt`, `response_format`), Anthropic's (`messages`,
+/// `output_config.format`), Responses (`input`, `text.format`).
+#[derive(Debug, Clone, Copy)]
+pub struct ApiParams {
+    pub prompt: &'static str,
+    pub format: &'static str,
+}
+
+impl From<&'static str> for ApiParams {
+    /// An OpenAI endpoint whose prompt is in `prompt`.
+    fn from(prompt: &'static str) -> ApiParams {
+        ApiParams {
+            prompt,
+            format: "response_format",
+        }
+    }
+}
+
 /// OpenAI's `type` for an error known only by its status (a router's
 /// `reject(status, ...)`, a policy failure).
 pub fn type_for_status(status: StatusCode) -> &'static str {
@@ -315,6 +335,13 @@ impl ApiError {
     /// Maps an engine failure; `prompt_param` names the request field the
     /// prompt came from (`messages` or `prompt`), for the client's benefit.
     pub fn from_engine(e: EngineError, prompt_param: &'static str) -> ApiError {
+        ApiError::from_engine_in(e, ApiParams::from(prompt_param))
+    }
+
+    /// [`ApiError::from_engine`] for an API that keeps its prompt and its
+    /// output format in the fields `params` names.
+    pub fn from_engine_in(e: EngineError, params: ApiParams) -> ApiError {
+        let prompt_param = params.prompt;
         match e {
             EngineError::ContextLengthExceeded { .. } | EngineError::PromptTooLong { .. } => {
                 ApiError::ContextLengthExceeded {
@@ -357,8 +384,8 @@ impl ApiError {
                 code: "invalid_adapter",
             },
             EngineError::Grammar(message) => ApiError::InvalidParam {
-                message: format!("Invalid 'response_format': {message}"),
-                param: "response_format".to_owned(),
+                message: format!("Invalid '{}': {message}", params.format),
+                param: params.format.to_owned(),
                 code: "invalid_value",
             },
             EngineError::ToolSchema(message) => ApiError::InvalidParam {

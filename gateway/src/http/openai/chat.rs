@@ -27,7 +27,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         &chat.common,
         chat.messages,
         chat.tools,
-        ApiParams::CHAT,
+        ApiParams::from("messages"),
     )
     .await?;
     let mut parsers: Vec<_> = (0..n).map(|_| started.call_parser()).collect();

@@ -28,6 +28,7 @@ use crate::engine::{
     Prompt, TokenOutput, ToolUse, Usage,
 };
 use crate::http::adapters;
+pub use crate::http::error::ApiParams;
 use crate::http::routing::Local;
 use crate::http::{ApiError, Body, Ctx, Route};
 
@@ -85,39 +86,6 @@ pub async fn generate_request(
     })
 }
 
-/// Where an API keeps the prompt and the output format, for errors to
-/// name: OpenAI's chat (`messages`, `response_format`), Anthropic's
-/// (`messages`, `output_config.format`), Responses (`input`, `text.format`).
-#[derive(Debug, Clone, Copy)]
-pub struct ApiParams {
-    pub prompt: &'static str,
-    pub format: &'static str,
-}
-
-impl ApiParams {
-    pub const CHAT: ApiParams = ApiParams {
-        prompt: "messages",
-        format: "response_format",
-    };
-
-    /// `e` naming this API's format field where the engine's error names
-    /// `response_format`.
-    fn renamed(self, e: ApiError) -> ApiError {
-        match e {
-            ApiError::InvalidParam {
-                message,
-                param,
-                code,
-            } if param == "response_format" && self.format != param => ApiError::InvalidParam {
-                message: message.replacen("'response_format'", &format!("'{}'", self.format), 1),
-                param: self.format.to_owned(),
-                code,
-            },
-            other => other,
-        }
-    }
-}
-
 /// A chat generation begun (by any of the chat-shaped APIs): its model,
 /// one stream per choice, the prompt's length in tokens, and whether tool
 /// calls are to be read out of the text.
@@ -160,10 +128,9 @@ pub async fn start_chat(
             request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
             Ok((engine.generate_n(request, n)?, prompt_tokens))
         },
-        params.prompt,
+        params,
     )
-    .await
-    .map_err(|e| params.renamed(e))?;
+    .await?;
     Ok(ChatStart {
         model,
         streams,
@@ -180,7 +147,7 @@ pub async fn start_chat(
 pub async fn start_blocking<F, T>(
     cx: &Ctx,
     start: F,
-    prompt_param: &'static str,
+    params: impl Into<ApiParams>,
 ) -> Result<T, ApiError>
 where
     F: FnOnce() -> Result<T, EngineError> + Send + 'static,
@@ -198,7 +165,7 @@ where
     })
     .await
     .map_err(|e| ApiError::Internal(format!("preparing the prompt failed: {e}")))?
-    .map_err(|e| ApiError::from_engine(e, prompt_param))
+    .map_err(|e| ApiError::from_engine_in(e, params.into()))
 }
 
 /// Every choice's events as one stream, each tagged with its choice's
