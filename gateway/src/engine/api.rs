@@ -41,9 +41,10 @@ pub struct Tool {
 }
 
 /// Whether and which tools the model may call (OpenAI's `tool_choice`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ToolChoice {
     /// Text or calls, as the model chooses.
+    #[default]
     Auto,
     /// Text only: the tools are left out of the prompt.
     None,
@@ -53,8 +54,8 @@ pub enum ToolChoice {
     Function(String),
 }
 
-/// The tools of a chat request and how they may be used.
-#[derive(Debug, Clone, PartialEq)]
+/// The tools of a chat request and how they may be used (`Default`: none).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ToolUse {
     pub tools: Vec<Tool>,
     pub choice: ToolChoice,

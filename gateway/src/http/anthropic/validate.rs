@@ -32,6 +32,9 @@ pub fn messages_request(body: &Value, count_only: bool) -> Result<MessagesReques
         model,
         max_tokens,
         stream,
+        tools,
+        format,
+        n: _,
         features,
     } = read_routing(&f, Endpoint::Messages)?;
     if max_tokens.is_none() && !count_only {
@@ -67,12 +70,12 @@ pub fn messages_request(body: &Value, count_only: bool) -> Result<MessagesReques
             logprobs: None,
             prompt_cache: prompt_cache(&f)?,
             adapter: adapter(&f)?,
-            grammar: output_format(&f)?,
+            grammar: format,
             n: 1,
             features,
         },
         messages,
-        tools: tool_use(&f)?,
+        tools,
     })
 }
 

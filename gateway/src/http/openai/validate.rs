@@ -91,11 +91,19 @@ pub enum Endpoint {
 /// same field readers, with the same defaults, as [`chat_request`] and
 /// [`completion_request`], so the request a policy decides on is the
 /// request served. A body these cannot read is refused before routing.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RoutingFields<'a> {
     pub model: &'a str,
     pub max_tokens: Option<usize>,
     pub stream: bool,
+    /// The endpoint's tools (none for completions), read once here for
+    /// the policy's facts and the request served alike.
+    pub tools: ToolUse,
+    /// The endpoint's output format (`response_format`, `text.format`,
+    /// `output_config.format`).
+    pub format: Option<Grammar>,
+    /// Choices (`n`; always 1 outside OpenAI's chat and completions).
+    pub n: usize,
     /// What the request asks of the model beyond text, as policies see it
     /// in the `x-mlxgate-features` header ([`features`]).
     pub features: String,
@@ -143,11 +151,31 @@ pub(crate) fn read_routing<'a>(
     f: &Fields<'a>,
     endpoint: Endpoint,
 ) -> Result<RoutingFields<'a>, ApiError> {
+    let (model, max_tokens) = (model(f)?, max_tokens(f, endpoint)?);
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let tools = match endpoint {
+        Endpoint::Chat => super::tools::tool_use(f)?,
+        Endpoint::Messages => crate::http::anthropic::validate::tool_use(f)?,
+        Endpoint::Responses => crate::http::responses::validate::tool_use(f)?,
+        Endpoint::Completions => ToolUse::default(),
+    };
+    let format = match endpoint {
+        Endpoint::Messages => crate::http::anthropic::validate::output_format(f)?,
+        Endpoint::Responses => crate::http::responses::validate::text_format(f)?,
+        Endpoint::Chat | Endpoint::Completions => response_format(f)?,
+    };
+    let n = match endpoint {
+        Endpoint::Chat | Endpoint::Completions => choices(f)?,
+        Endpoint::Messages | Endpoint::Responses => 1,
+    };
     Ok(RoutingFields {
-        model: model(f)?,
-        max_tokens: max_tokens(f, endpoint)?,
-        stream: f.bool("stream")?.unwrap_or(false),
-        features: features(f, endpoint)?,
+        model,
+        max_tokens,
+        stream,
+        features: features(&tools, format.as_ref(), n),
+        tools,
+        format,
+        n,
     })
 }
 
@@ -158,34 +186,19 @@ pub(crate) fn read_routing<'a>(
 /// function>` when tools are listed, `response_format=<json_schema|
 /// json_object|regex|lark>`, `n=<choices>` when above 1. Empty for a
 /// plain request. Read by the same readers as the request served.
-fn features(f: &Fields, endpoint: Endpoint) -> Result<String, ApiError> {
+fn features(tools: &ToolUse, format: Option<&Grammar>, n: usize) -> String {
     let mut out = Vec::new();
-    let tools = match endpoint {
-        Endpoint::Chat => Some(super::tools::tool_use(f)?),
-        Endpoint::Messages => Some(crate::http::anthropic::validate::tool_use(f)?),
-        Endpoint::Responses => Some(crate::http::responses::validate::tool_use(f)?),
-        Endpoint::Completions => None,
-    };
-    if let Some(tools) = tools.filter(|t| !t.tools.is_empty()) {
+    if !tools.tools.is_empty() {
         out.push(format!("tools={}", tools.tools.len()));
         out.push(format!("tool_choice={}", tools.choice.kind()));
     }
-    let format = match endpoint {
-        Endpoint::Messages => crate::http::anthropic::validate::output_format(f)?,
-        Endpoint::Responses => crate::http::responses::validate::text_format(f)?,
-        Endpoint::Chat | Endpoint::Completions => response_format(f)?,
-    };
     if let Some(grammar) = format {
         out.push(format!("response_format={}", grammar.kind()));
     }
-    if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) {
-        return Ok(out.join(","));
-    }
-    let n = choices(f)?;
     if n > 1 {
         out.push(format!("n={n}"));
     }
-    Ok(out.join(","))
+    out.join(",")
 }
 
 /// `n`: how many choices, 1 to [`MAX_CHOICES`].
@@ -232,7 +245,7 @@ fn max_tokens(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError>
 pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
     let f = Fields::of(body)?;
     let messages = messages(&f)?;
-    let mut common = common(&f, Endpoint::Chat)?;
+    let (mut common, tools) = common(&f, Endpoint::Chat)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
     common.logprobs = match (logprobs, top) {
@@ -246,7 +259,6 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
             ));
         }
     };
-    let tools = super::tools::tool_use(&f)?;
     super::tools::check_tool_results(&messages)?;
     Ok(ChatRequest {
         common,
@@ -258,7 +270,7 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
 pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     let f = Fields::of(body)?;
     let prompt = prompt(&f)?;
-    let mut common = common(&f, Endpoint::Completions)?;
+    let (mut common, _) = common(&f, Endpoint::Completions)?;
     common.logprobs = f
         .int_in("logprobs", 0, MAX_COMPLETION_LOGPROBS)?
         .map(|n| n as usize);
@@ -320,14 +332,17 @@ pub fn save_cache_request(body: &Value) -> Result<SaveCacheRequest, ApiError> {
     })
 }
 
-fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
+/// The fields both endpoints share, and the tools (none for completions).
+fn common(f: &Fields, endpoint: Endpoint) -> Result<(Common, ToolUse), ApiError> {
     let RoutingFields {
         model,
         max_tokens,
         stream,
+        tools,
+        format,
+        n,
         features,
     } = read_routing(f, endpoint)?;
-    let n = choices(f)?;
     let include_usage = match f.get("stream_options") {
         None => false,
         Some(_) if !stream => {
@@ -366,20 +381,23 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<Common, ApiError> {
         logit_bias: logit_bias(f)?,
         ..d
     };
-    Ok(Common {
-        model: model.to_owned(),
-        sampling,
-        max_tokens,
-        stop: stop(f)?,
-        stream,
-        include_usage,
-        logprobs: None,
-        prompt_cache: prompt_cache(f)?,
-        adapter: adapter(f)?,
-        grammar: response_format(f)?,
-        n,
-        features,
-    })
+    Ok((
+        Common {
+            model: model.to_owned(),
+            sampling,
+            max_tokens,
+            stop: stop(f)?,
+            stream,
+            include_usage,
+            logprobs: None,
+            prompt_cache: prompt_cache(f)?,
+            adapter: adapter(f)?,
+            grammar: format,
+            n,
+            features,
+        },
+        tools,
+    ))
 }
 
 /// `temperature` (0 to `max_temperature`: 2 for OpenAI, 1 for Anthropic)

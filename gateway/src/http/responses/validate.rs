@@ -37,6 +37,9 @@ pub fn responses_request(body: &Value) -> Result<ResponsesRequest, ApiError> {
         model,
         max_tokens,
         stream,
+        tools,
+        format,
+        n: _,
         features,
     } = read_routing(&f, Endpoint::Responses)?;
     let sampling = SamplingParams {
@@ -65,14 +68,14 @@ pub fn responses_request(body: &Value) -> Result<ResponsesRequest, ApiError> {
             logprobs: None,
             prompt_cache: prompt_cache(&f)?,
             adapter: adapter(&f)?,
-            grammar: text_format(&f)?,
+            grammar: format,
             n: 1,
             features,
         },
         instructions: f.string("instructions")?.map(str::to_owned),
         input: input(&f)?,
         previous_response_id,
-        tools: tool_use(&f)?,
+        tools,
         store: f.bool("store")?.unwrap_or(true),
     })
 }
