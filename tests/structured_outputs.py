@@ -16,7 +16,7 @@ PYTHONPATH=.deps/py.
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Literal, Optional
+from typing import Annotated, List, Literal, Optional
 
 import jsonschema
 import openai
@@ -128,23 +128,29 @@ def free(client, model, seed):
     check(answer.choices[0].message.content, "empty free answer")
 
 
+Short = Annotated[str, pydantic.Field(max_length=20)]
+
+
 class Pet(pydantic.BaseModel):
-    name: str = pydantic.Field(max_length=30)
+    """Every string bounded: a 135M model sampling at temperature 1 writes
+    strings of any length, and the answer must fit `max_tokens`."""
+
+    name: Short
     kind: Literal["cat", "dog", "bird"]
     age: int = pydantic.Field(ge=0, le=30)
-    toys: List[str] = pydantic.Field(max_length=3)
-    owner: Optional[str] = None
+    toys: List[Short] = pydantic.Field(max_length=3)
+    owner: Optional[Short] = None
 
 
 def sdk_helpers(client, model):
     messages = [{"role": "user", "content": "Describe a pet as JSON."}]
     parsed = client.chat.completions.parse(
-        model=model, messages=messages, response_format=Pet, max_tokens=200, seed=3
+        model=model, messages=messages, response_format=Pet, max_tokens=300, seed=3
     )
     pet = parsed.choices[0].message.parsed
     check(isinstance(pet, Pet), f"parse() gave {pet!r}")
     with client.chat.completions.stream(
-        model=model, messages=messages, response_format=Pet, max_tokens=200, seed=3
+        model=model, messages=messages, response_format=Pet, max_tokens=300, seed=3
     ) as s:
         final = s.get_final_completion()
     streamed = final.choices[0].message.parsed
@@ -156,12 +162,14 @@ def other_formats(client, model):
         answer = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": content}],
-            max_tokens=120,
+            max_tokens=300,
             temperature=0.8,
             seed=5,
             response_format=fmt,
         )
-        return answer.choices[0].message.content
+        choice = answer.choices[0]
+        check(choice.finish_reason == "stop", f"{fmt} stopped by {choice.finish_reason}: {choice.message.content!r}")
+        return choice.message.content
 
     phone = text({"type": "regex", "regex": r"\(\d{3}\) \d{3}-\d{4}"}, "A phone number?")
     check(len(phone) == 14 and phone[0] == "(", f"regex gave {phone!r}")

@@ -139,17 +139,19 @@ impl Grammars {
 }
 
 /// `schema` with mlxgate's JSON layout unless it sets its own
-/// (llguidance's `x-guidance` key): whitespace between tokens is free but
-/// at most 20 characters at a time, so a small model that prefers
-/// whitespace cannot spend its whole budget on it.
-fn json_options(schema: &Value) -> Value {
+/// (llguidance's `x-guidance` key): Python's `json.dumps` layout, `", "`
+/// and `": "` and no other whitespace. A fixed layout is what tool-call
+/// arguments and hosted structured outputs give, and it keeps a small
+/// model that prefers whitespace from spending its whole token budget on
+/// newlines between keys and leaving the JSON unfinished.
+pub(crate) fn json_options(schema: &Value) -> Value {
     let mut schema = schema.clone();
     if let Value::Object(map) = &mut schema
         && !map.contains_key("x-guidance")
     {
         map.insert(
             "x-guidance".into(),
-            json!({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,20}"}),
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
         );
     }
     schema

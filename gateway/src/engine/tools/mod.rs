@@ -25,6 +25,7 @@ pub mod llama3;
 use serde_json::{Value, json};
 
 use super::api::{ChatMessage, Grammar, Tool, ToolCall, ToolChoice, ToolUse};
+use super::constrain::json_options;
 
 /// A model family's tool-call markup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,12 +149,11 @@ fn call_schema(tools: &[&Tool], args_key: &str) -> String {
             "additionalProperties": false,
         })
     };
-    let mut schema = match tools {
+    let schema = match tools {
         [tool] => one(tool),
         _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
     };
-    schema["x-guidance"] = layout();
-    schema.to_string()
+    json_options(&schema).to_string()
 }
 
 /// A tool's parameters schema, `{"type": "object"}` when it gives none.
@@ -164,21 +164,10 @@ fn parameters(tool: &Tool) -> Value {
     }
 }
 
-/// Python's `json.dumps` layout: `", "` and `": "`, nothing else.
-fn layout() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-}
-
 /// The Lark rule `answer` of an `auto` answer given as JSON, in Python's
 /// layout unless the schema sets its own.
 fn answer_rule(schema: &Value) -> String {
-    let mut schema = schema.clone();
-    if let Value::Object(map) = &mut schema
-        && !map.contains_key("x-guidance")
-    {
-        map.insert("x-guidance".into(), layout());
-    }
-    format!("answer: %json {schema}\n")
+    format!("answer: %json {}\n", json_options(schema))
 }
 
 /// A piece of a model's output: text for `content`, or one whole call.
