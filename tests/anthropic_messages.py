@@ -120,7 +120,7 @@ class Colour(pydantic.BaseModel):
 def structured_output(client, model):
     """`messages.parse(output_format=...)`: constrained to the schema."""
     parsed = client.messages.parse(
-        model=model, max_tokens=80, output_format=Colour,
+        model=model, max_tokens=80, output_format=Colour, extra_body=GREEDY,
         messages=[{"role": "user", "content": "Describe a colour as JSON."}],
     )
     check(isinstance(parsed.parsed_output, Colour), f"parsed {parsed.parsed_output!r} from {parsed.content!r}")
