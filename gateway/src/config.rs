@@ -8,6 +8,7 @@
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -140,6 +141,11 @@ pub struct ServerConfig {
     /// inference (no keys) the cap applies per client IP address. More get
     /// 429 `concurrency_limit_exceeded` with `Retry-After`.
     pub max_concurrent_requests_per_key: u32,
+    /// PEM certificate chain the listener serves HTTPS with (with
+    /// `tls_key`); unset serves plain HTTP. `--tls-cert` overrides it.
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `tls_cert`. `--tls-key` overrides it.
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -151,6 +157,8 @@ impl Default for ServerConfig {
             request_timeout_secs: 60,
             stream_stall_timeout_secs: 30,
             max_concurrent_requests_per_key: 64,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -176,9 +184,23 @@ impl ServerConfig {
             ("request_timeout_secs", self.request_timeout_secs),
             ("stream_stall_timeout_secs", self.stream_stall_timeout_secs),
         ];
-        match positive.iter().find(|(_, v)| *v == 0) {
-            Some((name, _)) => Err(ConfigError::ZeroServerLimit(name)),
-            None => Ok(()),
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::ZeroServerLimit(name));
+        }
+        self.tls().map(drop)
+    }
+
+    /// The listener's TLS configuration, when `tls_cert` and `tls_key` are
+    /// set; an error names the file that does not load.
+    pub fn tls(&self) -> Result<Option<Arc<rustls::ServerConfig>>, ConfigError> {
+        match (&self.tls_cert, &self.tls_key) {
+            (None, None) => Ok(None),
+            (Some(cert), Some(key)) => crate::util::tls::server_config(cert, key)
+                .map(Some)
+                .map_err(ConfigError::Tls),
+            _ => Err(ConfigError::Tls(
+                "set the listener's tls_cert and tls_key (--tls-cert, --tls-key) together".into(),
+            )),
         }
     }
 }
@@ -270,6 +292,8 @@ pub struct Overrides {
     pub port: Option<u16>,
     pub model: Option<PathBuf>,
     pub data_dir: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The resolved, validated configuration the server runs with.
@@ -354,6 +378,8 @@ pub enum ConfigError {
     ZeroServerLimit(&'static str),
     #[error("[[upstreams]]: {0}")]
     Upstream(String),
+    #[error("[server] TLS: {0}")]
+    Tls(String),
     #[error(
         "refusing to serve inference without API keys on non-loopback host '{0}': anyone who can reach it could use the model. Configure [[keys]] or MLXGATE_ADMIN_KEY, bind to 127.0.0.1, or set allow_open_inference = true in the config file if this is really intended"
     )]
@@ -455,7 +481,11 @@ impl Config {
             prompt_cache: file.prompt_cache,
             adapters: file.adapters,
             metrics: file.metrics,
-            server: file.server,
+            server: ServerConfig {
+                tls_cert: o.tls_cert.or(file.server.tls_cert),
+                tls_key: o.tls_key.or(file.server.tls_key),
+                ..file.server
+            },
             responses: file.responses,
         }
     }

@@ -170,6 +170,25 @@ struct ConfigArgs {
     /// Directory for the gateway's own state (policies, jobs) [default: data].
     #[arg(long, env = "MLXGATE_DATA_DIR", value_name = "DIR")]
     data_dir: Option<PathBuf>,
+
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key), for an
+    /// edge box that terminates TLS itself [config: [server] tls_cert].
+    #[arg(
+        long,
+        env = "MLXGATE_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
+    tls_cert: Option<PathBuf>,
+
+    /// The PEM private key of --tls-cert [config: [server] tls_key].
+    #[arg(
+        long,
+        env = "MLXGATE_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    tls_key: Option<PathBuf>,
 }
 
 impl ConfigArgs {
@@ -188,6 +207,8 @@ impl ConfigArgs {
             port: self.port,
             model: self.model,
             data_dir: self.data_dir,
+            tls_cert: self.tls_cert,
+            tls_key: self.tls_key,
         };
         Ok(Config::load_unvalidated(
             self.config.as_deref(),

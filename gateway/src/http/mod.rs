@@ -55,6 +55,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, error, info, info_span, warn};
 
 pub use crate::app::{App, LoadedModel, ModelLoader, ModelRegistry, ModelState};
@@ -472,11 +473,14 @@ pub enum ServeError {
         port: u16,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Tls(#[from] crate::config::ConfigError),
 }
 
 /// Binds, starts loading the models with `load`, and serves until
 /// SIGINT/SIGTERM.
 pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> {
+    let tls = config.server.tls()?.map(TlsAcceptor::from);
     let (host, port) = (config.host.clone(), config.port);
     let bind_host = host.trim_start_matches('[').trim_end_matches(']');
     let listener = TcpListener::bind((bind_host, port))
@@ -488,7 +492,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
         })?;
     let state = AppState::new(config);
     state.app.start(load, shutdown_signal());
-    run(listener, Arc::clone(&state), shutdown_signal()).await;
+    run(listener, Arc::clone(&state), tls, shutdown_signal()).await;
     state.app.stop_jobs().await;
     Ok(())
 }
@@ -500,8 +504,15 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
 /// per-IP cap are answered 503/429 and closed at once; an idle connection,
 /// and a request head, get `keep_alive_timeout`; a connection whose client
 /// stops reading a streamed answer for `stream_stall_timeout` is dropped,
-/// which drops the answer and so cancels its generation.
-pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
+/// which drops the answer and so cancels its generation. With `tls`, each
+/// connection is served over TLS once its handshake completes (within the
+/// keep-alive timeout).
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    tls: Option<TlsAcceptor>,
+    shutdown: impl Future<Output = ()>,
+) {
     let server = state.app.config.server.clone();
     let limits = ConnLimits::new(
         connections::effective_max_connections(server.max_connections),
@@ -511,6 +522,7 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         let open = state.keys.is_empty();
         info!(
             %addr,
+            tls = tls.is_some(),
             open_inference = open,
             max_connections = limits.max(),
             max_connections_per_ip = limits.per_ip(),
@@ -533,7 +545,8 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
                         }
                     };
                     let times = (keep_alive, stall);
-                    serve_connection(&state, stream, peer, permit, &graceful, times);
+                    let conn = Accepted { stream, peer, permit };
+                    serve_connection(&state, conn, tls.as_ref(), &graceful, times);
                 }
                 Err(e) => {
                     // Usually out of file descriptors; back off instead of spinning.
@@ -556,50 +569,90 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
     }
 }
 
-/// Serves one accepted connection on its own task, holding its slot
-/// (`permit`) until it ends: `times` are the keep-alive (idle and head)
-/// timeout and the stall bound of a streamed answer.
-fn serve_connection(
-    state: &Arc<AppState>,
+/// A connection as accepted, with its slot in the connection limits.
+struct Accepted {
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     permit: connections::ConnPermit,
+}
+
+/// Serves one accepted connection on its own task, holding its slot
+/// until it ends, over TLS when `tls` is given: `times` are the keep-alive
+/// (idle, head and TLS handshake) timeout and the stall bound of a
+/// streamed answer.
+fn serve_connection(
+    state: &Arc<AppState>,
+    conn: Accepted,
+    tls: Option<&TlsAcceptor>,
     graceful: &GracefulShutdown,
     (keep_alive, stall): (Duration, Duration),
 ) {
     // Answers go out as soon as they are written, as nginx's `tcp_nodelay
     // on` does for keep-alive clients; without it a small answer can wait
     // for the client's delayed ACK.
-    if let Err(e) = stream.set_nodelay(true) {
-        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+    if let Err(e) = conn.stream.set_nodelay(true) {
+        tracing::debug!(peer = %conn.peer, error = %e, "cannot set TCP_NODELAY");
     }
+    let state = Arc::clone(state);
+    let watcher = graceful.watcher();
+    let Some(acceptor) = tls.cloned() else {
+        let Accepted {
+            stream,
+            peer,
+            permit,
+        } = conn;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let served = serve_http(state, stream, peer, watcher, (keep_alive, stall));
+            served.await;
+        });
+        return;
+    };
+    tokio::spawn(async move {
+        let Accepted {
+            stream,
+            peer,
+            permit,
+        } = conn;
+        let _permit = permit;
+        match tokio::time::timeout(keep_alive, acceptor.accept(stream)).await {
+            Ok(Ok(stream)) => serve_http(state, stream, peer, watcher, (keep_alive, stall)).await,
+            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+        }
+    });
+}
+
+/// Serves HTTP/1.1 on one connection's byte stream until it closes.
+async fn serve_http<S>(
+    state: Arc<AppState>,
+    stream: S,
+    peer: SocketAddr,
+    watcher: hyper_util::server::graceful::Watcher,
+    (keep_alive, stall): (Duration, Duration),
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let shared = Arc::new(ConnectionState::default());
     let watch = Arc::clone(&shared.watch);
-    let service = {
-        let state = Arc::clone(state);
-        service_fn(move |req| handle(Arc::clone(&state), req, peer, Arc::clone(&shared)))
-    };
+    let service = service_fn(move |req| handle(Arc::clone(&state), req, peer, Arc::clone(&shared)));
     // hyper's header timer also runs while a kept-alive connection waits
     // for its next request: it is the idle timeout too.
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(keep_alive)
         .serve_connection(TokioIo::new(stream), service);
-    let conn = graceful.watch(conn);
-    tokio::spawn(async move {
-        let _permit = permit;
-        match inflight::until_stalled(conn, &watch, stall).await {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-            None => warn!(
-                %peer,
-                stall_secs = stall.as_secs(),
-                "client stopped reading a streamed answer; cancelled it and closed the connection"
-            ),
+    match inflight::until_stalled(watcher.watch(conn), &watch, stall).await {
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            tracing::debug!(%peer, error = %e, "connection ended with an error");
         }
-    });
+        None => warn!(
+            %peer,
+            stall_secs = stall.as_secs(),
+            "client stopped reading a streamed answer; cancelled it and closed the connection"
+        ),
+    }
 }
 
 /// Completes on the first SIGINT or SIGTERM.

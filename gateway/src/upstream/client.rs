@@ -19,7 +19,7 @@ use http::{Method, Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 
-use super::pool::{self, Lease, Pool};
+use super::pool::{Dialer, Lease, Pool};
 use super::{Base, DEFAULT_TIMEOUT_SECS, PROXIED_PATHS, Protocol, UpstreamSpec, normalize_path};
 use crate::util::BoxError;
 
@@ -82,8 +82,8 @@ pub struct Upstream {
     /// Models routed here statically (see [`UpstreamSpec::models`]).
     models: Vec<String>,
     base: Base,
-    /// `host:port` connected to.
-    connect_to: String,
+    /// Where and how connections are made.
+    dialer: Dialer,
     /// The `host` header sent.
     host: HeaderValue,
     /// Upstream targets of [`PROXIED_PATHS`], in that order.
@@ -124,13 +124,14 @@ impl Upstream {
         let key = key.and_then(sensitive);
         let base = Base::parse(&spec.base_url).unwrap_or_else(|_| Base {
             // Unreachable when validated; the port-0 authority fails fast.
+            tls: false,
             authority: http::uri::Authority::from_static("invalid.invalid:0"),
             prefix: String::new(),
         });
         Upstream {
             name: spec.name.clone(),
             models: spec.models.clone(),
-            connect_to: base.socket_authority(),
+            dialer: dialer(spec, &base),
             host: HeaderValue::from_str(base.authority.as_str())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid.invalid")),
             targets: PROXIED_PATHS
@@ -269,6 +270,49 @@ impl Upstream {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .last_error = Some((what, Instant::now()));
+    }
+}
+
+/// How to reach `base`: over TLS for `https://`, verifying the certificate
+/// against the host name. A TLS setup that fails here (its files changed
+/// since the config was checked) leaves an upstream every request reports
+/// unavailable, with the cause logged.
+fn dialer(spec: &UpstreamSpec, base: &Base) -> Dialer {
+    let authority = base.socket_authority();
+    let scheme = if base.tls { "https" } else { "http" };
+    let origin = Uri::try_from(format!("{scheme}://{}", base.authority))
+        .unwrap_or_else(|_| Uri::from_static("https://invalid.invalid"));
+    if !base.tls {
+        return Dialer {
+            authority,
+            tls: None,
+            origin,
+        };
+    }
+    let host = base
+        .authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let tls = crate::util::tls::client_config(&spec.client_tls()).and_then(|config| {
+        let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| format!("`{host}` is not a host name TLS can verify: {e}"))?;
+        Ok((tokio_rustls::TlsConnector::from(config), name))
+    });
+    match tls {
+        Ok(tls) => Dialer {
+            authority,
+            tls: Some(tls),
+            origin,
+        },
+        Err(e) => {
+            tracing::error!(upstream = %spec.name, error = %e, "cannot set up TLS; the upstream is unavailable");
+            Dialer {
+                authority: "invalid.invalid:0".into(),
+                tls: None,
+                origin,
+            }
+        }
     }
 }
 
@@ -488,11 +532,13 @@ async fn exchange(
 }
 
 async fn connect(upstream: &Upstream) -> Result<Lease, Failure> {
-    pool::connect(&upstream.connect_to)
+    upstream
+        .pool
+        .connect(&upstream.dialer)
         .await
         .map_err(|e| Failure {
-            reason: "cannot connect",
-            detail: format!("cannot connect to {}: {e}", upstream.connect_to),
+            reason: e.reason,
+            detail: e.detail,
         })
 }
 
@@ -892,5 +938,75 @@ mod tests {
         assert_eq!((up.idle_connections(), up.status().in_flight), (0, 0));
         let _ = proxy(&up, out()).await.unwrap();
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    // ---------------------------------------------------------------- TLS
+
+    /// An HTTPS upstream speaking only HTTP/2 (ALPN `h2`), answering each
+    /// request with its HTTP version; returns its base URL, the CA that
+    /// signed its certificate and the number of connections accepted.
+    async fn h2_upstream(dir: &std::path::Path) -> (String, std::path::PathBuf, Arc<AtomicUsize>) {
+        let (ca, cert, key) = crate::util::tls::test_pki(dir);
+        let mut config = (*crate::util::tls::server_config(&cert, &key).unwrap()).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let tls = acceptor.accept(tcp).await.unwrap();
+                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let answer = format!("{:?} {}", req.version(), req.uri().path());
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(
+                            answer,
+                        ))))
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+                });
+            }
+        });
+        (format!("https://localhost:{port}/v1"), ca, accepted)
+    }
+
+    #[tokio::test]
+    async fn an_https_upstream_that_offers_http2_gets_one_shared_http2_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, ca, accepted) = h2_upstream(dir.path()).await;
+        let mut s = spec("h2", &url);
+        s.ca_file = Some(ca);
+        let up = Arc::new(Upstream::new(&s));
+        for _ in 0..3 {
+            let (status, body) = call(&up).await.unwrap();
+            assert_eq!(
+                (status, &body[..]),
+                (StatusCode::OK, &b"HTTP/2.0 /v1/chat/completions"[..])
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(up.status().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn an_untrusted_certificate_is_a_502_naming_tls() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _, _) = h2_upstream(dir.path()).await;
+        let other = tempfile::tempdir().unwrap();
+        let (wrong_ca, _, _) = crate::util::tls::test_pki(other.path());
+        let mut s = spec("h2", &url);
+        s.ca_file = Some(wrong_ca);
+        let up = Arc::new(Upstream::new(&s));
+        let e = call(&up).await.unwrap_err();
+        assert!(e.to_string().contains("TLS handshake failed"), "{e}");
+        let last = up.status().last_error.unwrap();
+        assert!(last.contains("invalid peer certificate"), "{last}");
     }
 }

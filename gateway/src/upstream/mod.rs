@@ -29,9 +29,12 @@ mod pool;
 pub use client::{Outgoing, ProxyBody, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy};
 
 use std::fmt;
+use std::path::PathBuf;
 
 use http::Uri;
 use serde::Deserialize;
+
+use crate::util::tls::{ClientTls, client_config};
 
 /// Default for `timeout_secs`: connect plus first byte of the answer. A
 /// non-streamed completion sends its first byte only when it is done.
@@ -43,9 +46,17 @@ pub const DEFAULT_TIMEOUT_SECS: f64 = 60.0;
 pub struct UpstreamSpec {
     /// What router policies call it.
     pub name: String,
-    /// `http://host:port/v1`: a request for `/v1/chat/completions` goes to
-    /// `{base_url}/chat/completions`.
+    /// `http://host:port/v1` or `https://host/v1`: a request for
+    /// `/v1/chat/completions` goes to `{base_url}/chat/completions`.
     pub base_url: String,
+    /// `https://` only: a PEM bundle of the CAs to trust instead of the
+    /// built-in Mozilla roots (a private CA).
+    pub ca_file: Option<PathBuf>,
+    /// `https://` only: a PEM certificate chain presented to an upstream
+    /// that asks for one (mutual TLS), with `client_key`.
+    pub client_cert: Option<PathBuf>,
+    /// The PEM private key of `client_cert`.
+    pub client_key: Option<PathBuf>,
     /// Environment variable holding the upstream's API key (preferred).
     pub api_key_env: Option<String>,
     /// The API key itself, for keys that are not secret (local servers).
@@ -97,6 +108,9 @@ impl UpstreamSpec {
         UpstreamSpec {
             name: name.into(),
             base_url: base_url.into(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
             api_key_env: None,
             api_key: None,
             timeout_secs: None,
@@ -106,11 +120,40 @@ impl UpstreamSpec {
     }
 }
 
+impl UpstreamSpec {
+    /// What the TLS client trusts and presents (`https://` base URLs).
+    pub(crate) fn client_tls(&self) -> ClientTls<'_> {
+        ClientTls {
+            ca_file: self.ca_file.as_deref(),
+            client_cert: self.client_cert.as_deref().zip(self.client_key.as_deref()),
+        }
+    }
+
+    /// Checks the TLS settings: only with `https://`, a certificate with
+    /// its key, files that load.
+    fn check_tls(&self, base: &Base) -> Result<(), String> {
+        if self.client_cert.is_some() != self.client_key.is_some() {
+            return Err("set client_cert and client_key together".into());
+        }
+        let tls_set = self.ca_file.is_some() || self.client_cert.is_some();
+        if !base.tls {
+            return if tls_set {
+                Err("ca_file, client_cert and client_key need an https:// base_url".into())
+            } else {
+                Ok(())
+            };
+        }
+        client_config(&self.client_tls()).map(drop)
+    }
+}
+
 impl fmt::Debug for UpstreamSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UpstreamSpec")
             .field("name", &self.name)
             .field("base_url", &self.base_url)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
             .field("api_key_env", &self.api_key_env)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("timeout_secs", &self.timeout_secs)
@@ -119,8 +162,9 @@ impl fmt::Debug for UpstreamSpec {
     }
 }
 
-/// Checks `[[upstreams]]`: unique plain names, `http://` base URLs, at most
-/// one key source and its environment variable set, a sane timeout.
+/// Checks `[[upstreams]]`: unique plain names, `http://` or `https://` base
+/// URLs (with TLS files that load), at most one key source and its
+/// environment variable set, a sane timeout. Each error names its entry.
 pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
     let mut seen = std::collections::HashSet::new();
     let mut models = std::collections::HashSet::new();
@@ -141,7 +185,9 @@ pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
         if let Some(m) = s.models.iter().find(|m| !models.insert(m.as_str())) {
             return Err(format!("model `{m}` is listed by two upstreams"));
         }
-        Base::parse(&s.base_url).map_err(|e| format!("upstream `{}`: {e}", s.name))?;
+        let base = Base::parse(&s.base_url).map_err(|e| format!("upstream `{}`: {e}", s.name))?;
+        s.check_tls(&base)
+            .map_err(|e| format!("upstream `{}`: {e}", s.name))?;
         if s.protocols.is_empty() {
             return Err(format!(
                 "upstream `{}`: `protocols` is empty; list \"openai\" and/or \"anthropic\"",
@@ -176,6 +222,8 @@ pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
 /// Scheme, authority and path prefix of a base URL.
 #[derive(Debug, Clone)]
 pub(crate) struct Base {
+    /// `https://`.
+    pub(crate) tls: bool,
     pub(crate) authority: http::uri::Authority,
     /// Without a trailing `/`; may be empty.
     pub(crate) prefix: String,
@@ -186,15 +234,15 @@ impl Base {
         let uri: Uri = url
             .parse()
             .map_err(|e| format!("invalid base_url `{url}`: {e}"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => {
                 return Err(format!(
-                    "base_url `{url}`: https is not supported (no TLS client is built in); put a local TLS proxy in front"
+                    "base_url `{url}` must start with http:// or https://"
                 ));
             }
-            _ => return Err(format!("base_url `{url}` must start with http://")),
-        }
+        };
         let authority = uri
             .authority()
             .cloned()
@@ -204,7 +252,11 @@ impl Base {
         }
         let prefix = normalize_path(uri.path())
             .map_err(|why| format!("base_url `{url}`: its path is not plain: {why}"))?;
-        Ok(Base { authority, prefix })
+        Ok(Base {
+            tls,
+            authority,
+            prefix,
+        })
     }
 
     /// The upstream request target (origin form, as sent on the wire) for a
@@ -224,9 +276,11 @@ impl Base {
         Uri::try_from(target).map_err(|e| format!("cannot build the upstream URL: {e}"))
     }
 
-    /// `host:port` to connect to (port 80 when the URL names none).
+    /// `host:port` to connect to (port 80, or 443 for https, when the URL
+    /// names none).
     pub(crate) fn socket_authority(&self) -> String {
-        let port = self.authority.port_u16().unwrap_or(80);
+        let default = if self.tls { 443 } else { 80 };
+        let port = self.authority.port_u16().unwrap_or(default);
         format!("{}:{port}", self.authority.host())
     }
 }
@@ -298,7 +352,9 @@ mod tests {
                 .socket_authority(),
             "example.com:80"
         );
-        assert!(Base::parse("https://api.openai.com/v1").is_err());
+        let b = Base::parse("https://api.openai.com/v1").unwrap();
+        assert!(b.tls);
+        assert_eq!(b.socket_authority(), "api.openai.com:443");
         assert!(Base::parse("ftp://x/v1").is_err());
         assert!(Base::parse("not a url").is_err());
     }
@@ -344,6 +400,26 @@ mod tests {
         let mut s = spec("a", "http://x/v1");
         s.timeout_secs = Some(0.0);
         assert!(validate_specs(&[s]).is_err());
+    }
+
+    #[test]
+    fn tls_settings_are_checked_and_name_the_entry() {
+        assert!(validate_specs(&[spec("hosted", "https://api.example.com/v1")]).is_ok());
+        let mut s = spec("plain", "http://x/v1");
+        s.ca_file = Some("ca.pem".into());
+        let e = validate_specs(&[s]).unwrap_err();
+        assert!(e.contains("`plain`") && e.contains("https://"), "{e}");
+        let mut s = spec("private", "https://x/v1");
+        s.ca_file = Some("/no/such/ca.pem".into());
+        let e = validate_specs(&[s]).unwrap_err();
+        assert!(
+            e.contains("`private`") && e.contains("/no/such/ca.pem"),
+            "{e}"
+        );
+        let mut s = spec("mtls", "https://x/v1");
+        s.client_cert = Some("c.pem".into());
+        let e = validate_specs(&[s]).unwrap_err();
+        assert!(e.contains("`mtls`") && e.contains("client_key"), "{e}");
     }
 
     #[test]

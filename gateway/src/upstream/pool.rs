@@ -1,5 +1,6 @@
-//! Keep-alive HTTP/1 connections to one upstream, driven on the request's
-//! own task.
+//! Connections to one upstream: keep-alive HTTP/1 connections driven on
+//! the request's own task, or one shared HTTP/2 connection when a TLS
+//! upstream chooses HTTP/2 by ALPN; plain TCP or TLS (rustls) underneath.
 //!
 //! Each connection is a hyper `client::conn::http1` pair (`SendRequest`,
 //! `Connection`). Nobody polls an idle connection: it waits in the pool
@@ -16,8 +17,13 @@
 //! for longer than [`IDLE_TIMEOUT`]. If a reused connection still fails
 //! before any of the answer arrived (the upstream closed it as we sent),
 //! the request is sent once more on a new connection.
+//!
+//! HTTP/2 multiplexes every exchange on one connection, so no single
+//! request can drive it: it runs on a task of its own, and a lease is a
+//! handle on it. It is replaced when the upstream closes it.
 
 use std::future::{Future, poll_fn};
+use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -25,12 +31,16 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 
 /// Idle connections kept per upstream; more are closed when they come back.
 pub(super) const MAX_IDLE: usize = 128;
@@ -39,56 +49,90 @@ pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the sweeper looks at idle connections.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
-type Conn = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
+type Conn = http1::Connection<TokioIo<Stream>, Full<Bytes>>;
 
-/// One connection, owned by whoever holds it: the pool or one exchange.
+/// How one exchange talks to the upstream.
+enum Link {
+    /// An HTTP/1.1 connection this lease owns and drives.
+    H1 {
+        sender: http1::SendRequest<Full<Bytes>>,
+        conn: Pin<Box<Conn>>,
+        /// The connection future completed (closed or failed): never reused.
+        done: bool,
+    },
+    /// A handle on the upstream's shared HTTP/2 connection, which its own
+    /// task drives (it multiplexes every exchange at once). HTTP/2 wants
+    /// the absolute URI: `origin` is its scheme and authority.
+    H2 {
+        sender: http2::SendRequest<Full<Bytes>>,
+        origin: Uri,
+    },
+}
+
+/// One connection (or one stream of a shared HTTP/2 one), owned by
+/// whoever holds it: the pool or one exchange.
 pub(super) struct Lease {
-    sender: http1::SendRequest<Full<Bytes>>,
-    conn: Pin<Box<Conn>>,
-    /// The connection future completed (closed or failed): never reused.
-    done: bool,
+    link: Link,
     /// Taken from the pool rather than made for this request.
     pub(super) reused: bool,
     idle_since: Instant,
 }
 
 impl Lease {
-    /// Drives the connection: writes the request, reads the answer into the
-    /// response body's channel, notices EOF. Call before and after polling
-    /// the response future or body.
+    /// Drives an HTTP/1 connection: writes the request, reads the answer
+    /// into the response body's channel, notices EOF. Call before and
+    /// after polling the response future or body.
     pub(super) fn poll_conn(&mut self, cx: &mut Context<'_>) {
-        if !self.done && self.conn.as_mut().poll(cx).is_ready() {
-            self.done = true;
+        if let Link::H1 { conn, done, .. } = &mut self.link
+            && !*done
+            && conn.as_mut().poll(cx).is_ready()
+        {
+            *done = true;
         }
     }
 
     /// Whether the connection can take another request right now.
     fn reusable(&mut self, cx: &mut Context<'_>) -> bool {
         self.poll_conn(cx);
-        !self.done && !self.sender.is_closed() && self.sender.is_ready()
+        match &self.link {
+            Link::H1 { sender, done, .. } => !*done && !sender.is_closed() && sender.is_ready(),
+            Link::H2 { sender, .. } => !sender.is_closed(),
+        }
     }
 
-    /// Sends `req` and waits for the answer's head, driving the connection
-    /// on this task meanwhile.
+    /// Sends `req` and waits for the answer's head, driving an HTTP/1
+    /// connection on this task meanwhile.
     pub(super) async fn send(
         &mut self,
-        req: Request<Full<Bytes>>,
+        mut req: Request<Full<Bytes>>,
     ) -> Result<Response<Incoming>, hyper::Error> {
-        let Lease {
-            sender, conn, done, ..
-        } = self;
-        let mut answer = std::pin::pin!(sender.send_request(req));
-        poll_fn(|cx| {
-            // The answer first: the connection may have delivered it already.
-            if let Poll::Ready(r) = answer.as_mut().poll(cx) {
-                return Poll::Ready(r);
+        match &mut self.link {
+            Link::H1 { sender, conn, done } => {
+                let mut answer = std::pin::pin!(sender.send_request(req));
+                poll_fn(|cx| {
+                    // The answer first: the connection may have delivered it already.
+                    if let Poll::Ready(r) = answer.as_mut().poll(cx) {
+                        return Poll::Ready(r);
+                    }
+                    if !*done && conn.as_mut().poll(cx).is_ready() {
+                        *done = true;
+                    }
+                    answer.as_mut().poll(cx)
+                })
+                .await
             }
-            if !*done && conn.as_mut().poll(cx).is_ready() {
-                *done = true;
+            Link::H2 { sender, origin } => {
+                let mut uri = origin.clone().into_parts();
+                uri.path_and_query = req.uri().path_and_query().cloned();
+                if let Ok(absolute) = Uri::from_parts(uri) {
+                    *req.uri_mut() = absolute;
+                }
+                // `host` is HTTP/1's; HTTP/2 carries it as `:authority`.
+                req.headers_mut().remove(http::header::HOST);
+                sender.ready().await?;
+                sender.send_request(req).await
             }
-            answer.as_mut().poll(cx)
-        })
-        .await
+        }
     }
 }
 
@@ -96,12 +140,31 @@ impl Lease {
 #[derive(Default)]
 pub(super) struct Pool {
     idle: Mutex<Vec<Lease>>,
+    /// The HTTP/2 connection, when the upstream chose HTTP/2: every
+    /// exchange shares it.
+    shared: Mutex<Option<(http2::SendRequest<Full<Bytes>>, Uri)>>,
     sweeping: AtomicBool,
 }
 
 impl Pool {
-    /// The most recently used idle connection that is still open, if any.
+    /// A stream on the shared HTTP/2 connection, or else the most recently
+    /// used idle HTTP/1 connection that is still open, if any.
     pub(super) fn checkout(&self) -> Option<Lease> {
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((sender, origin)) = shared.as_ref() {
+            if !sender.is_closed() {
+                return Some(Lease {
+                    link: Link::H2 {
+                        sender: sender.clone(),
+                        origin: origin.clone(),
+                    },
+                    reused: true,
+                    idle_since: Instant::now(),
+                });
+            }
+            *shared = None;
+        }
+        drop(shared);
         let mut cx = Context::from_waker(Waker::noop());
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(mut lease) = idle.pop() {
@@ -117,7 +180,8 @@ impl Pool {
     /// it cannot take another request). Starts the sweeper on first use.
     pub(super) fn checkin(self: &Arc<Self>, mut lease: Lease) {
         let mut cx = Context::from_waker(Waker::noop());
-        if !lease.reusable(&mut cx) {
+        if matches!(lease.link, Link::H2 { .. }) || !lease.reusable(&mut cx) {
+            // An HTTP/2 stream is done; its connection stays shared.
             return;
         }
         lease.idle_since = Instant::now();
@@ -163,19 +227,149 @@ async fn sweeper(pool: Weak<Pool>) {
     }
 }
 
-/// Opens a new connection to `authority` (`host:port`).
-pub(super) async fn connect(authority: &str) -> Result<Lease, std::io::Error> {
-    let stream = TcpStream::connect(authority).await?;
-    // Small request/response exchanges: don't wait for Nagle.
-    stream.set_nodelay(true)?;
-    let (sender, conn) = http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(std::io::Error::other)?;
-    Ok(Lease {
-        sender,
-        conn: Box::pin(conn),
-        done: false,
-        reused: false,
-        idle_since: Instant::now(),
-    })
+/// How to reach an upstream: its `host:port`, and for `https://` the TLS
+/// client and the name its certificate must carry.
+pub(super) struct Dialer {
+    pub(super) authority: String,
+    pub(super) tls: Option<(TlsConnector, ServerName<'static>)>,
+    /// `https://host:port`, the origin of HTTP/2 requests.
+    pub(super) origin: Uri,
+}
+
+/// Why no connection could be made: a fixed phrase for the client, the
+/// cause (which may name the address) for the log.
+pub(super) struct ConnectError {
+    pub(super) reason: &'static str,
+    pub(super) detail: String,
+}
+
+impl Pool {
+    /// Opens a new connection; over TLS, HTTP/2 when the upstream chooses
+    /// it by ALPN (that connection then becomes the shared one and is
+    /// driven by its own task), HTTP/1.1 otherwise.
+    pub(super) async fn connect(&self, dialer: &Dialer) -> Result<Lease, ConnectError> {
+        let failed = |reason, e: &dyn std::fmt::Display| ConnectError {
+            reason,
+            detail: format!("{reason} ({}): {e}", dialer.authority),
+        };
+        let tcp = TcpStream::connect(&dialer.authority)
+            .await
+            .map_err(|e| failed("cannot connect", &e))?;
+        // Small request/response exchanges: don't wait for Nagle.
+        tcp.set_nodelay(true)
+            .map_err(|e| failed("cannot connect", &e))?;
+        let stream = match &dialer.tls {
+            None => Stream::Plain(tcp),
+            Some((connector, name)) => {
+                let tls = connector
+                    .connect(name.clone(), tcp)
+                    .await
+                    .map_err(|e| failed("TLS handshake failed", &e))?;
+                Stream::Tls(Box::new(tls))
+            }
+        };
+        let link = if stream.negotiated_h2() {
+            let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .map_err(|e| failed("the HTTP/2 handshake failed", &e))?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "upstream HTTP/2 connection ended");
+                }
+            });
+            *self.shared.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((sender.clone(), dialer.origin.clone()));
+            Link::H2 {
+                sender,
+                origin: dialer.origin.clone(),
+            }
+        } else {
+            let (sender, conn) = http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| failed("cannot connect", &e))?;
+            Link::H1 {
+                sender,
+                conn: Box::pin(conn),
+                done: false,
+            }
+        };
+        Ok(Lease {
+            link,
+            reused: false,
+            idle_since: Instant::now(),
+        })
+    }
+}
+
+/// A connection's byte stream: plain TCP or TLS over it.
+pub(super) enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    fn negotiated_h2(&self) -> bool {
+        match self {
+            Stream::Plain(_) => false,
+            Stream::Tls(tls) => tls.get_ref().1.alpn_protocol() == Some(b"h2"),
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
 }

@@ -3,6 +3,7 @@
 
 pub mod json;
 pub mod time;
+pub mod tls;
 
 /// The error type of boxed bodies and loaders: any error, sendable.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
