@@ -105,7 +105,11 @@ pub mod types {
         pub api_key_id: Option<&'a str>,
         /// Tenant of that key, when the key belongs to one (never empty).
         pub tenant: Option<&'a str>,
-        /// Prompt length in tokens (0 when not counted yet).
+        /// Prompt length in tokens: for a model served by the gateway,
+        /// exact (its chat template and tokenizer, the count its prefill
+        /// uses); for any other model an estimate, the body's bytes / 4.
+        /// Counted only for routers that may read it (no `decision_inputs`,
+        /// or ones naming `PROMPT_TOKENS`); 0 for the others.
         pub prompt_tokens: u32,
         /// `max_tokens` from the request, when given.
         pub max_tokens: Option<u32>,

@@ -72,6 +72,12 @@ impl App {
         }
     }
 
+    /// Whether the bound router (if any) may read the prompt's length in
+    /// tokens, so the request must count it before routing.
+    pub async fn router_reads_prompt_tokens(&self) -> bool {
+        matches!(self.policy_host().await, Ok(Some(h)) if h.router_reads_prompt_tokens())
+    }
+
     /// Decides where a request for `model` goes. No router bound: the
     /// default route; the facts and backend states are only gathered when a
     /// router is bound.

@@ -275,6 +275,7 @@ pub async fn for_request(
     local: &Local,
     common: &Common,
     model: &LoadedModel,
+    prompt_tokens: usize,
 ) -> Result<Vec<String>, ApiError> {
     if let Some(ids) = &common.adapter {
         return Ok(ids.clone());
@@ -302,7 +303,7 @@ pub async fn for_request(
             &local.head.headers,
             local.head.extensions.get::<Caller>(),
             &model.id,
-            0,
+            u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
             common
                 .max_tokens
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),

@@ -27,6 +27,7 @@ pub mod anthropic;
 pub mod auth;
 pub mod body;
 pub mod connections;
+pub mod counting;
 pub mod error;
 mod handlers;
 pub mod inflight;

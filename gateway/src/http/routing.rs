@@ -21,6 +21,7 @@ use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
 use serde_json::Value;
 
 use super::body::{self, Body, BodyLimit, ReqBody};
+use super::counting::{self, Counted};
 use super::openai::validate::{self, Endpoint, RoutingFields};
 use super::{ApiError, Caller, Ctx, Route};
 use crate::app::Destination;
@@ -111,6 +112,9 @@ pub enum Routed {
 pub struct Local {
     pub json: Value,
     pub head: http::request::Parts,
+    /// The prompt's token ids, when routing counted them (see
+    /// [`counting`](super::counting)).
+    pub counted: Option<Counted>,
 }
 
 /// Sets `model` in a JSON object body (anything else is left alone).
@@ -120,10 +124,12 @@ fn set_model(json: &mut Value, model: String) {
     }
 }
 
-/// The facts a router sees for a request whose body reads as `fields`.
+/// The facts a router sees for a request whose body reads as `fields`
+/// and whose prompt is `prompt_tokens` long.
 pub fn routing_facts<'a>(
     head: &'a http::request::Parts,
     fields: &'a RoutingFields<'a>,
+    prompt_tokens: u32,
 ) -> RequestFacts<'a> {
     request_facts(
         &head.method,
@@ -131,7 +137,7 @@ pub fn routing_facts<'a>(
         &head.headers,
         head.extensions.get::<Caller>(),
         fields.model,
-        0,
+        prompt_tokens,
         fields
             .max_tokens
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
@@ -161,10 +167,17 @@ pub async fn dispatch(
     let bytes = body::read_body(body, limit).await?;
     let picked = body::pick_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
     let fields = validate::picked_routing_fields(&picked, endpoint)?;
+    let (prompt_tokens, counted) = if cx.state.app.router_reads_prompt_tokens().await {
+        counting::prompt_tokens(cx, endpoint, &bytes, &head, fields.model).await
+    } else {
+        (0, None)
+    };
     let destination = cx
         .state
         .app
-        .route(fields.model, || routing_facts(&head, &fields))
+        .route(fields.model, || {
+            routing_facts(&head, &fields, prompt_tokens)
+        })
         .await?;
     let rewrite = match &destination {
         Destination::Local { model } => (model != fields.model).then(|| model.clone()),
@@ -184,6 +197,7 @@ pub async fn dispatch(
         Destination::Local { .. } => Ok(Routed::Local(Local {
             json: whole(rewrite)?,
             head,
+            counted,
         })),
         Destination::Upstream { upstream, .. } => {
             let protocol = match endpoint {

@@ -137,6 +137,12 @@ impl DecisionTable {
         })
     }
 
+    /// Whether decisions depend on the prompt's length in tokens (which
+    /// costs a tokenization to know).
+    pub(crate) fn reads_prompt_tokens(&self) -> bool {
+        self.inputs.contains(FactSet::PROMPT_TOKENS)
+    }
+
     /// The facts of `facts` that decisions depend on, encoded without
     /// ambiguity (strings length-prefixed; a missing key id or tenant reads
     /// as "", as guests see it).

@@ -8,6 +8,7 @@ use super::types::{CompletionLogprobs, TextChoice, TextCompletion};
 use super::{
     HandlerResult, collect_all, generate_request, merged, start_blocking, total_usage, validate,
 };
+use crate::engine::Prompt;
 use crate::http::body::{self, ReqBody};
 use crate::http::routing::{self, Routed};
 use crate::http::{ApiError, Ctx};
@@ -22,9 +23,18 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let json: &Value = &local.json;
     let completion = validate::completion_request(json)?;
     let model = cx.state.app.models.resolve(&completion.common.model)?;
-    let prompt = completion.prompt.clone();
-    let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let engine = model.engine.clone();
+    // Tokens first: the adapter selector sees the prompt's length. Routing
+    // may have counted them already with this model.
+    let ids = match local.counted_for(&model.id) {
+        Some(ids) => ids,
+        None => {
+            let (engine, prompt) = (engine.clone(), completion.prompt.clone());
+            start_blocking(&cx, move || engine.prompt_tokens(prompt), "prompt").await?
+        }
+    };
+    let prompt = Prompt::Tokens(ids);
+    let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let n = completion.common.n;
     let streams = start_blocking(&cx, move || engine.generate_n(request, n), "prompt").await?;
     let engine_err = |e| ApiError::from_engine(e, "prompt");

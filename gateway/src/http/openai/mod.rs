@@ -48,7 +48,8 @@ pub fn routes() -> Vec<Route> {
 
 /// The engine request for a validated body: checks what needs the model
 /// (token ids in `logit_bias` within the vocabulary) and picks the request's
-/// adapters (body, header or adapter-selector policy).
+/// adapters (body, header or adapter-selector policy, which sees the
+/// prompt's length when `prompt` is already tokenized).
 pub async fn generate_request(
     cx: &Ctx,
     local: &Local,
@@ -72,7 +73,11 @@ pub async fn generate_request(
             code: "invalid_value",
         });
     }
-    let adapters = adapters::for_request(cx, local, common, model).await?;
+    let prompt_tokens = match &prompt {
+        Prompt::Tokens(ids) => ids.len(),
+        Prompt::Text(_) => 0,
+    };
+    let adapters = adapters::for_request(cx, local, common, model, prompt_tokens).await?;
     Ok(GenerateRequest {
         prompt,
         sampling: common.sampling.clone(),
@@ -116,17 +121,25 @@ pub async fn start_chat(
     params: ApiParams,
 ) -> Result<ChatStart, ApiError> {
     let model = cx.state.app.models.resolve(&common.model)?;
-    let mut request =
-        generate_request(cx, local, Prompt::Text(String::new()), common, &model).await?;
-    let (engine, n, tools_active) = (model.engine.clone(), common.n, tools.active());
-    let (streams, prompt_tokens) = start_blocking(
+    let engine = model.engine.clone();
+    // Tokens first: the adapter selector sees the prompt's length. Routing
+    // may have counted them already with this model.
+    let (ids, tools) = match local.counted_for(&model.id) {
+        Some(ids) => (ids, tools),
+        None => {
+            let engine = engine.clone();
+            let tokenize = move || Ok((engine.chat_tokens(&messages, &tools)?, tools));
+            start_blocking(cx, tokenize, params).await?
+        }
+    };
+    let prompt_tokens = ids.len();
+    let mut request = generate_request(cx, local, Prompt::Tokens(ids), common, &model).await?;
+    let (n, tools_active) = (common.n, tools.active());
+    let streams = start_blocking(
         cx,
         move || {
-            let ids = engine.chat_tokens(&messages, &tools)?;
-            let prompt_tokens = ids.len();
-            request.prompt = Prompt::Tokens(ids);
             request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
-            Ok((engine.generate_n(request, n)?, prompt_tokens))
+            engine.generate_n(request, n)
         },
         params,
     )

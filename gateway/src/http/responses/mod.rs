@@ -163,8 +163,48 @@ impl Keeper {
     }
 }
 
-fn tenant(req_caller: Option<&Caller>) -> String {
+pub(crate) fn tenant(req_caller: Option<&Caller>) -> String {
     req_caller.map(|c| c.tenant.to_string()).unwrap_or_default()
+}
+
+/// The conversation a request continues (its `previous_response_id`'s,
+/// from the store) followed by its own input items, checked.
+pub(crate) fn conversation(
+    cx: &Ctx,
+    r: &validate::ResponsesRequest,
+    owner: &str,
+) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut conversation = match &r.previous_response_id {
+        Some(id) => {
+            let store = cx.state.app.responses().map_err(ApiError::Internal)?;
+            let previous = store
+                .get(id, owner)
+                .map_err(|e| ApiError::Internal(e.to_string()))?
+                .ok_or_else(|| ApiError::NotFound {
+                    message: format!("Previous response with id '{id}' not found."),
+                    code: "previous_response_not_found",
+                })?;
+            previous.conversation
+        }
+        None => Vec::new(),
+    };
+    conversation.extend(r.input.iter().cloned());
+    validate::check_outputs(&conversation)?;
+    Ok(conversation)
+}
+
+/// The chat messages of a turn: `instructions` as the system message, then
+/// the conversation.
+pub(crate) fn chat_messages(
+    r: &validate::ResponsesRequest,
+    conversation: &[ChatMessage],
+) -> Vec<ChatMessage> {
+    let mut messages = Vec::with_capacity(conversation.len() + 1);
+    if let Some(instructions) = &r.instructions {
+        messages.push(ChatMessage::text("system", instructions));
+    }
+    messages.extend(conversation.iter().cloned());
+    messages
 }
 
 pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
@@ -180,29 +220,8 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     } else {
         None
     };
-    // The conversation so far, then this turn.
-    let mut conversation = match &r.previous_response_id {
-        Some(id) => {
-            let store = cx.state.app.responses().map_err(ApiError::Internal)?;
-            let previous = store
-                .get(id, &owner)
-                .map_err(|e| ApiError::Internal(e.to_string()))?
-                .ok_or_else(|| ApiError::NotFound {
-                    message: format!("Previous response with id '{id}' not found."),
-                    code: "previous_response_not_found",
-                })?;
-            previous.conversation
-        }
-        None => Vec::new(),
-    };
-    conversation.extend(r.input.iter().cloned());
-    validate::check_outputs(&conversation)?;
-    let mut messages = Vec::with_capacity(conversation.len() + 1);
-    if let Some(instructions) = &r.instructions {
-        messages.push(ChatMessage::text("system", instructions));
-    }
-    messages.extend(conversation.iter().cloned());
-
+    let conversation = conversation(&cx, &r, &owner)?;
+    let messages = chat_messages(&r, &conversation);
     let started = start_chat(&cx, &local, &r.common, messages, r.tools.clone(), PARAMS).await?;
     let parser = started.call_parser();
     let model_id = started.model.id.clone();

@@ -33,6 +33,15 @@ impl PolicyHost {
         decide(snap.bound(PolicyKind::Router)?, facts, || backends)
     }
 
+    /// Whether a router is bound that may read `prompt_tokens`: one that
+    /// declared no decision inputs, or declared them including it. The
+    /// count costs a tokenization, so requests skip it otherwise.
+    pub fn router_reads_prompt_tokens(&self) -> bool {
+        let snap = self.snap();
+        snap.bound_arc(PolicyKind::Router)
+            .is_ok_and(|p| p.decisions.as_ref().is_none_or(|t| t.reads_prompt_tokens()))
+    }
+
     /// [`PolicyHost::route`] for the request path, to be awaited: the facts
     /// are only gathered when a router is bound (else `Err(NotBound)`, which
     /// is fail-open), and the backend states only when the guest is called.
