@@ -101,8 +101,9 @@ pub fn request_facts<'a>(
 
 /// What [`dispatch`] did with a request.
 pub enum Routed {
-    /// Serve locally: the parsed body, `model` set to the chosen local model.
-    Local(Local),
+    /// Serve locally: the parsed body, `model` set to the chosen local model
+    /// (boxed: it is large, and this is returned through every handler).
+    Local(Box<Local>),
     /// Answered by an upstream (or its failure): return as is.
     Proxied(Response<Body>),
 }
@@ -194,11 +195,11 @@ pub async fn dispatch(
         Ok(json)
     };
     match destination {
-        Destination::Local { .. } => Ok(Routed::Local(Local {
+        Destination::Local { .. } => Ok(Routed::Local(Box::new(Local {
             json: whole(rewrite)?,
             head,
             counted,
-        })),
+        }))),
         Destination::Upstream { upstream, .. } => {
             let protocol = match endpoint {
                 Endpoint::Messages => upstream::Protocol::Anthropic,
@@ -398,7 +399,7 @@ mod tests {
                     let fields = validate::routing_fields(&json, endpoint);
                     match (fields, served) {
                         (Ok(fields), Ok(served)) => {
-                            let facts = routing_facts(&head, &fields);
+                            let facts = routing_facts(&head, &fields, 0);
                             prop_assert_eq!(facts.model, served.model.as_str());
                             prop_assert_eq!(
                                 facts.max_tokens,
