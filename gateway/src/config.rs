@@ -63,6 +63,24 @@ pub struct FileConfig {
     pub server: ServerConfig,
     #[serde(default)]
     pub responses: ResponsesConfig,
+    #[serde(default)]
+    pub proxy: ProxyConfig,
+}
+
+/// The `[proxy]` section: how a request is passed between upstreams.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    /// Most upstreams one request asks, its first choice and fallbacks
+    /// together (default 3); ones passed over (circuit open, Retry-After,
+    /// max_in_flight) do not count.
+    pub max_attempts: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig { max_attempts: 3 }
+    }
 }
 
 /// The `[responses]` section: how long `/v1/responses` keeps the responses
@@ -327,6 +345,8 @@ pub struct Config {
     pub server: ServerConfig,
     /// The `[responses]` section.
     pub responses: ResponsesConfig,
+    /// The `[proxy]` section.
+    pub proxy: ProxyConfig,
 }
 
 impl Config {
@@ -487,6 +507,7 @@ impl Config {
                 ..file.server
             },
             responses: file.responses,
+            proxy: file.proxy,
         }
     }
 
@@ -497,6 +518,11 @@ impl Config {
         }
         self.server.validate()?;
         validate_specs(&self.upstreams).map_err(ConfigError::Upstream)?;
+        if self.proxy.max_attempts == 0 {
+            return Err(ConfigError::Upstream(
+                "[proxy] max_attempts must be at least 1".into(),
+            ));
+        }
         let mut ids = std::collections::HashSet::new();
         for id in self.models.iter().filter_map(|m| m.id.as_deref()) {
             if id.trim().is_empty() {

@@ -243,10 +243,23 @@ pub mod router {
             })
         }
 
-        /// `Upstream` to `name`, optionally rewriting the model.
+        /// `Upstream` to `name`, optionally rewriting the model. The
+        /// gateway tries `name`'s configured `fallbacks` after it.
         pub fn upstream(name: impl Into<String>, model: Option<String>) -> Self {
             RouteDecision::Upstream(UpstreamTarget {
                 name: name.into(),
+                model,
+            })
+        }
+
+        /// `Upstream` to the first of `names` that answers, in order: the
+        /// next is tried when one fails before its answer starts
+        /// (unreachable, timeout, 429, 5xx) or is not taking requests
+        /// (circuit open, Retry-After, max_in_flight). `model`, if given,
+        /// is rewritten for all of them.
+        pub fn upstreams(names: &[&str], model: Option<String>) -> Self {
+            RouteDecision::Upstream(UpstreamTarget {
+                name: names.join(","),
                 model,
             })
         }

@@ -75,6 +75,7 @@ impl App {
     /// in the background, each with its configured adapters.
     pub fn start(&self, load: ModelLoader, shutdown: impl Future<Output = ()> + Send + 'static) {
         self.start_jobs(shutdown);
+        self.upstreams.start_health_checks();
         let mounts = adapters::startup_mounts(&self.config);
         self.models
             .load_in_background(load, self.engine_options(), mounts);

@@ -24,9 +24,11 @@ use crate::upstream::{Upstream, UpstreamError};
 pub enum Destination {
     /// Serve with this local model.
     Local { model: String },
-    /// Forward to this configured upstream, with `model` rewritten if given.
+    /// Forward to the first of these configured upstreams that answers
+    /// (never empty; see `upstream/fallback.rs`), with `model` rewritten if
+    /// given.
     Upstream {
-        upstream: Arc<Upstream>,
+        order: Vec<Arc<Upstream>>,
         model: Option<String>,
     },
 }
@@ -91,13 +93,13 @@ impl App {
         };
         match host.route_if_bound(facts, || self.backends()).await {
             Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
-            Ok(RouteDecision::Upstream { name, model }) => match self.upstreams.get(&name) {
-                Some(u) => Ok(Destination::Upstream {
-                    upstream: Arc::clone(u),
-                    model,
-                }),
-                None => Err(UpstreamError::Unknown(name).into()),
-            },
+            Ok(RouteDecision::Upstream { name, model }) => {
+                // A decision may name several upstreams, comma-separated,
+                // to be tried in order.
+                let names: Vec<&str> = name.split(',').map(str::trim).collect();
+                let order = self.upstreams.in_order(&names)?;
+                Ok(Destination::Upstream { order, model })
+            }
             Ok(RouteDecision::Reject { status, message }) => Err(RouteError::Rejected {
                 status: status.clamp(400, 599),
                 message,
@@ -115,11 +117,12 @@ impl App {
     /// Where a request goes when no policy decides: the upstream that lists
     /// the model in its `models`, otherwise the requested model, locally.
     fn default_route(&self, model: &str) -> Destination {
-        match self.upstreams.for_model(model) {
-            Some(u) => Destination::Upstream {
-                upstream: Arc::clone(u),
-                model: None,
-            },
+        let order = self
+            .upstreams
+            .for_model(model)
+            .and_then(|u| self.upstreams.in_order(&[&u.name]).ok());
+        match order {
+            Some(order) => Destination::Upstream { order, model: None },
             None => Destination::Local {
                 model: model.to_owned(),
             },

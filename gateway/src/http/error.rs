@@ -193,6 +193,7 @@ pub fn upstream_status(e: &UpstreamError) -> StatusCode {
         UpstreamError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
         UpstreamError::Request { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         UpstreamError::Protocol { .. } => StatusCode::BAD_GATEWAY,
+        UpstreamError::Skipped { .. } => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 
@@ -204,6 +205,7 @@ fn upstream_code(e: &UpstreamError) -> &'static str {
         UpstreamError::InvalidPath { .. } => "invalid_path",
         UpstreamError::Request { .. } => "upstream_request_failed",
         UpstreamError::Protocol { .. } => "upstream_protocol_mismatch",
+        UpstreamError::Skipped { .. } => "upstream_unavailable",
     }
 }
 
@@ -462,6 +464,14 @@ impl ApiError {
             }
             ApiError::RequestTimeout { .. } => {
                 headers.insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            ApiError::Route(RouteError::Upstream(UpstreamError::Skipped {
+                retry_after: Some(wait),
+                ..
+            })) => {
+                // Whole seconds, at least one.
+                let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+                headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
             }
             _ => {}
         }

@@ -16,6 +16,8 @@
 //! routing fields, selected headers, the caller) and carries the decision
 //! out: the body parsed for a local model, or forwarded to the upstream.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
 use serde_json::Value;
@@ -200,7 +202,8 @@ pub async fn dispatch(
             head,
             counted,
         }))),
-        Destination::Upstream { upstream, .. } => {
+        Destination::Upstream { order, .. } => {
+            let upstream = Arc::clone(&order[0]);
             let protocol = match endpoint {
                 Endpoint::Messages => upstream::Protocol::Anthropic,
                 Endpoint::Chat | Endpoint::Completions | Endpoint::Responses => {
@@ -232,8 +235,9 @@ pub async fn dispatch(
                 .uri
                 .path_and_query()
                 .map_or_else(|| head.uri.path(), |p| p.as_str());
-            let resp = upstream::proxy(
-                &upstream,
+            let max_attempts = cx.state.app.config.proxy.max_attempts;
+            let resp = upstream::proxy_in_order(
+                &order,
                 Outgoing {
                     method: head.method.clone(),
                     path_and_query,
@@ -242,6 +246,7 @@ pub async fn dispatch(
                     request_id: &cx.request_id,
                     protocol,
                 },
+                max_attempts,
             )
             .await?;
             Ok(Routed::Proxied(resp.map(body::Body::new)))

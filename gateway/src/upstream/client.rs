@@ -19,13 +19,13 @@ use http::{Method, Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 
+use super::breaker::{Breaker, BreakerSettings, Skip, retry_after};
 use super::pool::{Dialer, Lease, Pool};
-use super::{Base, DEFAULT_TIMEOUT_SECS, PROXIED_PATHS, Protocol, UpstreamSpec, normalize_path};
+use super::{
+    Base, DEFAULT_BREAKER_COOLDOWN_SECS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_SECS,
+    HealthCheckSpec, PROXIED_PATHS, Protocol, UpstreamSpec, normalize_path,
+};
 use crate::util::BoxError;
-
-/// After a failure an upstream reports unhealthy for this long (or until a
-/// request succeeds), so routers that avoid unhealthy backends retry it later.
-const UNHEALTHY_FOR: Duration = Duration::from_secs(10);
 
 /// Why a proxied request failed before the upstream's answer began.
 #[derive(Debug, thiserror::Error)]
@@ -59,21 +59,41 @@ pub enum UpstreamError {
         name: String,
         protocol: &'static str,
     },
+    /// Passed over without being asked: circuit open, Retry-After,
+    /// `max_in_flight` (503, with `Retry-After` when known).
+    #[error("upstream `{name}` is not taking requests now: {reason}")]
+    Skipped {
+        name: String,
+        reason: &'static str,
+        retry_after: Option<Duration>,
+    },
+}
+
+impl UpstreamError {
+    /// Whether the next upstream in a fallback order may answer instead:
+    /// this one failed or was passed over before its answer began.
+    pub fn falls_back(&self) -> bool {
+        matches!(
+            self,
+            UpstreamError::Unavailable { .. }
+                | UpstreamError::Timeout { .. }
+                | UpstreamError::Skipped { .. }
+                | UpstreamError::Protocol { .. }
+        )
+    }
 }
 
 /// What the router (and `GET /admin/upstreams`) sees of an upstream.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct UpstreamStatus {
     pub name: String,
     pub healthy: bool,
     pub in_flight: u32,
     pub last_error: Option<String>,
-}
-
-#[derive(Default)]
-struct Health {
-    last_error: Option<(String, Instant)>,
-    last_ok: Option<Instant>,
+    /// `closed`, `open` or `half_open`.
+    pub circuit: &'static str,
+    /// Moving average of the time to the answer's head.
+    pub latency_ms: Option<f64>,
 }
 
 /// One configured upstream with its connection pool and live counters.
@@ -95,10 +115,13 @@ pub struct Upstream {
     /// The key alone (sensitive), for Anthropic's `x-api-key`.
     key: Option<HeaderValue>,
     protocols: Vec<Protocol>,
+    /// Tried next when this one fails or is passed over.
+    fallbacks: Vec<String>,
+    health_check: Option<HealthCheckSpec>,
     timeout: Duration,
     pool: Arc<Pool>,
     in_flight: AtomicU32,
-    health: Mutex<Health>,
+    breaker: Mutex<Breaker>,
 }
 
 impl Upstream {
@@ -122,6 +145,7 @@ impl Upstream {
         };
         let auth = key.as_ref().and_then(|k| sensitive(format!("Bearer {k}")));
         let key = key.and_then(sensitive);
+        let timeout = Duration::from_secs_f64(spec.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS));
         let base = Base::parse(&spec.base_url).unwrap_or_else(|_| Base {
             // Unreachable when validated; the port-0 authority fails fast.
             tls: false,
@@ -143,11 +167,40 @@ impl Upstream {
             auth,
             key,
             protocols: spec.protocols.clone(),
-            timeout: Duration::from_secs_f64(spec.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS)),
+            fallbacks: spec.fallbacks.clone(),
+            health_check: spec.health_check.clone(),
+            timeout,
             pool: Arc::new(Pool::default()),
             in_flight: AtomicU32::new(0),
-            health: Mutex::new(Health::default()),
+            breaker: Mutex::new(Breaker::new(BreakerSettings {
+                failures: spec.breaker_failures.unwrap_or(DEFAULT_BREAKER_FAILURES),
+                cooldown: Duration::from_secs_f64(
+                    spec.breaker_cooldown_secs
+                        .unwrap_or(DEFAULT_BREAKER_COOLDOWN_SECS),
+                ),
+                max_in_flight: spec.max_in_flight,
+                probe_timeout: timeout,
+            })),
         }
+    }
+
+    /// Whether it takes a request now (see `breaker.rs`).
+    fn admit(&self) -> Result<(), UpstreamError> {
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        self.breaker().admit(Instant::now(), in_flight).map_err(
+            |Skip {
+                 reason,
+                 retry_after,
+             }| UpstreamError::Skipped {
+                name: self.name.clone(),
+                reason,
+                retry_after,
+            },
+        )
+    }
+
+    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The upstream target for a gateway path and query: the query is
@@ -198,6 +251,7 @@ impl Upstream {
         request: impl Fn() -> Request<Full<Bytes>>,
     ) -> Result<(Response<Incoming>, Lease), UpstreamError> {
         let name = &self.name;
+        let started = Instant::now();
         let answer = match tokio::time::timeout(self.timeout, exchange(self, request)).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(Failure { reason, detail })) => {
@@ -218,10 +272,21 @@ impl Upstream {
                 });
             }
         };
-        if answer.0.status().is_server_error() {
-            self.record_error(format!("answered {}", answer.0.status()));
+        let status = answer.0.status();
+        let wait = answer
+            .0
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .and_then(retry_after);
+        let now = Instant::now();
+        let mut breaker = self.breaker();
+        if let Some(wait) = wait.filter(|_| status == 429 || status == 503) {
+            breaker.wait(now, wait);
+        }
+        if status.is_server_error() {
+            breaker.failed(now, format!("answered {status}"));
         } else {
-            self.record_ok();
+            breaker.succeeded(now, Some(now - started));
         }
         Ok(answer)
     }
@@ -245,31 +310,74 @@ impl Upstream {
     }
 
     pub fn status(&self) -> UpstreamStatus {
-        let h = self.health.lock().unwrap_or_else(PoisonError::into_inner);
-        let healthy = match &h.last_error {
-            None => true,
-            Some((_, at)) => h.last_ok.is_some_and(|ok| ok > *at) || at.elapsed() > UNHEALTHY_FOR,
-        };
+        let b = self.breaker();
         UpstreamStatus {
             name: self.name.clone(),
-            healthy,
+            healthy: b.healthy(Instant::now()),
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            last_error: h.last_error.as_ref().map(|(e, _)| e.clone()),
+            last_error: b.last_error(),
+            circuit: b.circuit_name(),
+            latency_ms: b.latency_ms(),
         }
     }
 
-    fn record_ok(&self) {
-        self.health
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .last_ok = Some(Instant::now());
+    fn record_error(&self, what: String) {
+        self.breaker().failed(Instant::now(), what);
     }
 
-    fn record_error(&self, what: String) {
-        self.health
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .last_error = Some((what, Instant::now()));
+    /// The active health check, once: `GET {base_url}{path}` within its
+    /// timeout; 2xx closes the circuit, anything else counts as a failure.
+    async fn check_health(&self, check: &HealthCheckSpec) {
+        let Ok(target) = self.target(&format!("/v1{}", check.path)) else {
+            return;
+        };
+        let request = || {
+            let mut req = Request::new(Full::new(Bytes::new()));
+            *req.uri_mut() = target.clone();
+            let h = req.headers_mut();
+            h.insert(HOST, self.host.clone());
+            if let Some(a) = &self.auth {
+                h.insert(AUTHORIZATION, a.clone());
+            }
+            if let Some(k) = &self.key {
+                h.insert(X_API_KEY.clone(), k.clone());
+            }
+            req
+        };
+        let timeout = Duration::from_secs_f64(check.timeout_secs);
+        let started = Instant::now();
+        let outcome = match tokio::time::timeout(timeout, exchange(self, request)).await {
+            Ok(Ok((resp, lease))) => {
+                let status = resp.status();
+                // Read the (small) answer so the connection can be pooled.
+                let mut body = ProxyBody {
+                    incoming: resp.into_body(),
+                    lease: Some(lease),
+                    guard: None,
+                    pool: Arc::clone(&self.pool),
+                };
+                while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut body).await {}
+                if status.is_success() {
+                    Ok(())
+                } else {
+                    Err(format!("health check answered {status}"))
+                }
+            }
+            Ok(Err(Failure { detail, .. })) => Err(format!("health check: {detail}")),
+            Err(_) => Err(format!(
+                "health check: no answer within {} s",
+                check.timeout_secs
+            )),
+        };
+        match outcome {
+            Ok(()) => self
+                .breaker()
+                .succeeded(Instant::now(), Some(started.elapsed())),
+            Err(e) => {
+                tracing::warn!(upstream = %self.name, error = %e, "upstream health check failed");
+                self.record_error(e);
+            }
+        }
     }
 }
 
@@ -363,6 +471,53 @@ impl Upstreams {
     pub fn statuses(&self) -> Vec<UpstreamStatus> {
         self.list.iter().map(|u| u.status()).collect()
     }
+
+    /// The upstreams a request for `names` tries, in order: those named
+    /// (a router's decision may name several), and when it names one, that
+    /// one's configured `fallbacks` after it. Each at most once.
+    pub fn in_order(&self, names: &[&str]) -> Result<Vec<Arc<Upstream>>, UpstreamError> {
+        let mut order: Vec<Arc<Upstream>> = Vec::with_capacity(names.len() + 2);
+        for name in names {
+            let u = self
+                .get(name)
+                .ok_or_else(|| UpstreamError::Unknown((*name).to_owned()))?;
+            if !order.iter().any(|o| Arc::ptr_eq(o, u)) {
+                order.push(Arc::clone(u));
+            }
+        }
+        if let [only] = names
+            && let Some(first) = self.get(only)
+        {
+            for f in &first.fallbacks {
+                if let Some(u) = self.get(f)
+                    && !order.iter().any(|o| Arc::ptr_eq(o, u))
+                {
+                    order.push(Arc::clone(u));
+                }
+            }
+        }
+        Ok(order)
+    }
+
+    /// Starts each configured upstream's active health check, on the
+    /// current runtime, for as long as it runs.
+    pub fn start_health_checks(&self) {
+        for u in &self.list {
+            let Some(check) = u.health_check.clone() else {
+                continue;
+            };
+            let u = Arc::clone(u);
+            tokio::spawn(async move {
+                let every = Duration::from_secs_f64(check.interval_secs);
+                let mut ticks = tokio::time::interval(every);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticks.tick().await;
+                    u.check_health(&check).await;
+                }
+            });
+        }
+    }
 }
 
 /// Why no upstream target could be built for a request.
@@ -404,6 +559,7 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// What to send upstream.
+#[derive(Clone)]
 pub struct Outgoing<'a> {
     pub method: Method,
     /// The gateway path, e.g. `/v1/chat/completions`; a query is ignored
@@ -434,6 +590,7 @@ pub async fn proxy(
         });
     }
     let target = upstream.target(out.path_and_query)?;
+    upstream.admit()?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
     let request = || {
         let mut req = Request::new(Full::new(out.body.clone()));
@@ -481,7 +638,8 @@ pub async fn proxy(
     let mut body = ProxyBody {
         incoming,
         lease: Some(lease),
-        guard,
+        guard: Some(guard),
+        pool: Arc::clone(&upstream.pool),
     };
     if body.incoming.is_end_stream() {
         // No body: the server will not poll it, so the connection is done now.
@@ -548,14 +706,17 @@ async fn connect(upstream: &Upstream) -> Result<Lease, Failure> {
 pub struct ProxyBody {
     incoming: Incoming,
     lease: Option<Lease>,
-    /// In flight until the body is streamed out or dropped.
-    guard: InFlight,
+    /// In flight until the body is streamed out or dropped (a client's
+    /// request; health checks are not counted).
+    guard: Option<InFlight>,
+    /// Where the connection goes back when the body is complete.
+    pool: Arc<Pool>,
 }
 
 impl ProxyBody {
     fn finish(&mut self) {
         if let Some(lease) = self.lease.take() {
-            self.guard.0.pool.checkin(lease);
+            self.pool.checkin(lease);
         }
     }
 }
@@ -591,7 +752,9 @@ impl hyper::body::Body for ProxyBody {
             }
             Poll::Ready(Some(Err(e))) => {
                 this.lease = None;
-                this.guard.0.record_error(format!("response body: {e}"));
+                if let Some(guard) = &this.guard {
+                    guard.0.record_error(format!("response body: {e}"));
+                }
                 Poll::Ready(Some(Err(Box::new(e))))
             }
         }

@@ -23,10 +23,14 @@
 //! `pool.rs` the keep-alive connections. What an upstream failure answers
 //! (status, code) is decided in `http/error.rs`.
 
+mod breaker;
 mod client;
+mod fallback;
 mod pool;
 
+pub use breaker::Skip;
 pub use client::{Outgoing, ProxyBody, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy};
+pub use fallback::proxy_in_order;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -75,7 +79,54 @@ pub struct UpstreamSpec {
     /// way is refused.
     #[serde(default = "openai_only")]
     pub protocols: Vec<Protocol>,
+    /// Upstreams tried in order when this one fails before its answer
+    /// starts (unreachable, no answer head in time, 429, 5xx) or is passed
+    /// over (circuit open, Retry-After, `max_in_flight`).
+    #[serde(default)]
+    pub fallbacks: Vec<String>,
+    /// Most requests in flight here at once; past it, requests go to a
+    /// fallback (or get 503).
+    pub max_in_flight: Option<u32>,
+    /// Consecutive failures that open the circuit (default 5; 0: never).
+    pub breaker_failures: Option<u32>,
+    /// Seconds an open circuit keeps requests away before one probe goes
+    /// (default 30).
+    pub breaker_cooldown_secs: Option<f64>,
+    /// An active health check (off unless set).
+    pub health_check: Option<HealthCheckSpec>,
 }
+
+/// `health_check = { path = "/models", interval_secs = 10, timeout_secs = 5 }`:
+/// `GET {base_url}{path}` every interval; a failure counts as one towards
+/// the circuit breaker, a success closes the circuit.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheckSpec {
+    /// Under the base URL's path (default `/models`).
+    #[serde(default = "default_health_path")]
+    pub path: String,
+    #[serde(default = "default_health_interval")]
+    pub interval_secs: f64,
+    #[serde(default = "default_health_timeout")]
+    pub timeout_secs: f64,
+}
+
+fn default_health_path() -> String {
+    "/models".into()
+}
+
+fn default_health_interval() -> f64 {
+    10.0
+}
+
+fn default_health_timeout() -> f64 {
+    5.0
+}
+
+/// Default for `breaker_failures`.
+pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
+/// Default for `breaker_cooldown_secs`.
+pub const DEFAULT_BREAKER_COOLDOWN_SECS: f64 = 30.0;
 
 /// An API family an upstream speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -116,6 +167,11 @@ impl UpstreamSpec {
             timeout_secs: None,
             models: vec![],
             protocols: openai_only(),
+            fallbacks: vec![],
+            max_in_flight: None,
+            breaker_failures: None,
+            breaker_cooldown_secs: None,
+            health_check: None,
         }
     }
 }
@@ -158,7 +214,8 @@ impl fmt::Debug for UpstreamSpec {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("timeout_secs", &self.timeout_secs)
             .field("models", &self.models)
-            .finish()
+            .field("fallbacks", &self.fallbacks)
+            .finish_non_exhaustive()
     }
 }
 
@@ -208,15 +265,56 @@ pub fn validate_specs(specs: &[UpstreamSpec]) -> Result<(), String> {
                 s.name
             ));
         }
-        let t = s.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS);
-        if !(t.is_finite() && t > 0.0 && t <= 3600.0) {
-            return Err(format!(
-                "upstream `{}`: timeout_secs must be in (0, 3600], not {t}",
-                s.name
-            ));
-        }
+        s.check_resilience(specs)
+            .map_err(|e| format!("upstream `{}`: {e}", s.name))?;
     }
     Ok(())
+}
+
+/// `secs` as a duration in (0, 3600] seconds, or why not.
+fn seconds(field: &str, secs: f64) -> Result<(), String> {
+    if secs.is_finite() && secs > 0.0 && secs <= 3600.0 {
+        Ok(())
+    } else {
+        Err(format!("{field} must be in (0, 3600], not {secs}"))
+    }
+}
+
+impl UpstreamSpec {
+    /// Timeouts, fallbacks that name other configured upstreams once,
+    /// limits and the health check.
+    fn check_resilience(&self, all: &[UpstreamSpec]) -> Result<(), String> {
+        seconds(
+            "timeout_secs",
+            self.timeout_secs.unwrap_or(DEFAULT_TIMEOUT_SECS),
+        )?;
+        let cooldown = self
+            .breaker_cooldown_secs
+            .unwrap_or(DEFAULT_BREAKER_COOLDOWN_SECS);
+        seconds("breaker_cooldown_secs", cooldown)?;
+        if self.max_in_flight == Some(0) {
+            return Err("max_in_flight must be at least 1 (leave it out for no cap)".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for f in &self.fallbacks {
+            if *f == self.name {
+                return Err("fallbacks lists the upstream itself".into());
+            }
+            if !all.iter().any(|u| u.name == *f) {
+                return Err(format!("fallbacks names `{f}`, which is not configured"));
+            }
+            if !seen.insert(f) {
+                return Err(format!("fallbacks lists `{f}` twice"));
+            }
+        }
+        if let Some(h) = &self.health_check {
+            seconds("health_check.interval_secs", h.interval_secs)?;
+            seconds("health_check.timeout_secs", h.timeout_secs)?;
+            normalize_path(&h.path)
+                .map_err(|why| format!("health_check.path `{}`: {why}", h.path))?;
+        }
+        Ok(())
+    }
 }
 
 /// Scheme, authority and path prefix of a base URL.
@@ -400,6 +498,36 @@ mod tests {
         let mut s = spec("a", "http://x/v1");
         s.timeout_secs = Some(0.0);
         assert!(validate_specs(&[s]).is_err());
+    }
+
+    #[test]
+    fn fallbacks_and_limits_are_checked() {
+        let (mut a, b) = (spec("a", "http://x/v1"), spec("b", "http://y/v1"));
+        a.fallbacks = vec!["b".into()];
+        assert!(validate_specs(&[a.clone(), b.clone()]).is_ok());
+        for (fallbacks, wanted) in [
+            (vec!["c"], "`c`, which is not configured"),
+            (vec!["a"], "itself"),
+            (vec!["b", "b"], "twice"),
+        ] {
+            a.fallbacks = fallbacks.into_iter().map(String::from).collect();
+            let e = validate_specs(&[a.clone(), b.clone()]).unwrap_err();
+            assert!(e.contains("upstream `a`") && e.contains(wanted), "{e}");
+        }
+        let mut s = spec("a", "http://x/v1");
+        s.max_in_flight = Some(0);
+        assert!(validate_specs(&[s]).unwrap_err().contains("max_in_flight"));
+        let mut s = spec("a", "http://x/v1");
+        s.health_check = Some(HealthCheckSpec {
+            path: "/../admin".into(),
+            interval_secs: 1.0,
+            timeout_secs: 1.0,
+        });
+        assert!(
+            validate_specs(&[s])
+                .unwrap_err()
+                .contains("health_check.path")
+        );
     }
 
     #[test]
