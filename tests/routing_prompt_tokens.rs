@@ -98,6 +98,17 @@ fn a_router_sends_prompts_over_its_threshold_upstream_by_the_exact_count() {
                "messages": [{"role": "user", "content": text}]})
     };
     let question = "How many legs does a spider have?";
+    // The chat model does not embed: a 400 that says where embeddings go.
+    let r = send(
+        &s,
+        "/v1/embeddings",
+        &json!({"model": model, "input": question}),
+    );
+    let e = r.api_error(400, "invalid_request_error", "model_not_supported");
+    assert!(
+        e["message"].as_str().unwrap().contains("[[upstreams]]"),
+        "{e}"
+    );
     let long = question.repeat(40);
 
     // No router: local, and the model's own count of the prompt.

@@ -230,6 +230,56 @@ fn routers_see_request_features_and_upstreams_get_them_untouched() {
 }
 
 #[test]
+fn every_openai_path_is_proxied_and_models_list_the_upstreams() {
+    let up = FakeUpstream::start();
+    let s = gateway(&up);
+    // No router: the static route of `static-model` to `up`, on each path.
+    let inputs = [
+        ("/v1/chat/completions", chat("static-model")),
+        (
+            "/v1/completions",
+            json!({"model": "static-model", "prompt": "hi"}),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "static-model", "input": ["a", "b"]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "static-model", "input": "hi"}),
+        ),
+    ];
+    for (path, body) in inputs {
+        let r = post(&s, "", path, body.clone());
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        assert_eq!(r.header("x-mlxgate-upstream"), Some("up"), "{path}");
+        assert_eq!(r.json()["path"], path, "{path}");
+        assert_eq!(r.json()["body"], body, "{path}: forwarded as sent");
+    }
+    // Embeddings for a model served nowhere: 404, as elsewhere.
+    post(
+        &s,
+        "",
+        "/v1/embeddings",
+        json!({"model": "nowhere", "input": "a"}),
+    )
+    .api_error(404, "not_found_error", "model_not_found");
+    // The models list names the upstream's declared models and their owner.
+    let auth = format!("Bearer {PLAIN_KEY}");
+    let list = s.get_with("/v1/models", &[("authorization", &auth)]).json();
+    let entry = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "static-model")
+        .cloned()
+        .unwrap_or_else(|| panic!("static-model not in {list}"));
+    assert_eq!(entry["owned_by"], "up");
+    let one = s.get_with("/v1/models/static-model", &[("authorization", &auth)]);
+    assert_eq!((one.status, &one.json()), (200, &entry));
+}
+
+#[test]
 fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
     let up = FakeUpstream::start();
     let s = gateway(&up);

@@ -106,6 +106,7 @@ fn prompt_input(
         Endpoint::Messages => anthropic::validate::messages_request(json, false)
             .ok()
             .map(|m| PromptInput::Chat(m.messages, m.tools)),
+        Endpoint::Embeddings => None,
         Endpoint::Responses => {
             let r = responses::validate::responses_request(json).ok()?;
             let owner = responses::tenant(head.extensions.get());

@@ -60,23 +60,39 @@ fn model_object(m: &LoadedModel) -> serde_json::Value {
     json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "mlxgate"})
 }
 
-/// Lists the models that can serve now; one still loading is left out.
-pub async fn list_models(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
-    let data: Vec<_> = cx
-        .state
-        .app
-        .models
-        .ready()
+/// A model an upstream declares (`[[upstreams]] models`): `owned_by` names
+/// the upstream; `created` is unknown (0).
+fn upstream_model_object(model: &str, upstream: &str) -> serde_json::Value {
+    json!({"id": model, "object": "model", "created": 0, "owned_by": upstream})
+}
+
+/// Every model a client can ask for now, as the default route sends it:
+/// the local ones that can serve (one still loading is left out) unless an
+/// upstream declares the same id, then those the upstreams declare.
+fn all_models(cx: &Ctx) -> Vec<serde_json::Value> {
+    let upstreams = &cx.state.app.upstreams;
+    let local = cx.state.app.models.ready();
+    let local = local
         .iter()
+        .filter(|m| upstreams.for_model(&m.id).is_none());
+    let declared = upstreams.declared_models();
+    local
         .map(model_object)
-        .collect();
-    body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
+        .chain(declared.map(|(model, upstream)| upstream_model_object(model, upstream)))
+        .collect()
+}
+
+pub async fn list_models(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
+    body::json(
+        StatusCode::OK,
+        &json!({"object": "list", "data": all_models(&cx)}),
+    )
 }
 
 pub async fn get_model(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     let id = cx.param("id").unwrap_or_default();
-    match cx.state.app.models.ready().into_iter().find(|m| m.id == id) {
-        Some(m) => body::json(StatusCode::OK, &model_object(&m)),
+    match all_models(&cx).into_iter().find(|m| m["id"] == id) {
+        Some(m) => body::json(StatusCode::OK, &m),
         None => Err(ApiError::ModelNotFound(id.to_owned())),
     }
 }

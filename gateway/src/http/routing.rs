@@ -206,9 +206,10 @@ pub async fn dispatch(
             let upstream = Arc::clone(&order[0]);
             let protocol = match endpoint {
                 Endpoint::Messages => upstream::Protocol::Anthropic,
-                Endpoint::Chat | Endpoint::Completions | Endpoint::Responses => {
-                    upstream::Protocol::Openai
-                }
+                Endpoint::Chat
+                | Endpoint::Completions
+                | Endpoint::Responses
+                | Endpoint::Embeddings => upstream::Protocol::Openai,
             };
             // Messages to an upstream of OpenAI's API only: translated.
             if protocol == upstream::Protocol::Anthropic

@@ -44,7 +44,7 @@ pub enum UpstreamError {
     Timeout { name: String, secs: f64 },
     /// The request path cannot be forwarded as it is (see [`normalize_path`]).
     #[error(
-        "the request path cannot be forwarded to upstream `{name}`: {why}; send the request to /v1/chat/completions or /v1/completions"
+        "the request path cannot be forwarded to upstream `{name}`: {why}; send the request to one of /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages or /v1/responses"
     )]
     InvalidPath { name: String, why: &'static str },
     #[error(
@@ -462,6 +462,14 @@ impl Upstreams {
         self.list
             .iter()
             .find(|u| u.models.iter().any(|m| m == model))
+    }
+
+    /// `(model, upstream)` for each model an upstream declares in its
+    /// `models`, in config order.
+    pub fn declared_models(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.list
+            .iter()
+            .flat_map(|u| u.models.iter().map(|m| (m.as_str(), u.name.as_str())))
     }
 
     pub fn is_empty(&self) -> bool {

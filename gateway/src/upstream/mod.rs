@@ -384,7 +384,13 @@ impl Base {
 }
 
 /// Gateway paths that are proxied; their upstream targets are built once.
-pub(crate) const PROXIED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+pub(crate) const PROXIED_PATHS: [&str; 5] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/v1/responses",
+];
 
 /// `path` with repeated `/` collapsed and no trailing `/` (`""` for the
 /// root). Refuses what an upstream could resolve to another path than the

@@ -9,6 +9,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod sse;
 pub mod tools;
 pub mod types;
@@ -42,6 +43,9 @@ pub fn routes() -> Vec<Route> {
         }),
         Route::new(Method::POST, "/v1/completions", |cx, req| {
             Box::pin(completions::create(cx, req))
+        }),
+        Route::new(Method::POST, "/v1/embeddings", |cx, req| {
+            Box::pin(embeddings::create(cx, req))
         }),
     ]
 }

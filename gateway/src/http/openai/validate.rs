@@ -85,6 +85,8 @@ pub enum Endpoint {
     Messages,
     /// OpenAI's `/v1/responses` (`http/responses`).
     Responses,
+    /// `/v1/embeddings`: proxied to upstreams (no local embedding models).
+    Embeddings,
 }
 
 /// What routing reads from a body (and a router policy sees): read by the
@@ -157,16 +159,17 @@ pub(crate) fn read_routing<'a>(
         Endpoint::Chat => super::tools::tool_use(f)?,
         Endpoint::Messages => crate::http::anthropic::validate::tool_use(f)?,
         Endpoint::Responses => crate::http::responses::validate::tool_use(f)?,
-        Endpoint::Completions => ToolUse::default(),
+        Endpoint::Completions | Endpoint::Embeddings => ToolUse::default(),
     };
     let format = match endpoint {
         Endpoint::Messages => crate::http::anthropic::validate::output_format(f)?,
         Endpoint::Responses => crate::http::responses::validate::text_format(f)?,
         Endpoint::Chat | Endpoint::Completions => response_format(f)?,
+        Endpoint::Embeddings => None,
     };
     let n = match endpoint {
         Endpoint::Chat | Endpoint::Completions => choices(f)?,
-        Endpoint::Messages | Endpoint::Responses => 1,
+        Endpoint::Messages | Endpoint::Responses | Endpoint::Embeddings => 1,
     };
     Ok(RoutingFields {
         model,
@@ -239,6 +242,7 @@ fn max_tokens(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError>
         // Required: the Messages reader says so in Anthropic's words.
         Endpoint::Messages => max_tokens,
         Endpoint::Responses => f.positive_int("max_output_tokens")?,
+        Endpoint::Embeddings => None,
     })
 }
 
