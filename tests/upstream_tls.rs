@@ -214,6 +214,32 @@ fn https_upstreams_proxy_whole_and_streamed_answers_and_refuse_a_wrong_ca() {
             .starts_with("text/event-stream")
     );
     assert_eq!(streamed_text(&streamed.text()), (want.to_owned(), true));
+    // The gateway asked the upstream for usage; the client, which did not,
+    // gets no usage chunk.
+    assert!(
+        !streamed.text().contains("\"choices\":[]"),
+        "{}",
+        streamed.text()
+    );
+
+    // Every proxied answer's usage was counted, the streamed one included.
+    let per = &direct["usage"];
+    let metrics = gateway.get("/metrics").text();
+    for (kind, field) in [
+        ("prompt", "prompt_tokens"),
+        ("completion", "completion_tokens"),
+    ] {
+        let line = format!("mlxgate_upstream_tokens_total{{upstream=\"secure\",kind=\"{kind}\"}} ");
+        let counted = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no {line} in\n{metrics}"));
+        assert_eq!(
+            counted.parse::<u64>().unwrap(),
+            4 * per[field].as_u64().unwrap(),
+            "{kind}"
+        );
+    }
 
     let refused = gateway.post_json("/v1/chat/completions", &chat("via-wrong-ca", false));
     let e = refused.api_error(502, "server_error", "upstream_unavailable");

@@ -100,6 +100,9 @@ struct Series {
 pub struct Metrics {
     series: Mutex<BTreeMap<SeriesKey, Series>>,
     in_flight: AtomicI64,
+    /// Tokens of proxied answers: (upstream, kind) to count. Upstream names
+    /// come from the config, so the series are few and need no escaping.
+    upstream_tokens: Mutex<BTreeMap<(String, &'static str), u64>>,
 }
 
 /// Keeps the in-flight gauge right even when a request future is dropped.
@@ -130,6 +133,17 @@ impl Metrics {
         s.sum += secs;
         if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
             s.buckets[i] += 1;
+        }
+    }
+
+    /// Adds a proxied answer's usage to `upstream`'s token counters.
+    pub fn count_upstream_tokens(&self, upstream: &str, prompt: u64, completion: u64) {
+        let mut map = self
+            .upstream_tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
+            *map.entry((upstream.to_owned(), kind)).or_default() += n;
         }
     }
 
@@ -182,6 +196,25 @@ impl Metrics {
             self.in_flight.load(Ordering::Relaxed),
             u8::from(model_ready)
         );
+        let tokens = self
+            .upstream_tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !tokens.is_empty() {
+            out.push_str(
+                "# HELP mlxgate_upstream_tokens_total Tokens of proxied answers as the upstream reported them, by upstream and kind (prompt, completion).\n\
+                 # TYPE mlxgate_upstream_tokens_total counter\n",
+            );
+            // Prompt first, as the counts are added.
+            for kind in ["prompt", "completion"] {
+                for ((upstream, k), n) in tokens.iter().filter(|((_, k), _)| *k == kind) {
+                    let _ = writeln!(
+                        out,
+                        "mlxgate_upstream_tokens_total{{upstream=\"{upstream}\",kind=\"{k}\"}} {n}"
+                    );
+                }
+            }
+        }
         out
     }
 }

@@ -37,6 +37,7 @@ pub mod openai;
 pub mod prompt_caches;
 pub mod responses;
 pub mod routing;
+pub mod upstream_usage;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -73,7 +74,7 @@ use metrics::Metrics;
 pub struct AppState {
     pub app: App,
     pub keys: KeyStore,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// Inference requests in progress per key, against `[server]` caps.
     pub concurrency: Arc<Concurrency>,
     /// Prompts being prepared (templated, tokenized) at once: one per core
@@ -105,7 +106,7 @@ impl AppState {
             preparing: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
-            metrics: Metrics::default(),
+            metrics: Arc::default(),
             routes: table,
         })
     }

@@ -25,6 +25,7 @@ use serde_json::Value;
 use super::body::{self, Body, BodyLimit, ReqBody};
 use super::counting::{self, Counted};
 use super::openai::validate::{self, Endpoint, RoutingFields};
+use super::upstream_usage::{self, UsageTap};
 use super::{ApiError, Caller, Ctx, Route};
 use crate::app::Destination;
 use crate::policy::RequestFacts;
@@ -232,6 +233,15 @@ pub async fn dispatch(
                     .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?,
                 None => bytes.clone(),
             };
+            // A streamed OpenAI answer reports usage only when asked.
+            let asked = match endpoint {
+                Endpoint::Chat | Endpoint::Completions if fields.stream => {
+                    upstream_usage::ask_for_usage(&body)
+                }
+                _ => None,
+            };
+            let strip = asked.is_some();
+            let body = asked.unwrap_or(body);
             let path_and_query = head
                 .uri
                 .path_and_query()
@@ -250,9 +260,29 @@ pub async fn dispatch(
                 max_attempts,
             )
             .await?;
-            Ok(Routed::Proxied(resp.map(body::Body::new)))
+            Ok(Routed::Proxied(count_usage(cx, resp, strip)))
         }
     }
+}
+
+/// A proxied answer whose usage is counted as it passes
+/// ([`upstream_usage`]); `strip` takes out the usage chunk the gateway
+/// asked for. Error answers pass untouched.
+fn count_usage(cx: &Ctx, resp: Response<upstream::ProxyBody>, strip: bool) -> Response<Body> {
+    let upstream = resp
+        .headers()
+        .get("x-mlxgate-upstream")
+        .and_then(|v| v.to_str().ok());
+    let (Some(upstream), true) = (upstream, resp.status().is_success()) else {
+        return resp.map(body::Body::new);
+    };
+    let events = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/event-stream"));
+    let (metrics, upstream) = (Arc::clone(&cx.state.metrics), upstream.to_owned());
+    resp.map(|b| body::Body::new(UsageTap::new(b, events, strip, metrics, upstream)))
 }
 
 #[cfg(test)]
