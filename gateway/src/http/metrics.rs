@@ -102,7 +102,7 @@ pub struct Metrics {
     in_flight: AtomicI64,
     /// Tokens of proxied answers: (upstream, kind) to count. Upstream names
     /// come from the config, so the series are few and need no escaping.
-    upstream_tokens: Mutex<BTreeMap<(String, &'static str), u64>>,
+    upstream_tokens: Mutex<BTreeMap<String, [u64; 2]>>,
 }
 
 /// Keeps the in-flight gauge right even when a request future is dropped.
@@ -142,9 +142,12 @@ impl Metrics {
             .upstream_tokens
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            *map.entry((upstream.to_owned(), kind)).or_default() += n;
-        }
+        let counts = match map.get_mut(upstream) {
+            Some(c) => c,
+            None => map.entry(upstream.to_owned()).or_default(),
+        };
+        counts[0] += prompt;
+        counts[1] += completion;
     }
 
     /// Renders all series; `model_ready` is sampled by the caller at scrape time.
@@ -205,12 +208,12 @@ impl Metrics {
                 "# HELP mlxgate_upstream_tokens_total Tokens of proxied answers as the upstream reported them, by upstream and kind (prompt, completion).\n\
                  # TYPE mlxgate_upstream_tokens_total counter\n",
             );
-            // Prompt first, as the counts are added.
-            for kind in ["prompt", "completion"] {
-                for ((upstream, k), n) in tokens.iter().filter(|((_, k), _)| *k == kind) {
+            for (i, kind) in ["prompt", "completion"].into_iter().enumerate() {
+                for (upstream, counts) in tokens.iter() {
                     let _ = writeln!(
                         out,
-                        "mlxgate_upstream_tokens_total{{upstream=\"{upstream}\",kind=\"{k}\"}} {n}"
+                        "mlxgate_upstream_tokens_total{{upstream=\"{upstream}\",kind=\"{kind}\"}} {}",
+                        counts[i]
                     );
                 }
             }

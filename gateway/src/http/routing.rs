@@ -269,19 +269,15 @@ pub async fn dispatch(
 /// ([`upstream_usage`]); `strip` takes out the usage chunk the gateway
 /// asked for. Error answers pass untouched.
 fn count_usage(cx: &Ctx, resp: Response<upstream::ProxyBody>, strip: bool) -> Response<Body> {
-    let upstream = resp
-        .headers()
-        .get("x-mlxgate-upstream")
-        .and_then(|v| v.to_str().ok());
+    let upstream = resp.headers().get(&upstream::UPSTREAM_HEADER).cloned();
     let (Some(upstream), true) = (upstream, resp.status().is_success()) else {
         return resp.map(body::Body::new);
     };
     let events = resp
         .headers()
         .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|t| t.starts_with("text/event-stream"));
-    let (metrics, upstream) = (Arc::clone(&cx.state.metrics), upstream.to_owned());
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    let metrics = Arc::clone(&cx.state.metrics);
     resp.map(|b| body::Body::new(UsageTap::new(b, events, strip, metrics, upstream)))
 }
 

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+use http::HeaderValue;
 use hyper::body::{Body, Frame, SizeHint};
 use serde::Deserialize;
 use serde_json::Value;
@@ -106,13 +107,16 @@ pub struct UsageTap<B> {
     events: bool,
     /// Take the usage-only chunk out (the client did not ask for it).
     strip: bool,
-    /// SSE: an event not yet complete. JSON: the answer so far.
+    /// SSE: an event not yet complete. JSON: the answer so far, after its
+    /// first frame (most answers come in one, kept in `first` uncopied).
     pending: BytesMut,
+    first: Option<Bytes>,
     /// A JSON answer longer than [`MAX_WHOLE_ANSWER`]: not read.
     too_long: bool,
     usage: Usage,
     metrics: Arc<Metrics>,
-    upstream: String,
+    /// The answering upstream's name (its `x-mlxgate-upstream` value).
+    upstream: HeaderValue,
 }
 
 impl<B> UsageTap<B> {
@@ -121,18 +125,38 @@ impl<B> UsageTap<B> {
         events: bool,
         strip: bool,
         metrics: Arc<Metrics>,
-        upstream: String,
+        upstream: HeaderValue,
     ) -> Self {
         UsageTap {
             inner,
             events,
             strip,
             pending: BytesMut::new(),
+            first: None,
             too_long: false,
             usage: Usage::default(),
             metrics,
             upstream,
         }
+    }
+
+    /// Keeps a frame of a whole answer to read its usage at the end.
+    fn keep_whole(&mut self, data: &Bytes) {
+        if self.too_long {
+            return;
+        }
+        if self.first.is_none() && self.pending.is_empty() {
+            self.first = Some(data.clone());
+            return;
+        }
+        let first = self.first.take().unwrap_or_default();
+        if self.pending.len() + first.len() + data.len() > MAX_WHOLE_ANSWER {
+            self.too_long = true;
+            self.pending = BytesMut::new();
+            return;
+        }
+        self.pending.extend_from_slice(&first);
+        self.pending.extend_from_slice(data);
     }
 
     /// Reads the complete events of `pending` and returns what the client
@@ -179,19 +203,26 @@ impl<B> UsageTap<B> {
     }
 
     fn record(&mut self) {
-        if !self.events && !self.pending.is_empty() {
-            if let Some(counts) = serde_json::from_slice::<Carrier>(&self.pending)
-                .ok()
-                .and_then(|c| c.counts())
+        if !self.events {
+            let whole = match (self.first.take(), self.pending.is_empty()) {
+                (Some(first), true) => first,
+                (_, _) => self.pending.split().freeze(),
+            };
+            // Most answers without usage are told by a substring test.
+            if contains(&whole, b"\"usage\"")
+                && let Some(counts) = serde_json::from_slice::<Carrier>(&whole)
+                    .ok()
+                    .and_then(|c| c.counts())
             {
                 self.usage.take(counts);
             }
-            self.pending.clear();
         }
         let usage = std::mem::take(&mut self.usage);
-        if usage != Usage::default() {
+        if usage != Usage::default()
+            && let Ok(upstream) = self.upstream.to_str()
+        {
             self.metrics
-                .count_upstream_tokens(&self.upstream, usage.prompt, usage.completion);
+                .count_upstream_tokens(upstream, usage.prompt, usage.completion);
         }
     }
 }
@@ -233,12 +264,7 @@ where
                 continue;
             };
             if !this.events {
-                if this.too_long || this.pending.len() + data.len() > MAX_WHOLE_ANSWER {
-                    this.too_long = true;
-                    this.pending = BytesMut::new();
-                } else {
-                    this.pending.extend_from_slice(&data);
-                }
+                this.keep_whole(&data);
                 return Poll::Ready(Some(Ok(Frame::data(data))));
             }
             this.pending.extend_from_slice(&data);
@@ -250,7 +276,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.pending.is_empty() && self.inner.is_end_stream()
+        (!self.events || self.pending.is_empty()) && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -308,7 +334,8 @@ mod tests {
             .map(|p| Ok(Frame::data(Bytes::from(p.to_string()))))
             .collect();
         let inner = StreamBody::new(futures_util::stream::iter(frames));
-        let body = UsageTap::new(inner, events, strip, Arc::clone(&metrics), "up".into());
+        let up = HeaderValue::from_static("up");
+        let body = UsageTap::new(inner, events, strip, Arc::clone(&metrics), up);
         let out = body.collect().await.unwrap().to_bytes();
         (String::from_utf8(out.to_vec()).unwrap(), metrics)
     }

@@ -84,11 +84,15 @@ impl Breaker {
     /// Letting one through an open circuit that has cooled down makes it
     /// the probe.
     pub(super) fn admit(&mut self, now: Instant, in_flight: u32) -> Result<(), Skip> {
-        if let Some(until) = self.wait_until.filter(|u| *u > now) {
-            return Err(Skip {
-                reason: "it asked to wait (Retry-After)",
-                retry_after: Some(until - now),
-            });
+        match self.wait_until {
+            Some(until) if until > now => {
+                return Err(Skip {
+                    reason: "it asked to wait (Retry-After)",
+                    retry_after: Some(until - now),
+                });
+            }
+            Some(_) => self.wait_until = None,
+            None => {}
         }
         match self.circuit {
             Circuit::Open { until } if until > now => {
@@ -118,6 +122,14 @@ impl Breaker {
             });
         }
         Ok(())
+    }
+
+    /// Whether `admit` may refuse: the circuit is not closed, a wait is
+    /// pending, or in-flight requests are capped.
+    pub(super) fn guards(&self) -> bool {
+        !matches!(self.circuit, Circuit::Closed)
+            || self.wait_until.is_some()
+            || self.settings.max_in_flight.is_some()
     }
 
     /// An answer arrived (any status but 5xx) after `latency`.

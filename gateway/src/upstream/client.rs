@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -122,6 +122,10 @@ pub struct Upstream {
     pool: Arc<Pool>,
     in_flight: AtomicU32,
     breaker: Mutex<Breaker>,
+    /// Whether the breaker may turn a request away (circuit not closed, a
+    /// Retry-After pending, a `max_in_flight` cap): when not, admission
+    /// takes no lock and reads no clock. Set under the breaker's lock.
+    guarded: AtomicBool,
 }
 
 impl Upstream {
@@ -181,6 +185,7 @@ impl Upstream {
                 max_in_flight: spec.max_in_flight,
                 probe_timeout: timeout,
             })),
+            guarded: AtomicBool::new(spec.max_in_flight.is_some()),
         }
     }
 
@@ -201,6 +206,15 @@ impl Upstream {
 
     fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
         self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the breaker, then notes whether it may turn requests
+    /// away ([`Upstream::guarded`]).
+    fn with_breaker<T>(&self, f: impl FnOnce(&mut Breaker) -> T) -> T {
+        let mut b = self.breaker();
+        let out = f(&mut b);
+        self.guarded.store(b.guards(), Ordering::Relaxed);
+        out
     }
 
     /// The upstream target for a gateway path and query: the query is
@@ -279,15 +293,16 @@ impl Upstream {
             .get(http::header::RETRY_AFTER)
             .and_then(retry_after);
         let now = Instant::now();
-        let mut breaker = self.breaker();
-        if let Some(wait) = wait.filter(|_| status == 429 || status == 503) {
-            breaker.wait(now, wait);
-        }
-        if status.is_server_error() {
-            breaker.failed(now, format!("answered {status}"));
-        } else {
-            breaker.succeeded(now, Some(now - started));
-        }
+        self.with_breaker(|breaker| {
+            if let Some(wait) = wait.filter(|_| status == 429 || status == 503) {
+                breaker.wait(now, wait);
+            }
+            if status.is_server_error() {
+                breaker.failed(now, format!("answered {status}"));
+            } else {
+                breaker.succeeded(now, Some(now - started));
+            }
+        });
         Ok(answer)
     }
 
@@ -299,9 +314,7 @@ impl Upstream {
             parts.headers.remove(h);
         }
         if let Some(v) = &self.name_header {
-            parts
-                .headers
-                .insert(HeaderName::from_static("x-mlxgate-upstream"), v.clone());
+            parts.headers.insert(UPSTREAM_HEADER.clone(), v.clone());
         }
     }
 
@@ -322,7 +335,7 @@ impl Upstream {
     }
 
     fn record_error(&self, what: String) {
-        self.breaker().failed(Instant::now(), what);
+        self.with_breaker(|b| b.failed(Instant::now(), what));
     }
 
     /// The active health check, once: `GET {base_url}{path}` within its
@@ -565,6 +578,9 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 ];
 
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Names the upstream that answered, on every proxied answer.
+pub static UPSTREAM_HEADER: HeaderName = HeaderName::from_static("x-mlxgate-upstream");
 
 /// What to send upstream.
 #[derive(Clone)]

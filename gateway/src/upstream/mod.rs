@@ -29,7 +29,9 @@ mod fallback;
 mod pool;
 
 pub use breaker::Skip;
-pub use client::{Outgoing, ProxyBody, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy};
+pub use client::{
+    Outgoing, ProxyBody, UPSTREAM_HEADER, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy,
+};
 pub use fallback::proxy_in_order;
 
 use std::fmt;

@@ -143,6 +143,9 @@ pub(super) struct Pool {
     /// The HTTP/2 connection, when the upstream chose HTTP/2: every
     /// exchange shares it.
     shared: Mutex<Option<(http2::SendRequest<Full<Bytes>>, Uri)>>,
+    /// Whether `shared` may hold a connection: HTTP/1 upstreams never take
+    /// its lock.
+    has_shared: AtomicBool,
     sweeping: AtomicBool,
 }
 
@@ -150,6 +153,14 @@ impl Pool {
     /// A stream on the shared HTTP/2 connection, or else the most recently
     /// used idle HTTP/1 connection that is still open, if any.
     pub(super) fn checkout(&self) -> Option<Lease> {
+        if self.has_shared.load(Ordering::Relaxed) {
+            return self.checkout_shared().or_else(|| self.checkout_idle());
+        }
+        self.checkout_idle()
+    }
+
+    /// A stream on the shared HTTP/2 connection, if it is still open.
+    fn checkout_shared(&self) -> Option<Lease> {
         let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((sender, origin)) = shared.as_ref() {
             if !sender.is_closed() {
@@ -164,7 +175,11 @@ impl Pool {
             }
             *shared = None;
         }
-        drop(shared);
+        None
+    }
+
+    /// The most recently used idle HTTP/1 connection still open, if any.
+    fn checkout_idle(&self) -> Option<Lease> {
         let mut cx = Context::from_waker(Waker::noop());
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(mut lease) = idle.pop() {
@@ -279,6 +294,7 @@ impl Pool {
             });
             *self.shared.lock().unwrap_or_else(PoisonError::into_inner) =
                 Some((sender.clone(), dialer.origin.clone()));
+            self.has_shared.store(true, Ordering::Relaxed);
             Link::H2 {
                 sender,
                 origin: dialer.origin.clone(),
