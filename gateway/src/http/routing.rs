@@ -29,7 +29,7 @@ use super::upstream_usage::{self, UsageTap};
 use super::{ApiError, Caller, Ctx, Route};
 use crate::app::Destination;
 use crate::policy::RequestFacts;
-use crate::upstream::{self, Outgoing};
+use crate::upstream::{self, Outgoing, Upstream};
 
 /// `GET /admin/upstreams`: each configured upstream's health, last error
 /// and in-flight count, as the router sees them.
@@ -204,65 +204,83 @@ pub async fn dispatch(
             counted,
         }))),
         Destination::Upstream { order, .. } => {
-            let upstream = Arc::clone(&order[0]);
-            let protocol = match endpoint {
-                Endpoint::Messages => upstream::Protocol::Anthropic,
-                Endpoint::Chat
-                | Endpoint::Completions
-                | Endpoint::Responses
-                | Endpoint::Embeddings => upstream::Protocol::Openai,
+            let body = Forward {
+                bytes: &bytes,
+                json: &whole,
+                rewrite,
+                stream: fields.stream,
             };
-            // Messages to an upstream of OpenAI's API only: translated.
-            if protocol == upstream::Protocol::Anthropic
-                && !upstream.speaks(protocol)
-                && upstream.speaks(upstream::Protocol::Openai)
-            {
-                let json = whole(rewrite)?;
-                let resp = crate::http::anthropic::translate::via_openai(
-                    &upstream,
-                    &head,
-                    &cx.request_id,
-                    json,
-                )
-                .await?;
-                return Ok(Routed::Proxied(resp));
-            }
-            let body = match rewrite {
-                Some(model) => serde_json::to_vec(&whole(Some(model))?)
-                    .map(Bytes::from)
-                    .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?,
-                None => bytes.clone(),
-            };
-            // A streamed OpenAI answer reports usage only when asked.
-            let asked = match endpoint {
-                Endpoint::Chat | Endpoint::Completions if fields.stream => {
-                    upstream_usage::ask_for_usage(&body)
-                }
-                _ => None,
-            };
-            let strip = asked.is_some();
-            let body = asked.unwrap_or(body);
-            let path_and_query = head
-                .uri
-                .path_and_query()
-                .map_or_else(|| head.uri.path(), |p| p.as_str());
-            let max_attempts = cx.state.app.config.proxy.max_attempts;
-            let resp = upstream::proxy_in_order(
-                &order,
-                Outgoing {
-                    method: head.method.clone(),
-                    path_and_query,
-                    headers: &head.headers,
-                    body,
-                    request_id: &cx.request_id,
-                    protocol,
-                },
-                max_attempts,
-            )
-            .await?;
-            Ok(Routed::Proxied(count_usage(cx, resp, strip)))
+            forward(cx, &head, endpoint, &order, body)
+                .await
+                .map(Routed::Proxied)
         }
     }
+}
+
+/// A body on its way upstream: as received, or re-encoded with the model
+/// the decision named.
+struct Forward<'a, F: Fn(Option<String>) -> Result<Value, ApiError>> {
+    bytes: &'a Bytes,
+    /// The whole body parsed, with `model` rewritten when given.
+    json: &'a F,
+    rewrite: Option<String>,
+    stream: bool,
+}
+
+/// Sends a request to the first of `order` that answers, in the client's
+/// API (a Messages request to an OpenAI-only upstream is translated), and
+/// counts the answer's usage.
+async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
+    cx: &Ctx,
+    head: &http::request::Parts,
+    endpoint: Endpoint,
+    order: &[Arc<Upstream>],
+    body: Forward<'_, F>,
+) -> Result<Response<Body>, ApiError> {
+    let first = &order[0];
+    let protocol = match endpoint {
+        Endpoint::Messages => upstream::Protocol::Anthropic,
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Embeddings => {
+            upstream::Protocol::Openai
+        }
+    };
+    // Messages to an upstream of OpenAI's API only: translated.
+    if protocol == upstream::Protocol::Anthropic
+        && !first.speaks(protocol)
+        && first.speaks(upstream::Protocol::Openai)
+    {
+        let json = (body.json)(body.rewrite)?;
+        let via = crate::http::anthropic::translate::via_openai(first, head, &cx.request_id, json);
+        return via.await;
+    }
+    let bytes = match body.rewrite {
+        Some(model) => serde_json::to_vec(&(body.json)(Some(model))?)
+            .map(Bytes::from)
+            .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?,
+        None => body.bytes.clone(),
+    };
+    // A streamed OpenAI answer reports usage only when asked.
+    let asked = match endpoint {
+        Endpoint::Chat | Endpoint::Completions if body.stream => {
+            upstream_usage::ask_for_usage(&bytes)
+        }
+        _ => None,
+    };
+    let strip = asked.is_some();
+    let out = Outgoing {
+        method: head.method.clone(),
+        path_and_query: head
+            .uri
+            .path_and_query()
+            .map_or_else(|| head.uri.path(), |p| p.as_str()),
+        headers: &head.headers,
+        body: asked.unwrap_or(bytes),
+        request_id: &cx.request_id,
+        protocol,
+    };
+    let max_attempts = cx.state.app.config.proxy.max_attempts;
+    let resp = upstream::proxy_in_order(order, out, max_attempts).await?;
+    Ok(count_usage(cx, resp, strip))
 }
 
 /// A proxied answer whose usage is counted as it passes
