@@ -229,6 +229,7 @@ async fn route(
     req: Request<ReadDeadline<Incoming>>,
     request_id: String,
     peer: SocketAddr,
+    keys: &auth::KeyMemo,
 ) -> Outcome {
     let mut outcome = Outcome {
         route: metrics::UNMATCHED,
@@ -236,7 +237,7 @@ async fn route(
         response: Response::default(),
         permit: None,
     };
-    let (r, params, limit) = match admit(&state, &req, peer, &mut outcome) {
+    let (r, params, limit) = match admit(&state, &req, (peer, keys), &mut outcome) {
         Ok(admitted) => admitted,
         Err(e) => {
             outcome.response = error_response(req.uri().path(), e);
@@ -266,13 +267,13 @@ async fn route(
 fn admit<'s>(
     state: &'s AppState,
     req: &Request<ReadDeadline<Incoming>>,
-    peer: SocketAddr,
+    (peer, keys): (SocketAddr, &auth::KeyMemo),
     outcome: &mut Outcome,
 ) -> Result<(&'s Route, RouteParams, u64), ApiError> {
     let path = req.uri().path();
     let zone = Zone::of_path(path);
     if let Zone::Scoped(scope) = zone {
-        outcome.caller = Some(state.keys.authorize(req.headers(), scope)?);
+        outcome.caller = Some(state.keys.authorize(req.headers(), scope, keys)?);
     }
     let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
     if zone == Zone::Scoped(Scope::Infer)
@@ -404,6 +405,8 @@ struct ConnectionState {
     /// Set when the current request's body missed its deadline; reset at
     /// each request's start.
     body_expired: Arc<AtomicBool>,
+    /// The key this connection last authenticated with.
+    keys: auth::KeyMemo,
 }
 
 /// The whole life of one request: id, span, body deadline, auth and
@@ -425,7 +428,7 @@ async fn handle(
     let expired = &conn.body_expired;
     expired.store(false, Ordering::Relaxed);
     let req = req.map(|b| ReadDeadline::new(b, started, timeout, Arc::clone(expired)));
-    let out = route(Arc::clone(&state), req, id.clone(), peer)
+    let out = route(Arc::clone(&state), req, id.clone(), peer, &conn.keys)
         .instrument(span.clone())
         .await;
     let mut resp = out.response;
