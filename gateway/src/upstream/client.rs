@@ -310,8 +310,14 @@ impl Upstream {
     /// here (the length is recomputed by hyper from the body's exact size
     /// hint), and `x-mlxgate-upstream` names the upstream.
     fn pass_back(&self, parts: &mut http::response::Parts) {
-        for h in HOP_BY_HOP {
-            parts.headers.remove(h);
+        // Nearly every answer has a length; the other hop-by-hop headers
+        // are rare, so one pass over the few headers an answer has finds
+        // out whether any is there before each is looked up by hash.
+        parts.headers.remove(CONTENT_LENGTH);
+        if parts.headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+            for h in HOP_BY_HOP {
+                parts.headers.remove(h);
+            }
         }
         if let Some(v) = &self.name_header {
             parts.headers.insert(UPSTREAM_HEADER.clone(), v.clone());
@@ -565,10 +571,10 @@ static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 static ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
 static ANTHROPIC_BETA: HeaderName = HeaderName::from_static("anthropic-beta");
 
-/// Response headers not passed back: hop-by-hop ones, and the length, which hyper recomputes from the streamed body.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Response headers not passed back: hop-by-hop ones (and the length, which
+/// hyper recomputes from the streamed body: removed on its own).
+const HOP_BY_HOP: [HeaderName; 7] = [
     CONNECTION,
-    CONTENT_LENGTH,
     http::header::TRANSFER_ENCODING,
     http::header::TE,
     http::header::TRAILER,
@@ -970,6 +976,40 @@ mod tests {
         let mut s = spec("up", url);
         s.timeout_secs = Some(5.0);
         Arc::new(Upstream::new(&s))
+    }
+
+    #[tokio::test]
+    async fn hop_by_hop_headers_stay_here_and_the_others_pass() {
+        let (url, _) = raw_upstream(|_, mut s| {
+            while read_request(&mut s) {
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nconnection: keep-alive\r\nkeep-alive: timeout=5\r\n\
+                      x-custom: 1\r\ncontent-length: 2\r\n\r\nok",
+                );
+            }
+        });
+        let up = upstream(&url);
+        let headers = HeaderMap::new();
+        let out = Outgoing {
+            method: Method::POST,
+            path_and_query: "/v1/chat/completions",
+            headers: &headers,
+            body: Bytes::from_static(b"{}"),
+            request_id: "r",
+            protocol: Protocol::Openai,
+        };
+        let resp = proxy(&up, out).await.unwrap();
+        let h = resp.headers();
+        assert!(
+            h.get(CONNECTION).is_none() && h.get("keep-alive").is_none(),
+            "{h:?}"
+        );
+        assert!(
+            h.get(CONTENT_LENGTH).is_none(),
+            "hyper writes the length: {h:?}"
+        );
+        assert_eq!(h.get("x-custom").unwrap(), "1");
+        assert_eq!(h.get("x-mlxgate-upstream").unwrap(), "up");
     }
 
     #[tokio::test]
