@@ -310,14 +310,8 @@ impl Upstream {
     /// here (the length is recomputed by hyper from the body's exact size
     /// hint), and `x-mlxgate-upstream` names the upstream.
     fn pass_back(&self, parts: &mut http::response::Parts) {
-        // Nearly every answer has a length; the other hop-by-hop headers
-        // are rare, so one pass over the few headers an answer has finds
-        // out whether any is there before each is looked up by hash.
-        parts.headers.remove(CONTENT_LENGTH);
-        if parts.headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
-            for h in HOP_BY_HOP {
-                parts.headers.remove(h);
-            }
+        for h in HOP_BY_HOP {
+            parts.headers.remove(h);
         }
         if let Some(v) = &self.name_header {
             parts.headers.insert(UPSTREAM_HEADER.clone(), v.clone());
@@ -571,10 +565,10 @@ static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 static ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
 static ANTHROPIC_BETA: HeaderName = HeaderName::from_static("anthropic-beta");
 
-/// Response headers not passed back: hop-by-hop ones (and the length, which
-/// hyper recomputes from the streamed body: removed on its own).
-const HOP_BY_HOP: [HeaderName; 7] = [
+/// Response headers not passed back: hop-by-hop ones, and the length, which hyper recomputes from the streamed body.
+const HOP_BY_HOP: [HeaderName; 8] = [
     CONNECTION,
+    CONTENT_LENGTH,
     http::header::TRANSFER_ENCODING,
     http::header::TE,
     http::header::TRAILER,
