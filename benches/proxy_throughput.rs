@@ -15,6 +15,9 @@
 //! `PROXY_THROUGHPUT_GATEWAY` runs another `mlxgate` binary).
 //! `PROXY_THROUGHPUT_PROFILE=none`,
 //! `=policy`, `=called` or `=nginx` only loads that target, for a profiler.
+//! `PROXY_THROUGHPUT_TLS=1` puts the upstream behind TLS (HTTP/1.1, a CA
+//! made for the run): the gateway and nginx both verify it and keep their
+//! TLS connections alive.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -46,9 +49,16 @@ fn main() {
         std::process::exit(2);
     };
     let dir = tempfile::tempdir().expect("temp dir");
-    let upstream = start_upstream();
-    let gateway = Gateway::start(dir.path(), upstream);
-    let nginx = Nginx::start(&nginx, dir.path(), upstream);
+    // `PROXY_THROUGHPUT_TLS=1`: the upstream speaks HTTPS (HTTP/1.1 by
+    // ALPN, a certificate from a CA made here), and both proxies verify it.
+    let tls = std::env::var("PROXY_THROUGHPUT_TLS").is_ok_and(|v| v == "1");
+    let pki = tls.then(|| make_pki(dir.path()));
+    let upstream = start_upstream(pki.as_ref());
+    let gateway = Gateway::start(dir.path(), upstream, pki.as_ref());
+    let nginx = Nginx::start(&nginx, dir.path(), upstream, pki.as_ref());
+    if tls {
+        println!("upstream over TLS (HTTP/1.1), verified by both proxies");
+    }
     let script = dir.path().join("post.lua");
     std::fs::write(
         &script,
@@ -279,10 +289,29 @@ fn load(wrk: &Path, script: &Path, url: &str, secs: u32) -> (f64, f64) {
         println!("  {bad} non-2xx answers of {requests} from {url}");
         assert!(
             bad <= requests / 1000.0,
-            "too many errors under load:\n{text}"
+            "too many errors under load:\n{text}\none answer: {:?}\nnginx's error log:\n{}",
+            one_answer(url),
+            NGINX_LOG
+                .get()
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default()
         );
     }
     (rps, requests)
+}
+
+/// One bench request to `url` (`http://addr/path`): what a failing
+/// target answers, for the bench's error message.
+fn one_answer(url: &str) -> std::io::Result<(u16, String)> {
+    let rest = url.trim_start_matches("http://");
+    let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let addr: SocketAddr = addr.parse().map_err(std::io::Error::other)?;
+    let auth = format!("Bearer {KEY}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    common::request(addr, "POST", path, &headers, REQUEST.as_bytes())
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -290,8 +319,42 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// The trivial upstream: one runtime thread, a fixed JSON answer.
-fn start_upstream() -> SocketAddr {
+/// A CA and a certificate it signed for `localhost`, as PEM files.
+struct Pki {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+fn make_pki(dir: &Path) -> Pki {
+    let ca_key = rcgen::KeyPair::generate().expect("CA key");
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    // Distinct names: OpenSSL takes a certificate whose issuer is its own
+    // subject for a self-signed one.
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "mlxgate bench CA");
+    let ca_cert = ca.self_signed(&ca_key).expect("CA");
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut leaf = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+    leaf.distinguished_name
+        .push(rcgen::DnType::CommonName, "localhost");
+    let cert = leaf.signed_by(&key, &issuer).expect("certificate");
+    let pki = Pki {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+    };
+    std::fs::write(&pki.ca, ca_cert.pem()).expect("write CA");
+    std::fs::write(&pki.cert, cert.pem()).expect("write certificate");
+    std::fs::write(&pki.key, key.serialize_pem()).expect("write key");
+    pki
+}
+
+/// The trivial upstream: one runtime thread, a fixed JSON answer; over TLS
+/// with `pki`.
+fn start_upstream(pki: Option<&Pki>) -> SocketAddr {
     use http_body_util::{BodyExt, Full};
     use hyper::service::service_fn;
     use hyper_util::rt::TokioIo;
@@ -299,6 +362,10 @@ fn start_upstream() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
     let addr = listener.local_addr().expect("upstream addr");
     listener.set_nonblocking(true).expect("nonblocking");
+    let acceptor = pki.map(|p| {
+        let config = mlxgate::util::tls::server_config(&p.cert, &p.key).expect("TLS config");
+        tokio_rustls::TlsAcceptor::from(config)
+    });
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -308,6 +375,7 @@ fn start_upstream() -> SocketAddr {
             let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
             while let Ok((s, _)) = listener.accept().await {
                 let _ = s.set_nodelay(true);
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
                         // Read the body so the connection can be reused.
@@ -320,9 +388,14 @@ fn start_upstream() -> SocketAddr {
                         );
                         Ok::<_, std::convert::Infallible>(r)
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(s), svc)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    let _ = match acceptor {
+                        None => http.serve_connection(TokioIo::new(s), svc).await,
+                        Some(a) => match a.accept(s).await {
+                            Ok(tls) => http.serve_connection(TokioIo::new(tls), svc).await,
+                            Err(_) => return,
+                        },
+                    };
                 });
             }
         });
@@ -350,8 +423,16 @@ struct Gateway {
 }
 
 impl Gateway {
-    fn start(dir: &Path, upstream: SocketAddr) -> Gateway {
+    fn start(dir: &Path, upstream: SocketAddr, pki: Option<&Pki>) -> Gateway {
         let port = common::free_port();
+        let target = match pki {
+            None => format!("base_url = \"http://{upstream}/v1\"\n"),
+            Some(p) => format!(
+                "base_url = \"https://localhost:{}/v1\"\nca_file = \"{}\"\n",
+                upstream.port(),
+                p.ca.display()
+            ),
+        };
         let hash: String = {
             use sha2::Digest;
             sha2::Sha256::digest(KEY.as_bytes())
@@ -364,7 +445,7 @@ impl Gateway {
             &config,
             format!(
                 "[[keys]]\nid = \"bench\"\ntenant = \"bench\"\nscopes = [\"infer\"]\nsha256 = \"{hash}\"\n\
-                 [[upstreams]]\nname = \"up\"\nbase_url = \"http://{upstream}/v1\"\nmodels = [\"bench-model\"]\n"
+                 [[upstreams]]\nname = \"up\"\n{target}models = [\"bench-model\"]\n"
             ),
         )
         .expect("write config");
@@ -423,6 +504,9 @@ impl Drop for Gateway {
     }
 }
 
+/// nginx's error log, for the bench's error message.
+static NGINX_LOG: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
 /// nginx as our own foreground process with a generated config.
 struct Nginx {
     child: Child,
@@ -430,11 +514,25 @@ struct Nginx {
 }
 
 impl Nginx {
-    fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Nginx {
+    fn start(bin: &Path, dir: &Path, upstream: SocketAddr, pki: Option<&Pki>) -> Nginx {
         let port = common::free_port();
+        // Over TLS: verified against the CA, the session reused, as the
+        // gateway does.
+        let (scheme, tls) = match pki {
+            None => ("http", String::new()),
+            Some(p) => (
+                "https",
+                format!(
+                    " proxy_ssl_verify on; proxy_ssl_trusted_certificate {}; proxy_ssl_name localhost; \
+                     proxy_ssl_server_name on; proxy_ssl_session_reuse on;",
+                    p.ca.display()
+                ),
+            ),
+        };
         let root = dir.join("nginx");
         std::fs::create_dir_all(&root).expect("nginx dir");
         let conf = root.join("nginx.conf");
+        let _ = NGINX_LOG.set(root.join("error.log"));
         let r = root.display();
         std::fs::write(
             &conf,
@@ -446,7 +544,7 @@ impl Nginx {
                    fastcgi_temp_path {r}/fastcgi;\n  uwsgi_temp_path {r}/uwsgi;\n  scgi_temp_path {r}/scgi;\n\
                    upstream up {{ server {upstream}; keepalive 64; }}\n\
                    server {{\n    listen 127.0.0.1:{port};\n\
-                     location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }}\n  }}\n}}\n"
+                     location / {{ proxy_pass {scheme}://up; proxy_http_version 1.1; proxy_set_header Connection \"\";{tls} }}\n  }}\n}}\n"
             ),
         )
         .expect("write nginx.conf");
