@@ -280,6 +280,40 @@ fn every_openai_path_is_proxied_and_models_list_the_upstreams() {
 }
 
 #[test]
+fn streamed_requests_ask_for_usage_unless_the_upstream_refuses_the_field() {
+    let up = FakeUpstream::start();
+    let body = json!({"model": "echo-stream", "stream": true,
+                      "messages": [{"role": "user", "content": "hi"}]});
+    for (setting, asked) in [("", true), ("stream_usage = false\n", false)] {
+        let config = format!(
+            "[[upstreams]]\nname = \"up\"\nbase_url = \"{}\"\nmodels = [\"echo-stream\"]\n{setting}",
+            up.base_url()
+        );
+        let s = ServerBuilder::new().config(&config).start();
+        let r = s.post_json("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let text = r.text();
+        let event = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: {"))
+            .unwrap();
+        let sent: serde_json::Value = serde_json::from_str(
+            serde_json::from_str::<serde_json::Value>(&format!("{{{event}")).unwrap()["choices"][0]
+                ["delta"]["content"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            sent["stream_options"]["include_usage"] == true,
+            asked,
+            "{setting}: {sent}"
+        );
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    }
+}
+
+#[test]
 fn tenant_router_proxies_rejects_and_maps_upstream_failures() {
     let up = FakeUpstream::start();
     let s = gateway(&up);

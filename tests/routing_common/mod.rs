@@ -29,7 +29,8 @@ pub const LAST_EVENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"last
 /// request id, the names of all request headers),
 /// or, with `"stream": true`, an SSE stream whose first event is sent at
 /// once and the rest only after [`FakeUpstream::release`]. Model
-/// `echo-body` answers with the body it received as its text. Model `slow`
+/// `echo-body` answers with the body it received as its text; model
+/// `echo-stream`, streamed, with one event carrying it, then `[DONE]`. Model `slow`
 /// answers after 10 s; model `status-429` answers 429 with an error body.
 pub struct FakeUpstream {
     pub addr: SocketAddr,
@@ -120,6 +121,15 @@ async fn answer(
     if model == "status-429" {
         let e = json!({"error": {"message": "upstream says slow down", "type": "rate_limit_error", "param": null, "code": "rate_limited"}});
         return Ok(full(StatusCode::TOO_MANY_REQUESTS, &e));
+    }
+    if v["stream"] == json!(true) && model == "echo-stream" {
+        // The body received, as the one event's text, then the end.
+        let event = json!({"choices": [{"delta": {"content": v.to_string()}}]});
+        let text = format!("data: {event}\n\ndata: [DONE]\n\n");
+        let mut r = Response::new(Full::new(Bytes::from(text)).boxed_unsync());
+        r.headers_mut()
+            .insert("content-type", "text/event-stream".parse().unwrap());
+        return Ok(r);
     }
     if v["stream"] == json!(true) {
         let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);

@@ -259,9 +259,12 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
             .map_err(|e| ApiError::Internal(format!("re-encoding the body: {e}")))?,
         None => body.bytes.clone(),
     };
-    // A streamed OpenAI answer reports usage only when asked.
+    // A streamed OpenAI answer reports usage only when asked, and every
+    // upstream the request may reach must take the field.
     let asked = match endpoint {
-        Endpoint::Chat | Endpoint::Completions if body.stream => {
+        Endpoint::Chat | Endpoint::Completions
+            if body.stream && order.iter().all(|u| u.stream_usage()) =>
+        {
             upstream_usage::ask_for_usage(&bytes)
         }
         _ => None,

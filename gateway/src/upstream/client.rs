@@ -117,6 +117,8 @@ pub struct Upstream {
     protocols: Vec<Protocol>,
     /// Tried next when this one fails or is passed over.
     fallbacks: Vec<String>,
+    /// See [`UpstreamSpec::stream_usage`].
+    stream_usage: bool,
     health_check: Option<HealthCheckSpec>,
     timeout: Duration,
     pool: Arc<Pool>,
@@ -129,6 +131,12 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// Whether streamed OpenAI requests to it may ask for usage
+    /// (`[[upstreams]] stream_usage`).
+    pub fn stream_usage(&self) -> bool {
+        self.stream_usage
+    }
+
     /// Whether it speaks `protocol` (`[[upstreams]] protocols`).
     pub fn speaks(&self, protocol: Protocol) -> bool {
         self.protocols.contains(&protocol)
@@ -172,6 +180,7 @@ impl Upstream {
             key,
             protocols: spec.protocols.clone(),
             fallbacks: spec.fallbacks.clone(),
+            stream_usage: spec.stream_usage.unwrap_or(true),
             health_check: spec.health_check.clone(),
             timeout,
             pool: Arc::new(Pool::default()),

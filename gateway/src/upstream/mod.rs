@@ -96,6 +96,10 @@ pub struct UpstreamSpec {
     pub breaker_cooldown_secs: Option<f64>,
     /// An active health check (off unless set).
     pub health_check: Option<HealthCheckSpec>,
+    /// Whether a streamed OpenAI request that does not ask for usage is
+    /// sent with `stream_options.include_usage` so its tokens are counted
+    /// (default true; false for a server that refuses the field).
+    pub stream_usage: Option<bool>,
 }
 
 /// `health_check = { path = "/models", interval_secs = 10, timeout_secs = 5 }`:
@@ -174,6 +178,7 @@ impl UpstreamSpec {
             breaker_failures: None,
             breaker_cooldown_secs: None,
             health_check: None,
+            stream_usage: None,
         }
     }
 }
