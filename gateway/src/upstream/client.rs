@@ -956,20 +956,21 @@ mod tests {
         }
     }
 
+    /// An OpenAI POST of `{"model":"m"}` to `path`, with no client headers.
+    fn post<'a>(path: &'a str, headers: &'a HeaderMap) -> Outgoing<'a> {
+        Outgoing {
+            method: Method::POST,
+            path_and_query: path,
+            headers,
+            body: Bytes::from_static(br#"{"model":"m"}"#),
+            request_id: "req-1",
+            protocol: Protocol::Openai,
+        }
+    }
+
     async fn call(up: &Arc<Upstream>) -> Result<(StatusCode, Bytes), UpstreamError> {
         let headers = HeaderMap::new();
-        let resp = proxy(
-            up,
-            Outgoing {
-                method: Method::POST,
-                path_and_query: "/v1/chat/completions",
-                headers: &headers,
-                body: Bytes::from_static(br#"{"model":"m"}"#),
-                request_id: "req-1",
-                protocol: Protocol::Openai,
-            },
-        )
-        .await?;
+        let resp = proxy(up, post("/v1/chat/completions", &headers)).await?;
         let status = resp.status();
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         Ok((status, body))
@@ -993,15 +994,9 @@ mod tests {
         });
         let up = upstream(&url);
         let headers = HeaderMap::new();
-        let out = Outgoing {
-            method: Method::POST,
-            path_and_query: "/v1/chat/completions",
-            headers: &headers,
-            body: Bytes::from_static(b"{}"),
-            request_id: "r",
-            protocol: Protocol::Openai,
-        };
-        let resp = proxy(&up, out).await.unwrap();
+        let resp = proxy(&up, post("/v1/chat/completions", &headers))
+            .await
+            .unwrap();
         let h = resp.headers();
         assert!(
             h.get(CONNECTION).is_none() && h.get("keep-alive").is_none(),
@@ -1038,14 +1033,7 @@ mod tests {
         let up = upstream(&url);
         let headers = HeaderMap::new();
         for _ in 0..3 {
-            let out = Outgoing {
-                method: Method::POST,
-                path_and_query: "/v1/chat/completions",
-                headers: &headers,
-                body: Bytes::from_static(b"{}"),
-                request_id: "r",
-                protocol: Protocol::Openai,
-            };
+            let out = post("/v1/chat/completions", &headers);
             let mut body = proxy(&up, out).await.unwrap().into_body();
             let mut got = Vec::new();
             while !body.is_end_stream() {
@@ -1152,14 +1140,7 @@ mod tests {
         });
         let up = upstream(&url);
         let headers = HeaderMap::new();
-        let out = || Outgoing {
-            method: Method::POST,
-            path_and_query: "/v1/completions",
-            headers: &headers,
-            body: Bytes::from_static(b"{}"),
-            request_id: "r",
-            protocol: Protocol::Openai,
-        };
+        let out = || post("/v1/completions", &headers);
         let mut body = proxy(&up, out()).await.unwrap().into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(&first[..], b"0123456789");

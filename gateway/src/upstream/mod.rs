@@ -28,7 +28,6 @@ mod client;
 mod fallback;
 mod pool;
 
-pub use breaker::Skip;
 pub use client::{
     Outgoing, ProxyBody, UPSTREAM_HEADER, Upstream, UpstreamError, UpstreamStatus, Upstreams, proxy,
 };
