@@ -164,6 +164,9 @@ pub struct ServerConfig {
     pub tls_cert: Option<PathBuf>,
     /// The PEM private key of `tls_cert`. `--tls-key` overrides it.
     pub tls_key: Option<PathBuf>,
+    /// Threads that serve connections, each with its own event loop; a
+    /// connection stays on one for its life (default 0: one per CPU core).
+    pub serving_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -177,6 +180,7 @@ impl Default for ServerConfig {
             max_concurrent_requests_per_key: 64,
             tls_cert: None,
             tls_key: None,
+            serving_threads: 0,
         }
     }
 }
@@ -192,6 +196,14 @@ impl ServerConfig {
 
     pub fn stream_stall_timeout(&self) -> Duration {
         Duration::from_secs(self.stream_stall_timeout_secs)
+    }
+
+    /// `serving_threads`, with 0 read as one per CPU core.
+    pub fn serving_threads(&self) -> usize {
+        match self.serving_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {

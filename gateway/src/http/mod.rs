@@ -37,6 +37,7 @@ pub mod openai;
 pub mod prompt_caches;
 pub mod responses;
 pub mod routing;
+pub mod serving;
 pub mod upstream_usage;
 
 use std::convert::Infallible;
@@ -68,6 +69,7 @@ use connections::{ConnLimits, ReadDeadline};
 pub use error::ApiError;
 use inflight::{Concurrency, Guarded, Permit, SendWatch};
 use metrics::Metrics;
+use serving::ServingThreads;
 
 /// State shared by all requests: the application, and what the wire
 /// itself keeps (metrics, per-key concurrency, the route table).
@@ -480,6 +482,8 @@ pub enum ServeError {
     },
     #[error(transparent)]
     Tls(#[from] crate::config::ConfigError),
+    #[error("cannot start the serving threads: {0}")]
+    Threads(std::io::Error),
 }
 
 /// Binds, starts loading the models with `load`, and serves until
@@ -497,7 +501,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
         })?;
     let state = AppState::new(config);
     state.app.start(load, shutdown_signal());
-    run(listener, Arc::clone(&state), tls, shutdown_signal()).await;
+    run(listener, Arc::clone(&state), tls, shutdown_signal()).await?;
     state.app.stop_jobs().await;
     Ok(())
 }
@@ -517,8 +521,9 @@ pub async fn run(
     state: Arc<AppState>,
     tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()>,
-) {
+) -> Result<(), ServeError> {
     let server = state.app.config.server.clone();
+    let threads = ServingThreads::start(server.serving_threads()).map_err(ServeError::Threads)?;
     let limits = ConnLimits::new(
         connections::effective_max_connections(server.max_connections),
         server.max_connections_per_ip,
@@ -529,6 +534,7 @@ pub async fn run(
             %addr,
             tls = tls.is_some(),
             open_inference = open,
+            serving_threads = threads.len(),
             max_connections = limits.max(),
             max_connections_per_ip = limits.per_ip(),
             "listening"
@@ -551,7 +557,7 @@ pub async fn run(
                     };
                     let times = (keep_alive, stall);
                     let conn = Accepted { stream, peer, permit };
-                    serve_connection(&state, conn, tls.as_ref(), &graceful, times);
+                    serve_connection(&state, conn, tls.as_ref(), (&graceful, &threads), times);
                 }
                 Err(e) => {
                     // Usually out of file descriptors; back off instead of spinning.
@@ -572,6 +578,7 @@ pub async fn run(
         Ok(()) => info!("all connections closed"),
         Err(_) => warn!("grace period over with requests still running; exiting anyway"),
     }
+    Ok(())
 }
 
 /// A connection as accepted, with its slot in the connection limits.
@@ -589,7 +596,7 @@ fn serve_connection(
     state: &Arc<AppState>,
     conn: Accepted,
     tls: Option<&TlsAcceptor>,
-    graceful: &GracefulShutdown,
+    (graceful, threads): (&GracefulShutdown, &ServingThreads),
     (keep_alive, stall): (Duration, Duration),
 ) {
     // Answers go out as soon as they are written, as nginx's `tcp_nodelay
@@ -598,30 +605,37 @@ fn serve_connection(
     if let Err(e) = conn.stream.set_nodelay(true) {
         tracing::debug!(peer = %conn.peer, error = %e, "cannot set TCP_NODELAY");
     }
+    let Accepted {
+        stream,
+        peer,
+        permit,
+    } = conn;
+    // Re-registered with the serving thread's own reactor there.
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "cannot hand the connection over");
+            return;
+        }
+    };
     let state = Arc::clone(state);
     let watcher = graceful.watcher();
-    let Some(acceptor) = tls.cloned() else {
-        let Accepted {
-            stream,
-            peer,
-            permit,
-        } = conn;
-        tokio::spawn(async move {
-            let _permit = permit;
-            let served = serve_http(state, stream, peer, watcher, (keep_alive, stall));
-            served.await;
-        });
-        return;
-    };
-    tokio::spawn(async move {
-        let Accepted {
-            stream,
-            peer,
-            permit,
-        } = conn;
+    let acceptor = tls.cloned();
+    threads.spawn(move || async move {
         let _permit = permit;
+        let stream = match tokio::net::TcpStream::from_std(stream) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "cannot serve the connection");
+                return;
+            }
+        };
+        let times = (keep_alive, stall);
+        let Some(acceptor) = acceptor else {
+            return serve_http(state, stream, peer, watcher, times).await;
+        };
         match tokio::time::timeout(keep_alive, acceptor.accept(stream)).await {
-            Ok(Ok(stream)) => serve_http(state, stream, peer, watcher, (keep_alive, stall)).await,
+            Ok(Ok(stream)) => serve_http(state, stream, peer, watcher, times).await,
             Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
             Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
         }

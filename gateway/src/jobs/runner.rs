@@ -167,6 +167,9 @@ pub struct Jobs {
     /// Set by [`Jobs::shutdown`]: running jobs stop, queued ones stay queued
     /// for the next start, followers' streams end.
     stopping: AtomicBool,
+    /// The runtime [`Jobs::start`] ran on, where jobs are driven: a job
+    /// submitted over HTTP outlives the connection's serving thread.
+    runtime: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 async fn blocking<T: Send + 'static>(
@@ -215,6 +218,7 @@ impl Jobs {
             slots,
             live: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
+            runtime: std::sync::OnceLock::new(),
         }))
     }
 
@@ -246,6 +250,9 @@ impl Jobs {
     /// Start-up: rows `running` under a dead process become `zombie` (with a
     /// closing `failed` event in their log); `queued` rows are run again.
     pub fn start(self: &Arc<Self>) -> Result<(), JobError> {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let _ = self.runtime.set(rt);
+        }
         let rec = self.ledger.recover()?;
         for row in &rec.zombies {
             warn!(job = %row.id, kind = %row.kind, "job was running when the gateway died; marked zombie");
@@ -324,7 +331,11 @@ impl Jobs {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(row.id.clone(), Arc::clone(&live));
-        tokio::spawn(Arc::clone(self).drive(row.id.clone(), spec, live));
+        let drive = Arc::clone(self).drive(row.id.clone(), spec, live);
+        match self.runtime.get() {
+            Some(rt) => rt.spawn(drive),
+            None => tokio::spawn(drive),
+        };
         Ok(())
     }
 

@@ -16,11 +16,10 @@ use http::header::{
     HeaderValue, USER_AGENT,
 };
 use http::{Method, Request, Response, Uri};
-use http_body_util::Full;
-use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use hyper::body::{Body as _, Frame, SizeHint};
 
 use super::breaker::{Breaker, BreakerSettings, Skip, retry_after};
-use super::pool::{Dialer, Lease, Pool};
+use super::pool::{Dialer, Lease, Pool, Reply};
 use super::{
     Base, DEFAULT_BREAKER_COOLDOWN_SECS, DEFAULT_BREAKER_FAILURES, DEFAULT_TIMEOUT_SECS,
     HealthCheckSpec, PROXIED_PATHS, Protocol, UpstreamSpec, normalize_path,
@@ -271,8 +270,8 @@ impl Upstream {
     /// in the upstream's health (an answer of 5xx counts as a failure).
     async fn exchange_within_timeout(
         &self,
-        request: impl Fn() -> Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, Lease), UpstreamError> {
+        request: impl Fn() -> Request<Bytes>,
+    ) -> Result<(Response<Reply>, Lease), UpstreamError> {
         let name = &self.name;
         let started = Instant::now();
         let answer = match tokio::time::timeout(self.timeout, exchange(self, request)).await {
@@ -354,7 +353,7 @@ impl Upstream {
             return;
         };
         let request = || {
-            let mut req = Request::new(Full::new(Bytes::new()));
+            let mut req = Request::new(Bytes::new());
             *req.uri_mut() = target.clone();
             let h = req.headers_mut();
             h.insert(HOST, self.host.clone());
@@ -373,7 +372,7 @@ impl Upstream {
                 let status = resp.status();
                 // Read the (small) answer so the connection can be pooled.
                 let mut body = ProxyBody {
-                    incoming: resp.into_body(),
+                    reply: resp.into_body(),
                     lease: Some(lease),
                     guard: None,
                     pool: Arc::clone(&self.pool),
@@ -626,7 +625,7 @@ pub async fn proxy(
     upstream.admit()?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
     let request = || {
-        let mut req = Request::new(Full::new(out.body.clone()));
+        let mut req = Request::new(out.body.clone());
         *req.method_mut() = out.method.clone();
         *req.uri_mut() = target.clone();
         let h = req.headers_mut();
@@ -666,15 +665,15 @@ pub async fn proxy(
 
     let guard = InFlight::start(upstream);
     let (resp, lease) = upstream.exchange_within_timeout(request).await?;
-    let (mut parts, incoming) = resp.into_parts();
+    let (mut parts, reply) = resp.into_parts();
     upstream.pass_back(&mut parts);
     let mut body = ProxyBody {
-        incoming,
+        reply,
         lease: Some(lease),
         guard: Some(guard),
         pool: Arc::clone(&upstream.pool),
     };
-    if body.incoming.is_end_stream() {
+    if body.is_end_stream() {
         // No body: the server will not poll it, so the connection is done now.
         body.finish();
     }
@@ -689,10 +688,10 @@ struct Failure {
 }
 
 impl Failure {
-    fn exchange(e: &hyper::Error) -> Failure {
+    fn exchange(e: &BoxError) -> Failure {
         Failure {
             reason: "the connection failed before an answer",
-            detail: error_chain(e),
+            detail: error_chain(&**e),
         }
     }
 }
@@ -702,8 +701,8 @@ impl Failure {
 /// upstream closed it as we sent) is replaced by a new one, once.
 async fn exchange(
     upstream: &Upstream,
-    request: impl Fn() -> Request<Full<Bytes>>,
-) -> Result<(Response<Incoming>, Lease), Failure> {
+    request: impl Fn() -> Request<Bytes>,
+) -> Result<(Response<Reply>, Lease), Failure> {
     let mut lease = match upstream.pool.checkout() {
         Some(l) => l,
         None => connect(upstream).await?,
@@ -711,7 +710,7 @@ async fn exchange(
     match lease.send(request()).await {
         Ok(resp) => return Ok((resp, lease)),
         Err(e) if lease.reused => {
-            tracing::debug!(upstream = %upstream.name, error = %error_chain(&e), "pooled connection failed; retrying on a new one");
+            tracing::debug!(upstream = %upstream.name, error = %error_chain(&*e), "pooled connection failed; retrying on a new one");
         }
         Err(e) => return Err(Failure::exchange(&e)),
     }
@@ -734,10 +733,10 @@ async fn connect(upstream: &Upstream) -> Result<Lease, Failure> {
 }
 
 /// The upstream's answer body, passed through frame by frame. Polling it
-/// also drives the upstream connection, which returns to the pool once the
-/// body is complete; dropping it early closes the connection.
+/// reads the upstream connection, which returns to the pool once the body
+/// is complete; dropping it early closes the connection.
 pub struct ProxyBody {
-    incoming: Incoming,
+    reply: Reply,
     lease: Option<Lease>,
     /// In flight until the body is streamed out or dropped (a client's
     /// request; health checks are not counted).
@@ -752,6 +751,26 @@ impl ProxyBody {
             self.pool.checkin(lease);
         }
     }
+
+    fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BoxError>>> {
+        match &mut self.reply {
+            Reply::H2(incoming) => loop {
+                match std::task::ready!(Pin::new(&mut *incoming).poll_frame(cx)) {
+                    // Trailers are not passed on.
+                    Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data) => return Poll::Ready(Some(Ok(data))),
+                        Err(_) => continue,
+                    },
+                    Some(Err(e)) => return Poll::Ready(Some(Err(Box::new(e)))),
+                    None => return Poll::Ready(None),
+                }
+            },
+            Reply::H1 => match self.lease.as_mut().and_then(Lease::h1) {
+                Some(conn) => conn.poll_data(cx).map_err(BoxError::from),
+                None => Poll::Ready(None),
+            },
+        }
+    }
 }
 
 impl hyper::body::Body for ProxyBody {
@@ -763,42 +782,42 @@ impl hyper::body::Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        let mut polled = Pin::new(&mut this.incoming).poll_frame(cx);
-        if polled.is_pending()
-            && let Some(lease) = this.lease.as_mut()
-        {
-            // The connection reads what the body is waiting for.
-            lease.poll_conn(cx);
-            polled = Pin::new(&mut this.incoming).poll_frame(cx);
-        }
-        match polled {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(frame))) => {
-                if this.incoming.is_end_stream() {
+        match std::task::ready!(this.poll_data(cx)) {
+            Some(Ok(data)) => {
+                if this.is_end_stream() {
                     this.finish();
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Ready(Some(Ok(Frame::data(data))))
             }
-            Poll::Ready(None) => {
+            None => {
                 this.finish();
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(Err(e))) => {
+            Some(Err(e)) => {
                 this.lease = None;
                 if let Some(guard) = &this.guard {
                     guard.0.record_error(format!("response body: {e}"));
                 }
-                Poll::Ready(Some(Err(Box::new(e))))
+                Poll::Ready(Some(Err(e)))
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.incoming.is_end_stream()
+        match &self.reply {
+            Reply::H2(incoming) => incoming.is_end_stream(),
+            Reply::H1 => self.lease.as_ref().is_none_or(Lease::is_done),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.incoming.size_hint()
+        match &self.reply {
+            Reply::H2(incoming) => incoming.size_hint(),
+            Reply::H1 => match self.lease.as_ref().map_or(Some(0), Lease::remaining) {
+                Some(n) => SizeHint::with_exact(n),
+                None => SizeHint::default(),
+            },
+        }
     }
 }
 
@@ -1171,12 +1190,14 @@ mod tests {
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
                     let tls = acceptor.accept(tcp).await.unwrap();
-                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                        let answer = format!("{:?} {}", req.version(), req.uri().path());
-                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(
-                            answer,
-                        ))))
-                    });
+                    let service = hyper::service::service_fn(
+                        |req: Request<hyper::body::Incoming>| async move {
+                            let answer = format!("{:?} {}", req.version(), req.uri().path());
+                            Ok::<_, std::convert::Infallible>(Response::new(
+                                http_body_util::Full::new(Bytes::from(answer)),
+                            ))
+                        },
+                    );
                     let _ = hyper::server::conn::http2::Builder::new(
                         hyper_util::rt::TokioExecutor::new(),
                     )

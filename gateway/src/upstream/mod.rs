@@ -26,6 +26,7 @@
 mod breaker;
 mod client;
 mod fallback;
+mod h1;
 mod pool;
 
 pub use client::{

@@ -1,14 +1,14 @@
-//! Connections to one upstream: keep-alive HTTP/1 connections driven on
+//! Connections to one upstream: keep-alive HTTP/1.1 connections driven on
 //! the request's own task, or one shared HTTP/2 connection when a TLS
 //! upstream chooses HTTP/2 by ALPN; plain TCP or TLS (rustls) underneath.
 //!
-//! Each connection is a hyper `client::conn::http1` pair (`SendRequest`,
-//! `Connection`). Nobody polls an idle connection: it waits in the pool
-//! until a request checks it out, and that request's task then polls the
-//! `Connection` itself, first while waiting for the answer's head and then
-//! from the response body it hands to the server ([`Lease::poll_conn`]). So
-//! a proxied request never crosses to another task or thread, and no task
-//! is spawned per request or per connection. When the answer's body is
+//! An HTTP/1.1 connection ([`H1`], h1.rs) is only read and written by the
+//! request that holds it: nobody polls an idle connection; it waits in the
+//! pool (the serving thread's part of it) until a request checks it out,
+//! which writes its request, reads the answer's head, and hands the server
+//! a body that reads the rest from the socket as it is polled. So a
+//! proxied request never crosses to another task or thread, and no task is
+//! spawned per request or per connection. When the answer's body is
 //! complete the connection goes back to the pool; a body dropped early (the
 //! client went away) closes it.
 //!
@@ -22,7 +22,6 @@
 //! request can drive it: it runs on a task of its own, and a lease is a
 //! handle on it. It is replaced when the upstream closes it.
 
-use std::future::{Future, poll_fn};
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,7 +33,7 @@ use bytes::Bytes;
 use http::{Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
+use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -42,24 +41,22 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
-/// Idle connections kept per upstream; more are closed when they come back.
+use super::h1::H1;
+use crate::util::BoxError;
+use crate::util::threads::slot;
+
+/// Idle connections kept per upstream and serving thread; more are closed
+/// when they come back.
 pub(super) const MAX_IDLE: usize = 128;
 /// An idle connection older than this is closed.
 pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the sweeper looks at idle connections.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
-type Conn = http1::Connection<TokioIo<Stream>, Full<Bytes>>;
-
 /// How one exchange talks to the upstream.
 enum Link {
-    /// An HTTP/1.1 connection this lease owns and drives.
-    H1 {
-        sender: http1::SendRequest<Full<Bytes>>,
-        conn: Pin<Box<Conn>>,
-        /// The connection future completed (closed or failed): never reused.
-        done: bool,
-    },
+    /// An HTTP/1.1 connection this lease owns and drives (h1.rs).
+    H1(H1),
     /// A handle on the upstream's shared HTTP/2 connection, which its own
     /// task drives (it multiplexes every exchange at once). HTTP/2 wants
     /// the absolute URI: `origin` is its scheme and authority.
@@ -78,49 +75,54 @@ pub(super) struct Lease {
     idle_since: Instant,
 }
 
-impl Lease {
-    /// Drives an HTTP/1 connection: writes the request, reads the answer
-    /// into the response body's channel, notices EOF. Call before and
-    /// after polling the response future or body.
-    pub(super) fn poll_conn(&mut self, cx: &mut Context<'_>) {
-        if let Link::H1 { conn, done, .. } = &mut self.link
-            && !*done
-            && conn.as_mut().poll(cx).is_ready()
-        {
-            *done = true;
-        }
-    }
+/// An answer's body: read from the lease's own HTTP/1.1 connection, or
+/// hyper's body of an HTTP/2 stream.
+pub(super) enum Reply {
+    H1,
+    H2(Incoming),
+}
 
+impl Lease {
     /// Whether the connection can take another request right now.
     fn reusable(&mut self, cx: &mut Context<'_>) -> bool {
-        self.poll_conn(cx);
-        match &self.link {
-            Link::H1 { sender, done, .. } => !*done && !sender.is_closed() && sender.is_ready(),
+        match &mut self.link {
+            Link::H1(conn) => conn.reusable(cx),
             Link::H2 { sender, .. } => !sender.is_closed(),
         }
     }
 
-    /// Sends `req` and waits for the answer's head, driving an HTTP/1
-    /// connection on this task meanwhile.
+    /// Whether an HTTP/1.1 answer's body is read whole (an HTTP/2 lease
+    /// carries no body).
+    pub(super) fn is_done(&self) -> bool {
+        match &self.link {
+            Link::H1(conn) => conn.is_done(),
+            Link::H2 { .. } => true,
+        }
+    }
+
+    /// An HTTP/1.1 answer's body bytes still to come, when known.
+    pub(super) fn remaining(&self) -> Option<u64> {
+        match &self.link {
+            Link::H1(conn) => conn.remaining(),
+            Link::H2 { .. } => Some(0),
+        }
+    }
+
+    /// The HTTP/1.1 connection, if this is one.
+    pub(super) fn h1(&mut self) -> Option<&mut H1> {
+        match &mut self.link {
+            Link::H1(conn) => Some(conn),
+            Link::H2 { .. } => None,
+        }
+    }
+
+    /// Sends `req` and waits for the answer's head.
     pub(super) async fn send(
         &mut self,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<Response<Incoming>, hyper::Error> {
+        mut req: Request<Bytes>,
+    ) -> Result<Response<Reply>, BoxError> {
         match &mut self.link {
-            Link::H1 { sender, conn, done } => {
-                let mut answer = std::pin::pin!(sender.send_request(req));
-                poll_fn(|cx| {
-                    // The answer first: the connection may have delivered it already.
-                    if let Poll::Ready(r) = answer.as_mut().poll(cx) {
-                        return Poll::Ready(r);
-                    }
-                    if !*done && conn.as_mut().poll(cx).is_ready() {
-                        *done = true;
-                    }
-                    answer.as_mut().poll(cx)
-                })
-                .await
-            }
+            Link::H1(conn) => Ok(conn.exchange(&req).await?.map(|()| Reply::H1)),
             Link::H2 { sender, origin } => {
                 let mut uri = origin.clone().into_parts();
                 uri.path_and_query = req.uri().path_and_query().cloned();
@@ -130,16 +132,19 @@ impl Lease {
                 // `host` is HTTP/1's; HTTP/2 carries it as `:authority`.
                 req.headers_mut().remove(http::header::HOST);
                 sender.ready().await?;
-                sender.send_request(req).await
+                let resp = sender.send_request(req.map(Full::new)).await?;
+                Ok(resp.map(Reply::H2))
             }
         }
     }
 }
 
-/// Idle connections of one upstream, most recently used last.
 #[derive(Default)]
 pub(super) struct Pool {
-    idle: Mutex<Vec<Lease>>,
+    /// Idle HTTP/1 connections by the serving thread that opened them
+    /// (`util::threads::slot`): a request reuses only its own thread's, whose
+    /// reactor drives them.
+    idle: Mutex<Vec<Vec<Lease>>>,
     /// The HTTP/2 connection, when the upstream chose HTTP/2: every
     /// exchange shares it.
     shared: Mutex<Option<(http2::SendRequest<Full<Bytes>>, Uri)>>,
@@ -182,6 +187,7 @@ impl Pool {
     fn checkout_idle(&self) -> Option<Lease> {
         let mut cx = Context::from_waker(Waker::noop());
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let idle = idle.get_mut(slot())?;
         while let Some(mut lease) = idle.pop() {
             if lease.idle_since.elapsed() < IDLE_TIMEOUT && lease.reusable(&mut cx) {
                 lease.reused = true;
@@ -200,13 +206,18 @@ impl Pool {
             return;
         }
         lease.idle_since = Instant::now();
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut shards = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = slot();
+        if shards.len() <= slot {
+            shards.resize_with(slot + 1, Vec::new);
+        }
+        let idle = &mut shards[slot];
         if idle.len() >= MAX_IDLE {
             // Keep the most recently used ones: drop the oldest.
             idle.remove(0);
         }
         idle.push(lease);
-        drop(idle);
+        drop(shards);
         if !self.sweeping.swap(true, Ordering::Relaxed)
             && let Ok(rt) = tokio::runtime::Handle::try_current()
         {
@@ -217,8 +228,10 @@ impl Pool {
     /// Closes idle connections that expired or that the upstream closed.
     fn sweep(&self) {
         let mut cx = Context::from_waker(Waker::noop());
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        idle.retain_mut(|l| l.idle_since.elapsed() < IDLE_TIMEOUT && l.reusable(&mut cx));
+        let mut shards = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        for idle in shards.iter_mut() {
+            idle.retain_mut(|l| l.idle_since.elapsed() < IDLE_TIMEOUT && l.reusable(&mut cx));
+        }
     }
 
     /// Idle connections now (tests and diagnostics).
@@ -226,7 +239,9 @@ impl Pool {
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .len()
+            .iter()
+            .map(Vec::len)
+            .sum()
     }
 }
 
@@ -300,14 +315,7 @@ impl Pool {
                 origin: dialer.origin.clone(),
             }
         } else {
-            let (sender, conn) = http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(|e| failed("cannot connect", &e))?;
-            Link::H1 {
-                sender,
-                conn: Box::pin(conn),
-                done: false,
-            }
+            Link::H1(H1::new(stream))
         };
         Ok(Lease {
             link,

@@ -2,6 +2,7 @@
 //! the crate (the bottom layer; see docs/ARCHITECTURE.md).
 
 pub mod json;
+pub mod threads;
 pub mod time;
 pub mod tls;
 

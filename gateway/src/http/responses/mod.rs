@@ -144,9 +144,11 @@ impl Keeper {
             response: response.clone(),
             conversation,
         };
-        // A redb commit waits for the disk: tell the runtime, so other
-        // requests move off this worker meanwhile. Stored before the answer
-        // ends, so a `previous_response_id` sent right after finds it.
+        // A redb commit waits for the disk: on a work-stealing runtime, tell
+        // it, so other requests move off this worker meanwhile (on a serving
+        // thread, `http::serving`, it holds that thread for the commit).
+        // Stored before the answer ends, so a `previous_response_id` sent
+        // right after finds it.
         let put = || {
             state
                 .app

@@ -1,0 +1,144 @@
+//! Serving threads: each accepted connection is handed to one of a fixed
+//! set of threads, each running a single-threaded runtime, and stays there
+//! for its whole life, as nginx's worker processes keep theirs. Its
+//! requests, the upstream connections they reuse (pooled per thread, see
+//! `util::threads`) and every wake-up of either never cross threads.
+//!
+//! Why not the work-stealing runtime: under proxy load its workers wake,
+//! steal and hand tasks between cores, and the same requests cost ~25% more
+//! CPU than on one thread (BENCHMARKS.md, "serving threads"). The shared
+//! runtime still runs what is not a connection: model loading, jobs, the
+//! policy host's opening, health checks.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::sync::mpsc;
+
+/// Work handed to a serving thread: run there, inside its runtime (so
+/// `tokio::spawn` lands on that thread).
+type Job = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// The serving threads; dropping this stops them once the connections they
+/// serve have ended or been dropped (after the shutdown grace period).
+pub struct ServingThreads {
+    queues: Vec<mpsc::UnboundedSender<Job>>,
+    next: AtomicUsize,
+}
+
+impl ServingThreads {
+    /// Starts `n` threads (at least one).
+    pub fn start(n: usize) -> io::Result<ServingThreads> {
+        let mut queues = Vec::with_capacity(n.max(1));
+        for index in 0..n.max(1) {
+            let (tx, rx) = mpsc::unbounded_channel::<Job>();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            std::thread::Builder::new()
+                .name(format!("serve-{index}"))
+                .spawn(move || serve_jobs(index, rt, rx))?;
+            queues.push(tx);
+        }
+        Ok(ServingThreads {
+            queues,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.queues.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queues.is_empty()
+    }
+
+    /// Runs `start` on the next thread in turn and spawns the future it
+    /// returns there. `start` runs inside that thread's runtime: sockets
+    /// made there register with its reactor.
+    pub fn spawn<F, Fut>(&self, start: F)
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.queues.len();
+        let job: Job = Box::new(move || Box::pin(start()));
+        if self.queues[i].send(job).is_err() {
+            tracing::error!(
+                thread = i,
+                "a serving thread has stopped; connection dropped"
+            );
+        }
+    }
+}
+
+/// A serving thread's life: spawns each job's future on its runtime until
+/// the queue closes, then drops what is still running.
+fn serve_jobs(index: usize, rt: tokio::runtime::Runtime, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    crate::util::threads::set_serving_index(index);
+    rt.block_on(async move {
+        while let Some(job) = jobs.recv().await {
+            tokio::spawn(job());
+        }
+    });
+    // Blocking tasks still running are not waited for.
+    rt.shutdown_background();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::{RecvTimeoutError, channel};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::util::threads::slot;
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn connections_go_to_each_thread_in_turn_and_stay_there() {
+        let threads = ServingThreads::start(2).unwrap();
+        let (tx, rx) = channel();
+        for _ in 0..4 {
+            let tx = tx.clone();
+            threads.spawn(move || async move {
+                let before = (std::thread::current().name().map(str::to_owned), slot());
+                // Across an await, still the same thread.
+                tokio::task::yield_now().await;
+                let after = (std::thread::current().name().map(str::to_owned), slot());
+                tx.send((before, after)).unwrap();
+            });
+        }
+        let mut seen: Vec<_> = (0..4).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
+        seen.sort();
+        let on = |name: &str, slot| ((Some(name.to_owned()), slot), (Some(name.to_owned()), slot));
+        assert_eq!(
+            seen,
+            [
+                on("serve-0", 1),
+                on("serve-0", 1),
+                on("serve-1", 2),
+                on("serve-1", 2)
+            ]
+        );
+    }
+
+    #[test]
+    fn dropping_them_drops_what_they_still_serve() {
+        let threads = ServingThreads::start(1).unwrap();
+        let (tx, rx) = channel::<()>();
+        threads.spawn(move || async move {
+            let _held = tx;
+            std::future::pending::<()>().await;
+        });
+        assert_eq!(
+            rx.recv_timeout(Duration::from_millis(200)),
+            Err(RecvTimeoutError::Timeout)
+        );
+        drop(threads);
+        assert_eq!(rx.recv_timeout(WAIT), Err(RecvTimeoutError::Disconnected));
+    }
+}
