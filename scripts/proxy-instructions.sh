@@ -91,7 +91,7 @@ for bin in "$@"; do
   # written at exit.
   dump=$(ls "$out".* | head -1)
   task=$(callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null \
-    | grep -E 'mlxgate::http::(run::\{\{closure\}\}|serve_connection)::\{\{closure\}\}( |$)' \
+    | grep -E 'mlxgate::http::(run::\{\{closure\}\}|serve_connection)::\{\{closure\}\}(::\{\{closure\}\})?( |$)' \
     | head -1 | awk '{gsub(",", "", $1); print $1}' || true)
   total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
   if [ -n "${PROXY_INSTRUCTIONS_KEEP:-}" ]; then

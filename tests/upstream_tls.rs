@@ -3,8 +3,9 @@
 //! here), and the gateway under test proxies to it as an `https://`
 //! upstream trusting that CA (`ca_file`). Whole and streamed answers come
 //! through unchanged; an upstream whose certificate the configured CA did
-//! not sign is refused with a 502 naming TLS; bad TLS settings stop the
-//! gateway at start with a message naming the entry.
+//! not sign is refused with a 502 naming TLS; a client that never
+//! finishes its handshake is closed after the keep-alive timeout; bad TLS
+//! settings stop the gateway at start with a message naming the entry.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -122,16 +123,23 @@ fn tls_model_server(cert: &Path, key: &Path, ca: &Path) -> (Server, String) {
         .arg("--tls-key")
         .arg(key.to_str().unwrap())
         .spawn();
+    let body = https_ok(&server, ca, "/readyz");
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let model = v["model"].as_str().unwrap().to_owned();
+    (server, model)
+}
+
+/// The body of `GET path` over HTTPS once the server answers it 200.
+fn https_ok(server: &Server, ca: &Path, path: &str) -> Vec<u8> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let ready = std::panic::catch_unwind(|| https(server.addr, ca, "GET", "/readyz", None));
-        if let Ok((200, body)) = ready {
-            let v: Value = serde_json::from_slice(&body).unwrap();
-            return (server, v["model"].as_str().unwrap().to_owned());
+        let got = std::panic::catch_unwind(|| https(server.addr, ca, "GET", path, None));
+        if let Ok((200, body)) = got {
+            return body;
         }
         assert!(
             Instant::now() < deadline,
-            "the TLS model server never got ready; log:\n{}",
+            "the TLS server never answered {path}; log:\n{}",
             server.log_text()
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -252,6 +260,43 @@ fn https_upstreams_proxy_whole_and_streamed_answers_and_refuse_a_wrong_ca() {
         !message.contains(&port.to_string()),
         "the address stays in the log: {message}"
     );
+}
+
+#[test]
+fn a_client_that_never_finishes_its_handshake_is_closed_after_the_keep_alive_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_pki(dir.path(), "edge");
+    let server = ServerBuilder::new()
+        .config("[server]\nkeep_alive_timeout_secs = 1\n")
+        .arg("--tls-cert")
+        .arg(cert.to_str().unwrap())
+        .arg("--tls-key")
+        .arg(key.to_str().unwrap())
+        .spawn();
+    https_ok(&server, &ca, "/healthz");
+    // Connected, then silent: no ClientHello ever comes.
+    let mut silent = TcpStream::connect(server.addr).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let started = Instant::now();
+    let read = silent.read(&mut [0u8; 16]);
+    let waited = started.elapsed();
+    let closed = match &read {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    };
+    assert!(closed, "the silent connection was not closed: {read:?}");
+    assert!(
+        (Duration::from_millis(900)..Duration::from_secs(8)).contains(&waited),
+        "closed after {waited:?}, not after the 1 s keep-alive timeout"
+    );
+    // Its slot is free and the server serves on.
+    assert_eq!(https(server.addr, &ca, "GET", "/healthz", None).0, 200);
 }
 
 #[test]

@@ -1045,6 +1045,34 @@ mod tests {
         assert_eq!(up.status().in_flight, 0);
     }
 
+    #[test]
+    fn each_serving_thread_reuses_only_the_connections_it_opened() {
+        let (url, accepted) = raw_upstream(keep_alive);
+        let up = upstream(&url);
+        // Each thread as a serving thread: its own runtime (and reactor).
+        let serve = |index: usize, calls: usize| {
+            let up = Arc::clone(&up);
+            std::thread::spawn(move || {
+                crate::util::threads::set_serving_index(index);
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                for _ in 0..calls {
+                    assert_eq!(rt.block_on(call(&up)).unwrap().0, StatusCode::OK);
+                }
+            })
+            .join()
+            .unwrap();
+        };
+        serve(0, 3);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        // Thread 0's idle connection is not thread 1's to take.
+        serve(1, 2);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(up.idle_connections(), 2);
+    }
+
     #[tokio::test]
     async fn the_connection_is_pooled_as_soon_as_the_last_frame_is_read() {
         // hyper's server stops polling a body once `is_end_stream` says so.

@@ -409,8 +409,7 @@ fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, H1Error> 
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .last();
+            .rfind(|c| !c.is_empty());
         return Ok(match last {
             Some(c) if c.eq_ignore_ascii_case("chunked") => Framing::Chunked(Chunked::Size),
             _ => Framing::UntilClose,
