@@ -62,6 +62,7 @@ fn backends() -> Vec<BackendState> {
             healthy: true,
             in_flight: i as u32,
             queue_depth: 0,
+            latency_ms: None,
         })
         .collect()
 }

@@ -5,8 +5,11 @@
 //! until then; repeated failures open its circuit, and a good probe after
 //! the cooldown closes it; an active health check opens and closes a
 //! circuit without any client request; nothing is retried once an answer
-//! has started streaming to the client.
+//! has started streaming to the client; a router sees each upstream's
+//! recent latency (`backend-stats.latency-ms`).
 
+#[path = "policy_common/mod.rs"]
+mod common;
 #[path = "support/mod.rs"]
 mod support;
 
@@ -40,6 +43,8 @@ enum Mode {
     Hang = 3,
     /// 200, one SSE event, then the connection drops.
     BreakStream = 4,
+    /// 200 as `Ok`, after 150 ms.
+    Slow = 5,
 }
 
 /// An upstream on loopback (hyper, its own runtime) behaving as its
@@ -174,11 +179,16 @@ async fn answer(
                 .insert("content-type", "text/event-stream".parse().unwrap());
             r
         }
-        _ => reply(
-            StatusCode::OK,
-            json!({"id": "x", "object": "chat.completion", "model": "m",
+        m => {
+            if m == Mode::Slow as u8 {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            reply(
+                StatusCode::OK,
+                json!({"id": "x", "object": "chat.completion", "model": "m",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": name}, "finish_reason": "stop"}]}),
-        ),
+            )
+        }
     })
 }
 
@@ -359,5 +369,53 @@ fn nothing_is_retried_once_an_answer_has_started_streaming() {
         (a.hits(), b.hits()),
         (1, 0),
         "b was asked after a had started streaming"
+    );
+}
+
+#[test]
+fn a_router_sees_each_upstreams_recent_latency() {
+    let (slow, fast) = (Scripted::start("slow"), Scripted::start("fast"));
+    slow.set(Mode::Slow);
+    let config = format!(
+        "[[upstreams]]\nname = \"slow\"\nbase_url = \"{}\"\n\
+         [[upstreams]]\nname = \"fast\"\nbase_url = \"{}\"\n",
+        slow.url(),
+        fast.url()
+    );
+    let s = ServerBuilder::new()
+        .config(&config)
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start();
+    // `least-loaded` breaks ties in load by latency (not measured first).
+    let auth = format!("Bearer {ADMIN}");
+    let r = s.request(
+        "PUT",
+        "/admin/policies/ll?kind=router",
+        &[("authorization", &auth)],
+        Some(&common::wasm("least-loaded")),
+    );
+    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
+    let body = json!({"policy": "ll"}).to_string();
+    let r = s.request(
+        "PUT",
+        "/admin/bindings/router",
+        &[("authorization", &auth)],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 200, "bind: {}", r.text());
+
+    // Both unmeasured: the first listed; then the one not measured yet.
+    assert_eq!(served_by(&s), "slow");
+    assert_eq!(served_by(&s), "fast");
+    // Measured: every later request goes to the one that answers sooner.
+    for _ in 0..5 {
+        assert_eq!(served_by(&s), "fast");
+    }
+    assert_eq!((slow.hits(), fast.hits()), (1, 6));
+    let slow_ms = status(&s, "slow")["latency_ms"].as_f64().unwrap();
+    let fast_ms = status(&s, "fast")["latency_ms"].as_f64().unwrap();
+    assert!(
+        slow_ms >= 140.0 && fast_ms < slow_ms,
+        "{slow_ms} / {fast_ms}"
     );
 }

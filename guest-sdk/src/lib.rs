@@ -2,7 +2,7 @@
 //!
 //! Each guest kind (router, adapter selector, dataset transform) is a WIT world
 //! in `wit/policy.wit` that exports one versioned interface of the package
-//! `mlxgate:policy@0.3.0`. This crate turns each world into a Rust trait with
+//! `mlxgate:policy@0.3.1`. This crate turns each world into a Rust trait with
 //! state created once per instance from the operator's configuration string,
 //! plus an export macro that wires the trait to the component exports:
 //!
@@ -51,7 +51,7 @@ pub mod bindings {
             export_macro_name: "__export_adapter_world",
             default_bindings_module: "mlxgate_guest::bindings::adapter",
             with: {
-                "mlxgate:policy/types@0.3.0": crate::bindings::router::mlxgate::policy::types,
+                "mlxgate:policy/types@0.3.1": crate::bindings::router::mlxgate::policy::types,
             },
         });
     }
@@ -168,6 +168,15 @@ pub mod types {
     }
 
     impl<'a> BackendState<'a> {
+        /// Moving average, in milliseconds, of the time this backend took to
+        /// start its answers (asked of the gateway when called): `None` for
+        /// a local model and for an upstream not measured yet. A router that
+        /// reads it depends on the backends' state, so its
+        /// `decision_inputs` must be `None`.
+        pub fn latency_ms(&self) -> Option<f32> {
+            crate::bindings::router::mlxgate::policy::backend_stats::latency_ms(self.name)
+        }
+
         #[doc(hidden)]
         pub fn from_wit(facts: &'a wit::RequestFacts, raw: &[wit::BackendState]) -> Vec<Self> {
             raw.iter()
@@ -332,7 +341,7 @@ pub mod __private {
 }
 
 /// Exports a [`router::Router`] implementation as the component's
-/// `mlxgate:policy/router@0.3.0` interface. Use once per guest crate.
+/// `mlxgate:policy/router@0.3.1` interface. Use once per guest crate.
 #[macro_export]
 macro_rules! export_router {
     ($ty:ty) => {
@@ -371,7 +380,7 @@ macro_rules! export_router {
 }
 
 /// Exports an [`adapter::AdapterSelector`] implementation as the component's
-/// `mlxgate:policy/adapter-selector@0.3.0` interface.
+/// `mlxgate:policy/adapter-selector@0.3.1` interface.
 #[macro_export]
 macro_rules! export_adapter_selector {
     ($ty:ty) => {
@@ -407,7 +416,7 @@ macro_rules! export_adapter_selector {
 }
 
 /// Exports a [`dataset::DatasetTransform`] implementation as the component's
-/// `mlxgate:policy/dataset-transform@0.3.0` interface.
+/// `mlxgate:policy/dataset-transform@0.3.1` interface.
 #[macro_export]
 macro_rules! export_dataset_transform {
     ($ty:ty) => {

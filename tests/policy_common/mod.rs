@@ -98,6 +98,7 @@ pub fn local(name: &str, in_flight: u32, queue_depth: u32) -> BackendState {
         healthy: true,
         in_flight,
         queue_depth,
+        latency_ms: None,
     }
 }
 

@@ -141,6 +141,7 @@ impl App {
                 healthy: true,
                 in_flight: in_flight as u32,
                 queue_depth: queued as u32,
+                latency_ms: None,
             }
         });
         let upstreams = self.upstreams.statuses().into_iter().map(|u| BackendState {
@@ -149,6 +150,7 @@ impl App {
             healthy: u.healthy,
             in_flight: u.in_flight,
             queue_depth: 0,
+            latency_ms: u.latency_ms.map(|ms| ms as f32),
         });
         local.chain(upstreams).collect()
     }

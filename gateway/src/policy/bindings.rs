@@ -43,17 +43,25 @@ use router::mlxgate::policy::types as wit;
 pub(crate) struct Packed<T> {
     pub(crate) facts: wit::RequestFacts,
     pub(crate) items: Vec<T>,
+    /// A router's backends and their latency, which it may ask for during
+    /// the call (`backend-stats.latency-ms`); empty for other kinds.
+    pub(crate) latencies: Vec<(String, Option<f32>)>,
 }
 
 impl Packed<wit::BackendState> {
     pub(crate) fn router(facts: &RequestFacts, backends: &[BackendState]) -> Self {
-        Packed::new(facts, backends, |text, b| wit::BackendState {
+        let mut packed = Packed::new(facts, backends, |text, b| wit::BackendState {
             name: text.span(&b.name),
             kind: b.kind,
             healthy: b.healthy,
             in_flight: b.in_flight,
             queue_depth: b.queue_depth,
-        })
+        });
+        packed.latencies = backends
+            .iter()
+            .map(|b| (b.name.clone(), b.latency_ms))
+            .collect();
+        packed
     }
 }
 
@@ -92,7 +100,11 @@ impl<T> Packed<T> {
         };
         let items = items.iter().map(|i| pack(&mut text, i)).collect();
         facts.text = text.0;
-        Packed { facts, items }
+        Packed {
+            facts,
+            items,
+            latencies: Vec::new(),
+        }
     }
 }
 

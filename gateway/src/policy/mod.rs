@@ -1,11 +1,11 @@
 //! The Wasm policy host: one engine, linker and instance pools for all guests.
 //!
 //! Operators upload WebAssembly components implementing one of the worlds in
-//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.3.0`): a router, an
+//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.3.1`): a router, an
 //! adapter selector or a dataset transform. [`PolicyHost`] validates and
 //! precompiles them, stores them durably under the data dir, and calls them
-//! under strict limits (deadline, fuel, memory, stack; no capabilities at all:
-//! guests import nothing). This module knows nothing of HTTP: the HTTP layer
+//! under strict limits (deadline, fuel, memory, stack; no capabilities: the
+//! one import is `backend-stats`, which reads the running call's backends). This module knows nothing of HTTP: the HTTP layer
 //! maps [`PolicyError`] to statuses (`http/error.rs`) and renders
 //! [`render_prometheus`].
 

@@ -26,13 +26,25 @@ use super::types::{Limits, PolicyInfo, PolicyKind};
 /// Wall-clock budget for a fresh instance's `init`.
 const INIT_DEADLINE: Duration = Duration::from_secs(1);
 
-/// Store data: the resource limiter and the running call's deadline. Guests
-/// get no capabilities.
+/// Store data: the resource limiter, the running call's deadline, and what
+/// a router may ask while it runs. Guests get no other capabilities.
 pub(crate) struct HostState {
     limiter: CapLimiter,
     /// When the call now running must stop; checked each time the
     /// [`Watchdog`] advances the epoch.
     deadline: Instant,
+    /// The running router call's backends and their latency, for
+    /// `backend-stats.latency-ms`.
+    pub(crate) latencies: Vec<(String, Option<f32>)>,
+}
+
+impl crate::policy::bindings::router::mlxgate::policy::backend_stats::Host for HostState {
+    fn latency_ms(&mut self, name: String) -> Option<f32> {
+        self.latencies
+            .iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, ms)| *ms)
+    }
 }
 
 /// `StoreLimits` (memory cap, trap on grow failure) plus a note that the cap
@@ -149,7 +161,8 @@ pub(crate) struct LoadedPolicy {
 }
 
 impl LoadedPolicy {
-    /// Links `component` (no host imports exist) and type-checks its export
+    /// Links `component` (the one host import is `backend-stats`, a
+    /// read-only query) and type-checks its export
     /// against the world of `info.kind`.
     pub(crate) fn new(
         engine: &Engine,
@@ -262,6 +275,7 @@ impl LoadedPolicy {
                 peak: 0,
             },
             deadline: far_off(INIT_DEADLINE),
+            latencies: Vec::new(),
         };
         let _running = self.watchdog.enter(state.deadline);
         let mut store = Store::new(&self.engine, state);

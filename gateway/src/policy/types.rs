@@ -152,7 +152,7 @@ pub struct PolicyInfo {
     /// sha256 of the component bytes, hex.
     pub sha256: String,
     pub size_bytes: u64,
-    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.0`.
+    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.1`.
     pub interface: String,
     pub limits: Limits,
     pub on_error: OnError,
@@ -196,7 +196,7 @@ pub struct RequestFacts<'a> {
 }
 
 /// Load and health of one backend at decision time.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BackendState {
     /// Local model name or upstream name.
     pub name: String,
@@ -204,6 +204,10 @@ pub struct BackendState {
     pub healthy: bool,
     pub in_flight: u32,
     pub queue_depth: u32,
+    /// Moving average of the time to an answer's head, in milliseconds,
+    /// when measured (upstreams); a router asks for it by name
+    /// (`backend-stats.latency-ms`).
+    pub latency_ms: Option<f32>,
 }
 
 /// A LoRA adapter mounted on a local base model, as selectors see it.

@@ -1,6 +1,8 @@
 //! Least-loaded routing: among healthy backends able to serve the requested
 //! model, pick the one with the fewest requests in flight plus queued; ties go
-//! to local backends, then to the earlier backend in the list.
+//! to local backends, then to the upstream that starts its answers soonest
+//! (its recent latency, asked of the gateway; one not measured yet first),
+//! then to the earlier backend in the list.
 //!
 //! Candidates for a model are the local backend of that name plus every
 //! upstream, unless config names them: `{"candidates": {"llama": ["llama",
@@ -36,12 +38,19 @@ impl Router for LeastLoaded {
     }
 
     fn route(&self, facts: &RequestFacts, backends: &[BackendState]) -> RouteDecision {
+        let load = |b: &BackendState| {
+            let load = u64::from(b.in_flight) + u64::from(b.queue_depth);
+            (load, b.kind != BackendKind::Local)
+        };
+        // Not measured yet sorts first, so that a new upstream gets tried.
+        let latency = |b: &BackendState| b.latency_ms().unwrap_or(0.0);
         let best = backends
             .iter()
             .filter(|b| b.healthy && self.eligible(facts.model, b))
-            .min_by_key(|b| {
-                let load = u64::from(b.in_flight) + u64::from(b.queue_depth);
-                (load, b.kind != BackendKind::Local)
+            .min_by(|a, b| {
+                load(a)
+                    .cmp(&load(b))
+                    .then_with(|| latency(a).total_cmp(&latency(b)))
             });
         match best {
             Some(b) if b.kind == BackendKind::Local => RouteDecision::Local(b.name.to_string()),

@@ -99,7 +99,13 @@ impl PolicyHost {
     /// [`PolicyHost::load_errors`]; bindings to it are dropped.
     pub fn open(cfg: HostConfig) -> Result<Self, PolicyError> {
         let engine = PolicyEngine::new(&cfg)?;
-        let linker = Linker::new(&engine.engine);
+        let mut linker = Linker::new(&engine.engine);
+        // The one host function a guest may import (routers, since 0.3.1).
+        crate::policy::bindings::router::mlxgate::policy::backend_stats::add_to_linker::<
+            _,
+            wasmtime::component::HasSelf<_>,
+        >(&mut linker, |state| state)
+        .map_err(|e| PolicyError::Engine(format!("cannot link backend-stats: {e}")))?;
         let storage = Storage::open(&cfg.data_dir)?;
         let calls = CallPool::new(cfg.call_threads, cfg.call_queue)?;
         let mut host = PolicyHost {

@@ -128,6 +128,7 @@ fn probe_once(p: &LoadedPolicy) -> Result<Option<Vec<String>>, PolicyError> {
                 healthy: true,
                 in_flight: 0,
                 queue_depth: 0,
+                latency_ms: None,
             }];
             route_on(p, &facts, &backends).and_then(|_| declared_inputs(p))
         }

@@ -1,13 +1,13 @@
-//! A router built against `mlxgate:policy@0.3.1`, without the SDK: patch versions of the
+//! A router built against `mlxgate:policy@0.3.0`, without the SDK: patch versions of the
 //! interface are compatible, so upload must succeed and calls must work.
 
 wit_bindgen::generate!({ path: "wit", world: "router-policy" });
 
 use exports::mlxgate::policy::router::{BackendState, FactSet, Guest, RequestFacts, RouteDecision};
 
-struct V031;
+struct V030;
 
-impl Guest for V031 {
+impl Guest for V030 {
     fn init(_config: String) -> Result<(), String> {
         Ok(())
     }
@@ -24,4 +24,4 @@ impl Guest for V031 {
     }
 }
 
-export!(V031);
+export!(V030);
