@@ -118,26 +118,8 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
     let router = r#"{"tenants": {"acme": {"upstream": "up", "model": "claude-up"},
                                   "globex": {"upstream": "oa", "model": "echo-body"},
                                   "initech": {"upstream": "an"}}}"#;
-    let auth = format!("Bearer {ADMIN}");
-    let path = format!(
-        "/admin/policies/tenants?kind=router&deadline_ms=200&config={}",
-        urlencode(router)
-    );
-    let r = s.request(
-        "PUT",
-        &path,
-        &[("authorization", &auth)],
-        Some(&common::wasm("tenant-router")),
-    );
-    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
-    let bind = json!({"policy": "tenants"}).to_string();
-    let r = s.request(
-        "PUT",
-        "/admin/bindings/router",
-        &[("authorization", &auth)],
-        Some(bind.as_bytes()),
-    );
-    assert_eq!(r.status, 200, "bind: {}", r.text());
+    let query = format!("deadline_ms=200&config={}", urlencode(router));
+    s.bind_router(ADMIN, "tenants", &query, &common::wasm("tenant-router"));
 
     let sent = json!({"model": "claude-local", "max_tokens": 16, "system": "Be brief.",
                       "messages": [{"role": "user", "content": "Hi"}],

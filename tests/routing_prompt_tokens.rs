@@ -20,25 +20,8 @@ const ADMIN: &str = "prompt-tokens-admin";
 
 /// Uploads the README's router with `threshold` and binds it.
 fn bind_big_to_upstream(s: &Server, threshold: usize) {
-    let auth = format!("Bearer {ADMIN}");
-    let path = format!(
-        "/admin/policies/big?kind=router&config={}",
-        urlencode(&threshold.to_string())
-    );
-    let r = s.request(
-        "PUT",
-        &path,
-        &[("authorization", &auth)],
-        Some(&wasm("big-to-upstream")),
-    );
-    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
-    let r = s.request(
-        "PUT",
-        "/admin/bindings/router",
-        &[("authorization", &auth)],
-        Some(json!({"policy": "big"}).to_string().as_bytes()),
-    );
-    assert_eq!(r.status, 200, "bind: {}", r.text());
+    let query = format!("config={}", urlencode(&threshold.to_string()));
+    s.bind_router(ADMIN, "big", &query, &wasm("big-to-upstream"));
 }
 
 /// POSTs `body` with the admin key (the only key configured).

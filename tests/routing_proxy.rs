@@ -59,26 +59,11 @@ fn gateway(up: &FakeUpstream) -> Server {
 
 /// Uploads `crate_name` as router `name` with a roomy deadline and binds it.
 fn bind_router(s: &Server, name: &str, crate_name: &str, on_error: &str, config: &str) {
-    let auth = format!("Bearer {ADMIN}");
-    let path = format!(
-        "/admin/policies/{name}?kind=router&deadline_ms=200&on_error={on_error}&config={}",
+    let query = format!(
+        "deadline_ms=200&on_error={on_error}&config={}",
         urlencode(config)
     );
-    let r = s.request(
-        "PUT",
-        &path,
-        &[("authorization", &auth)],
-        Some(&wasm(crate_name)),
-    );
-    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
-    let body = json!({ "policy": name }).to_string();
-    let r = s.request(
-        "PUT",
-        "/admin/bindings/router",
-        &[("authorization", &auth)],
-        Some(body.as_bytes()),
-    );
-    assert_eq!(r.status, 200, "bind: {}", r.text());
+    s.bind_router(ADMIN, name, &query, &wasm(crate_name));
 }
 
 fn post(s: &Server, tenant: &str, path: &str, body: serde_json::Value) -> Response {

@@ -387,22 +387,7 @@ fn a_router_sees_each_upstreams_recent_latency() {
         .env("MLXGATE_ADMIN_KEY", ADMIN)
         .start();
     // `least-loaded` breaks ties in load by latency (not measured first).
-    let auth = format!("Bearer {ADMIN}");
-    let r = s.request(
-        "PUT",
-        "/admin/policies/ll?kind=router",
-        &[("authorization", &auth)],
-        Some(&common::wasm("least-loaded")),
-    );
-    assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
-    let body = json!({"policy": "ll"}).to_string();
-    let r = s.request(
-        "PUT",
-        "/admin/bindings/router",
-        &[("authorization", &auth)],
-        Some(body.as_bytes()),
-    );
-    assert_eq!(r.status, 200, "bind: {}", r.text());
+    s.bind_router(ADMIN, "ll", "", &common::wasm("least-loaded"));
 
     // Both unmeasured: the first listed; then the one not measured yet.
     assert_eq!(served_by(&s), "slow");
@@ -418,4 +403,39 @@ fn a_router_sees_each_upstreams_recent_latency() {
         slow_ms >= 140.0 && fast_ms < slow_ms,
         "{slow_ms} / {fast_ms}"
     );
+}
+
+#[test]
+fn a_messages_request_translated_for_openai_upstreams_falls_back_too() {
+    let (a, b) = (Scripted::start("a"), Scripted::start("b"));
+    a.set(Mode::Unavailable);
+    let config = format!(
+        "[[upstreams]]\nname = \"a\"\nbase_url = \"{}\"\nmodels = [\"m\"]\nfallbacks = [\"b\"]\n\
+         [[upstreams]]\nname = \"b\"\nbase_url = \"{}\"\n",
+        a.url(),
+        b.url()
+    );
+    let s = ServerBuilder::new()
+        .config(&config)
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start();
+    let body =
+        json!({"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
+    let headers = [
+        ("x-api-key", ADMIN),
+        ("anthropic-version", "2023-06-01"),
+        ("content-type", "application/json"),
+    ];
+    let r = s.request(
+        "POST",
+        "/v1/messages",
+        &headers,
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(r.status, 200, "{}\n{}", r.text(), s.log_text());
+    let v = r.json();
+    // b's OpenAI answer, in Anthropic's shape.
+    assert_eq!(v["type"], "message", "{v}");
+    assert_eq!(v["content"][0]["text"], "b", "{v}");
+    assert_eq!((a.hits(), b.hits()), (1, 1));
 }

@@ -349,6 +349,24 @@ impl Server {
         )
     }
 
+    /// Uploads the component `wasm` as router policy `name` with the admin
+    /// key `admin` (`query`: more query parameters, e.g.
+    /// `deadline_ms=200&config=...`) and binds it as the router.
+    pub fn bind_router(&self, admin: &str, name: &str, query: &str, wasm: &[u8]) {
+        let auth = format!("Bearer {admin}");
+        let path = format!("/admin/policies/{name}?kind=router&{query}");
+        let r = self.request("PUT", &path, &[("authorization", &auth)], Some(wasm));
+        assert!(r.status == 200 || r.status == 201, "upload: {}", r.text());
+        let bind = serde_json::json!({ "policy": name }).to_string();
+        let r = self.request(
+            "PUT",
+            "/admin/bindings/router",
+            &[("authorization", &auth)],
+            Some(bind.as_bytes()),
+        );
+        assert_eq!(r.status, 200, "bind: {}", r.text());
+    }
+
     /// Writes `raw` as the whole request and reads the response.
     pub fn raw(&self, raw: &[u8]) -> Response {
         raw_exchange(self.addr, raw)

@@ -238,6 +238,7 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
     body: Forward<'_, F>,
 ) -> Result<Response<Body>, ApiError> {
     let first = &order[0];
+    let max_attempts = cx.state.app.config.proxy.max_attempts;
     let protocol = match endpoint {
         Endpoint::Messages => upstream::Protocol::Anthropic,
         Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Embeddings => {
@@ -250,7 +251,12 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         && first.speaks(upstream::Protocol::Openai)
     {
         let json = (body.json)(body.rewrite)?;
-        let via = crate::http::anthropic::translate::via_openai(first, head, &cx.request_id, json);
+        let via = crate::http::anthropic::translate::via_openai(
+            (order, max_attempts),
+            head,
+            &cx.request_id,
+            json,
+        );
         return via.await;
     }
     let bytes = match body.rewrite {
@@ -281,7 +287,6 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         request_id: &cx.request_id,
         protocol,
     };
-    let max_attempts = cx.state.app.config.proxy.max_attempts;
     let resp = upstream::proxy_in_order(order, out, max_attempts).await?;
     Ok(count_usage(cx, resp, strip))
 }

@@ -29,10 +29,12 @@ use crate::upstream::{self, Outgoing, Protocol, Upstream};
 /// Largest whole answer read back for translation.
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
-/// Sends Messages `body` (model already as routed) to `upstream` as a chat
-/// completion and answers in Anthropic's shape.
+/// Sends Messages `body` (model already as routed) as a chat completion to
+/// the first of `order` that answers (the fallback order of any proxied
+/// request, at most `max_attempts` asked; one that does not speak OpenAI's
+/// API is passed over) and answers in Anthropic's shape.
 pub async fn via_openai(
-    upstream: &std::sync::Arc<Upstream>,
+    (order, max_attempts): (&[std::sync::Arc<Upstream>], usize),
     head: &http::request::Parts,
     request_id: &str,
     body: Value,
@@ -42,8 +44,8 @@ pub async fn via_openai(
     let stream = request.common.stream;
     let chat = serde_json::to_vec(&chat_body(&body, &request))
         .map_err(|e| ApiError::Internal(format!("encoding the chat request: {e}")))?;
-    let resp = upstream::proxy(
-        upstream,
+    let resp = upstream::proxy_in_order(
+        order,
         Outgoing {
             method: http::Method::POST,
             path_and_query: "/v1/chat/completions",
@@ -52,6 +54,7 @@ pub async fn via_openai(
             request_id,
             protocol: Protocol::Openai,
         },
+        max_attempts,
     )
     .await
     .map_err(crate::app::RouteError::Upstream)?;
