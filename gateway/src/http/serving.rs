@@ -5,10 +5,10 @@
 //! `util::threads`) and every wake-up of either never cross threads.
 //!
 //! Why not the work-stealing runtime: under proxy load its workers wake,
-//! steal and hand tasks between cores, and the same requests cost ~25% more
-//! CPU than on one thread (BENCHMARKS.md, "serving threads"). The shared
-//! runtime still runs what is not a connection: model loading, jobs, the
-//! policy host's opening, health checks.
+//! steal and hand tasks between cores, and the same requests cost ~29% more
+//! CPU than on one worker (25.2 against 19.6 us; BENCHMARKS.md, "Serving
+//! threads"). The shared runtime still runs what is not a connection:
+//! model loading, jobs, the policy host's opening, health checks.
 
 use std::future::Future;
 use std::io;
