@@ -196,6 +196,14 @@ fn chat(stream: bool) -> Value {
     json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
 }
 
+/// The gateway under test with `config`, the admin key its only key.
+fn gateway(config: &str) -> Server {
+    ServerBuilder::new()
+        .config(config)
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start()
+}
+
 /// A chat request with the admin key (the only key configured).
 fn post_chat(s: &Server) -> support::Response {
     let auth = format!("Bearer {ADMIN}");
@@ -257,10 +265,7 @@ fn failures_before_the_answer_fall_back_and_open_the_circuit() {
         b.url(),
         c.url()
     );
-    let s = ServerBuilder::new()
-        .config(&config)
-        .env("MLXGATE_ADMIN_KEY", ADMIN)
-        .start();
+    let s = gateway(&config);
 
     assert_eq!(served_by(&s), "a");
     // 503: served by b.
@@ -382,10 +387,7 @@ fn a_router_sees_each_upstreams_recent_latency() {
         slow.url(),
         fast.url()
     );
-    let s = ServerBuilder::new()
-        .config(&config)
-        .env("MLXGATE_ADMIN_KEY", ADMIN)
-        .start();
+    let s = gateway(&config);
     // `least-loaded` breaks ties in load by latency (not measured first).
     s.bind_router(ADMIN, "ll", "", &common::wasm("least-loaded"));
 
@@ -415,10 +417,7 @@ fn a_messages_request_translated_for_openai_upstreams_falls_back_too() {
         a.url(),
         b.url()
     );
-    let s = ServerBuilder::new()
-        .config(&config)
-        .env("MLXGATE_ADMIN_KEY", ADMIN)
-        .start();
+    let s = gateway(&config);
     let body =
         json!({"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
     let headers = [

@@ -168,6 +168,19 @@ impl Caller {
 }
 
 impl ApiKey {
+    /// A key of tenant `t` whose secret is `secret`, no concurrency cap
+    /// of its own (tests).
+    #[cfg(test)]
+    pub(crate) fn for_test(id: &str, scopes: &[Scope], secret: &str) -> ApiKey {
+        ApiKey {
+            id: id.into(),
+            tenant: "t".into(),
+            scopes: scopes.to_vec(),
+            sha256: KeyHash::of(secret),
+            max_concurrent_requests: None,
+        }
+    }
+
     /// Who a request carrying this key acts as.
     pub fn caller(&self) -> Caller {
         Caller {

@@ -245,20 +245,8 @@ mod tests {
     #[test]
     fn a_connection_remembers_its_key_but_never_passes_another() {
         let s = KeyStore::new(vec![
-            ApiKey {
-                id: "a".into(),
-                tenant: "t".into(),
-                scopes: vec![Scope::Infer],
-                sha256: KeyHash::of("key-a"),
-                max_concurrent_requests: None,
-            },
-            ApiKey {
-                id: "b".into(),
-                tenant: "t".into(),
-                scopes: vec![Scope::Infer, Scope::Admin],
-                sha256: KeyHash::of("key-b"),
-                max_concurrent_requests: None,
-            },
+            ApiKey::for_test("a", &[Scope::Infer], "key-a"),
+            ApiKey::for_test("b", &[Scope::Infer, Scope::Admin], "key-b"),
         ]);
         let memo = KeyMemo::default();
         let who = |token: &str| {

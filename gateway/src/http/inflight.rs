@@ -295,15 +295,12 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::http::auth::{KeyHash, Scope};
+    use crate::http::auth::Scope;
 
     fn key(id: &str, cap: Option<u32>) -> ApiKey {
         ApiKey {
-            id: id.into(),
-            tenant: "t".into(),
-            scopes: vec![Scope::Infer],
-            sha256: KeyHash::of(id),
             max_concurrent_requests: cap,
+            ..ApiKey::for_test(id, &[Scope::Infer], id)
         }
     }
 

@@ -254,20 +254,8 @@ mod tests {
     #[test]
     fn scrape_access() {
         let keys = KeyStore::new(vec![
-            ApiKey {
-                id: "adm".into(),
-                tenant: "t".into(),
-                scopes: vec![Scope::Admin],
-                sha256: KeyHash::of("admin-key"),
-                max_concurrent_requests: None,
-            },
-            ApiKey {
-                id: "app".into(),
-                tenant: "t".into(),
-                scopes: vec![Scope::Infer],
-                sha256: KeyHash::of("infer-key"),
-                max_concurrent_requests: None,
-            },
+            ApiKey::for_test("adm", &[Scope::Admin], "admin-key"),
+            ApiKey::for_test("app", &[Scope::Infer], "infer-key"),
         ]);
         let bearer = |t: &str| {
             let mut h = HeaderMap::new();

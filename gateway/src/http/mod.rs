@@ -523,7 +523,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let server = state.app.config.server.clone();
-    let threads = ServingThreads::start(server.serving_threads()).map_err(ServeError::Threads)?;
+    let serving_threads = server.serving_threads();
+    let threads = ServingThreads::start(serving_threads).map_err(ServeError::Threads)?;
     let limits = ConnLimits::new(
         connections::effective_max_connections(server.max_connections),
         server.max_connections_per_ip,
@@ -534,7 +535,7 @@ pub async fn run(
             %addr,
             tls = tls.is_some(),
             open_inference = open,
-            serving_threads = threads.len(),
+            serving_threads,
             max_connections = limits.max(),
             max_connections_per_ip = limits.per_ip(),
             "listening"
@@ -610,7 +611,8 @@ fn serve_connection(
         peer,
         permit,
     } = conn;
-    // Re-registered with the serving thread's own reactor there.
+    // Registered again, with the serving thread's reactor, when its task
+    // first runs there.
     let stream = match stream.into_std() {
         Ok(s) => s,
         Err(e) => {
@@ -621,7 +623,7 @@ fn serve_connection(
     let state = Arc::clone(state);
     let watcher = graceful.watcher();
     let acceptor = tls.cloned();
-    threads.spawn(move || async move {
+    threads.spawn(async move {
         let _permit = permit;
         let stream = match tokio::net::TcpStream::from_std(stream) {
             Ok(s) => s,

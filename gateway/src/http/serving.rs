@@ -12,80 +12,51 @@
 
 use std::future::Future;
 use std::io;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tokio::sync::mpsc;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
 
-/// Work handed to a serving thread: run there, inside its runtime (so
-/// `tokio::spawn` lands on that thread).
-type Job = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
-
-/// The serving threads; dropping this stops them once the connections they
-/// serve have ended or been dropped (after the shutdown grace period).
+/// The serving threads; dropping this stops them, dropping what they still
+/// serve (`run` drops it after the shutdown grace period).
 pub struct ServingThreads {
-    queues: Vec<mpsc::UnboundedSender<Job>>,
+    /// Each thread's runtime, and what keeps it running.
+    threads: Vec<(Handle, oneshot::Sender<()>)>,
     next: AtomicUsize,
 }
 
 impl ServingThreads {
     /// Starts `n` threads (at least one).
     pub fn start(n: usize) -> io::Result<ServingThreads> {
-        let mut queues = Vec::with_capacity(n.max(1));
+        let mut threads = Vec::with_capacity(n.max(1));
         for index in 0..n.max(1) {
-            let (tx, rx) = mpsc::unbounded_channel::<Job>();
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
+            let (stop, stopped) = oneshot::channel::<()>();
+            threads.push((rt.handle().clone(), stop));
             std::thread::Builder::new()
                 .name(format!("serve-{index}"))
-                .spawn(move || serve_jobs(index, rt, rx))?;
-            queues.push(tx);
+                .spawn(move || {
+                    crate::util::threads::set_serving_index(index);
+                    // Runs the tasks spawned on it until the sender drops.
+                    let _ = rt.block_on(stopped);
+                    // Blocking tasks still running are not waited for.
+                    rt.shutdown_background();
+                })?;
         }
         Ok(ServingThreads {
-            queues,
+            threads,
             next: AtomicUsize::new(0),
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.queues.len()
+    /// Spawns `connection` on the next thread in turn, where it runs to its
+    /// end: a socket it makes registers with that thread's reactor.
+    pub fn spawn(&self, connection: impl Future<Output = ()> + Send + 'static) {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
+        drop(self.threads[i].0.spawn(connection));
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.queues.is_empty()
-    }
-
-    /// Runs `start` on the next thread in turn and spawns the future it
-    /// returns there. `start` runs inside that thread's runtime: sockets
-    /// made there register with its reactor.
-    pub fn spawn<F, Fut>(&self, start: F)
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.queues.len();
-        let job: Job = Box::new(move || Box::pin(start()));
-        if self.queues[i].send(job).is_err() {
-            tracing::error!(
-                thread = i,
-                "a serving thread has stopped; connection dropped"
-            );
-        }
-    }
-}
-
-/// A serving thread's life: spawns each job's future on its runtime until
-/// the queue closes, then drops what is still running.
-fn serve_jobs(index: usize, rt: tokio::runtime::Runtime, mut jobs: mpsc::UnboundedReceiver<Job>) {
-    crate::util::threads::set_serving_index(index);
-    rt.block_on(async move {
-        while let Some(job) = jobs.recv().await {
-            tokio::spawn(job());
-        }
-    });
-    // Blocking tasks still running are not waited for.
-    rt.shutdown_background();
 }
 
 #[cfg(test)]
@@ -104,7 +75,7 @@ mod tests {
         let (tx, rx) = channel();
         for _ in 0..4 {
             let tx = tx.clone();
-            threads.spawn(move || async move {
+            threads.spawn(async move {
                 let before = (std::thread::current().name().map(str::to_owned), slot());
                 // Across an await, still the same thread.
                 tokio::task::yield_now().await;
@@ -130,7 +101,7 @@ mod tests {
     fn dropping_them_drops_what_they_still_serve() {
         let threads = ServingThreads::start(1).unwrap();
         let (tx, rx) = channel::<()>();
-        threads.spawn(move || async move {
+        threads.spawn(async move {
             let _held = tx;
             std::future::pending::<()>().await;
         });

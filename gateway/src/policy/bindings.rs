@@ -36,6 +36,11 @@ pub use router::mlxgate::policy::types::BackendKind;
 use super::types::{AdapterInfo, BackendState, RequestFacts};
 use router::mlxgate::policy::types as wit;
 
+/// Each backend of a router call and its latency: what
+/// `backend-stats.latency-ms` answers from during the call (shared with
+/// the store, not copied into it).
+pub(crate) type Latencies = std::sync::Arc<[(String, Option<f32>)]>;
+
 /// The arguments of a router or adapter-selector call in the WIT shape:
 /// every string (facts, then backend names or adapter ids) appended to the
 /// facts' one text, so lowering them into the guest takes three allocation
@@ -45,7 +50,7 @@ pub(crate) struct Packed<T> {
     pub(crate) items: Vec<T>,
     /// A router's backends and their latency, which it may ask for during
     /// the call (`backend-stats.latency-ms`); empty for other kinds.
-    pub(crate) latencies: Vec<(String, Option<f32>)>,
+    pub(crate) latencies: Latencies,
 }
 
 impl Packed<wit::BackendState> {
@@ -60,7 +65,8 @@ impl Packed<wit::BackendState> {
         packed.latencies = backends
             .iter()
             .map(|b| (b.name.clone(), b.latency_ms))
-            .collect();
+            .collect::<Vec<_>>()
+            .into();
         packed
     }
 }
@@ -103,7 +109,7 @@ impl<T> Packed<T> {
         Packed {
             facts,
             items,
-            latencies: Vec::new(),
+            latencies: Latencies::default(),
         }
     }
 }

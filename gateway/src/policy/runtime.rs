@@ -16,7 +16,7 @@ use wasmtime::{
     Trap, UpdateDeadline,
 };
 
-use super::bindings::{adapter, dataset, router};
+use super::bindings::{Latencies, adapter, dataset, router};
 use super::engine::Watchdog;
 use super::error::{FailureKind, PolicyError};
 use super::metrics::Counters;
@@ -35,10 +35,10 @@ pub(crate) struct HostState {
     deadline: Instant,
     /// The running router call's backends and their latency, for
     /// `backend-stats.latency-ms`.
-    pub(crate) latencies: Vec<(String, Option<f32>)>,
+    pub(crate) latencies: Latencies,
 }
 
-impl crate::policy::bindings::router::mlxgate::policy::backend_stats::Host for HostState {
+impl router::mlxgate::policy::backend_stats::Host for HostState {
     fn latency_ms(&mut self, name: String) -> Option<f32> {
         self.latencies
             .iter()
@@ -275,7 +275,7 @@ impl LoadedPolicy {
                 peak: 0,
             },
             deadline: far_off(INIT_DEADLINE),
-            latencies: Vec::new(),
+            latencies: Latencies::default(),
         };
         let _running = self.watchdog.enter(state.deadline);
         let mut store = Store::new(&self.engine, state);

@@ -4,23 +4,24 @@
 //!
 //! Why not hyper's client connection: it is built to run as a task of its
 //! own, and reaches the request through channels (a request queue, an
-//! answer callback, a body channel with its own wake-ups); on a proxied
-//! request those cost ~11,000 of the gateway's ~60,000 instructions
-//! (callgrind, BENCHMARKS.md "a connection driven in place"). The message
-//! syntax is parsed by `httparse`, as hyper does; what is left here is the
-//! framing of RFC 9112: the request head, the answer's length (length,
-//! chunked, or until close) and when a connection may carry another
-//! exchange. HTTP/2 upstreams keep hyper's client (pool.rs).
+//! answer callback, a body channel with its own wake-ups); replacing it
+//! took ~9,000 of the ~59,000 instructions of a proxied request (callgrind,
+//! BENCHMARKS.md "Serving threads and an in-place HTTP/1.1 upstream
+//! client"). The message syntax is parsed by `httparse`, as hyper does;
+//! what is left here is the framing of RFC 9112: the request head, the
+//! answer's length (length, chunked, or until close) and when a connection
+//! may carry another exchange. HTTP/2 upstreams keep hyper's client
+//! (pool.rs).
 
 use std::future::poll_fn;
-use std::io::{self, IoSlice};
+use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Version};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
 use super::pool::Stream;
 
@@ -30,7 +31,7 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 /// Longest chunk-size or trailer line.
 const MAX_LINE: usize = 4096;
-/// Bytes asked of the socket per read.
+/// Room made in the buffer before each read.
 const READ_SIZE: usize = 16 * 1024;
 
 /// Why an exchange failed: the socket, or an answer that is not HTTP/1.1.
@@ -79,10 +80,9 @@ pub struct H1 {
     buf: BytesMut,
     framing: Framing,
     /// Whether the connection may carry another exchange once this answer
-    /// is read whole.
+    /// is read whole: false from the start of an exchange until its head
+    /// says so, and for good after an error or a close.
     keep_alive: bool,
-    /// The exchange was cut short (an error, or a body not read whole).
-    broken: bool,
 }
 
 impl H1 {
@@ -92,7 +92,6 @@ impl H1 {
             buf: BytesMut::new(),
             framing: Framing::Done,
             keep_alive: true,
-            broken: false,
         }
     }
 
@@ -100,23 +99,27 @@ impl H1 {
     /// from the body) and reads the answer's head; the body is then read
     /// with [`H1::poll_data`]. Interim (1xx) answers are skipped.
     pub async fn exchange(&mut self, req: &Request<Bytes>) -> Result<Response<()>, H1Error> {
-        if self.framing != Framing::Done || self.broken {
+        if self.framing != Framing::Done || !self.keep_alive {
             return Err(H1Error::Closed(
-                "before the request: the last answer was not read whole",
+                "before the request: the last exchange did not end cleanly",
             ));
         }
-        self.broken = true;
+        self.keep_alive = false;
         let head = encode_head(req);
-        self.write_all(&head, req.body()).await?;
+        self.io
+            .write_all_buf(&mut head.as_slice().chain(&req.body()[..]))
+            .await?;
+        self.io.flush().await?;
         loop {
             if let Some(resp) = self.parse_head()? {
                 if resp.status().is_informational() {
+                    // Not reusable until the final answer's head says so.
+                    self.keep_alive = false;
                     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
                         return Err(invalid("101 Switching Protocols was not asked for"));
                     }
                     continue;
                 }
-                self.broken = false;
                 return Ok(resp);
             }
             if self.buf.len() > MAX_HEAD {
@@ -126,21 +129,6 @@ impl H1 {
                 return Err(H1Error::Closed("before an answer"));
             }
         }
-    }
-
-    async fn write_all(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
-        let (mut head, mut body) = (head, body);
-        while !head.is_empty() || !body.is_empty() {
-            let slices = [IoSlice::new(head), IoSlice::new(body)];
-            let n = poll_fn(|cx| Pin::new(&mut self.io).poll_write_vectored(cx, &slices)).await?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
-            }
-            let from_head = n.min(head.len());
-            head = &head[from_head..];
-            body = &body[n - from_head..];
-        }
-        poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx)).await
     }
 
     /// The answer head at the start of the buffer, if it is all there;
@@ -172,7 +160,7 @@ impl H1 {
         self.framing = framing(status, &headers)?;
         self.keep_alive = version == Version::HTTP_11
             && self.framing != Framing::UntilClose
-            && !has_token(&headers, &CONNECTION, "close");
+            && !tokens(&headers, &CONNECTION).any(|t| t.eq_ignore_ascii_case("close"));
         let mut resp = Response::new(());
         *resp.status_mut() = status;
         *resp.version_mut() = version;
@@ -183,20 +171,14 @@ impl H1 {
     /// Reads more from the socket into the buffer: the bytes read, 0 at EOF.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         self.buf.reserve(READ_SIZE);
-        let spare = self.buf.spare_capacity_mut();
-        let mut read = ReadBuf::uninit(spare);
-        ready!(Pin::new(&mut self.io).poll_read(cx, &mut read))?;
-        let n = read.filled().len();
-        // SAFETY: `poll_read` initialized these `n` bytes of the spare capacity.
-        unsafe { self.buf.advance_mut(n) };
-        Poll::Ready(Ok(n))
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
     /// The next piece of the answer's body: `None` once it is whole.
     pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, H1Error>>> {
         let polled = self.poll_data_inner(cx);
         if let Poll::Ready(Some(Err(_))) = &polled {
-            self.broken = true;
+            self.keep_alive = false;
         }
         polled
     }
@@ -334,15 +316,14 @@ impl H1 {
     /// whole, nothing more sent by the upstream, not closed by it (one
     /// poll with `cx` sees an EOF).
     pub fn reusable(&mut self, cx: &mut Context<'_>) -> bool {
-        if self.broken || !self.keep_alive || self.framing != Framing::Done || !self.buf.is_empty()
-        {
+        if !self.keep_alive || self.framing != Framing::Done || !self.buf.is_empty() {
             return false;
         }
         // Anything readable now (data, EOF, an error) ends its use.
         let mut byte = [0u8; 1];
         let mut probe = ReadBuf::new(&mut byte);
         if Pin::new(&mut self.io).poll_read(cx, &mut probe).is_ready() {
-            self.broken = true;
+            self.keep_alive = false;
             return false;
         }
         true
@@ -403,13 +384,7 @@ fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, H1Error> 
     }
     if headers.contains_key(TRANSFER_ENCODING) {
         // The last coding decides; anything but chunked runs to the close.
-        let last = headers
-            .get_all(TRANSFER_ENCODING)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .rfind(|c| !c.is_empty());
+        let last = tokens(headers, &TRANSFER_ENCODING).last();
         return Ok(match last {
             Some(c) if c.eq_ignore_ascii_case("chunked") => Framing::Chunked(Chunked::Size),
             _ => Framing::UntilClose,
@@ -436,14 +411,16 @@ fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, H1Error> 
     })
 }
 
-/// Whether a comma-separated header lists `token` (case-insensitive).
-fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+/// The items of a comma-separated header, over all its lines, trimmed,
+/// empty ones left out.
+fn tokens<'h>(headers: &'h HeaderMap, name: &HeaderName) -> impl Iterator<Item = &'h str> {
     headers
         .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
 }
 
 /// A chunk-size line's size (extensions after `;` ignored).
@@ -591,12 +568,12 @@ mod tests {
 
     #[tokio::test]
     async fn connection_close_and_http_1_0_are_not_reused() {
-        for head in [
-            &[b"HTTP/1.1 200 OK\r\nConnection: close\r\ncontent-length: 1\r\n\r\nx".as_slice()][..],
-            &[b"HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\nx".as_slice()][..],
-        ] {
-            let head: &'static [&'static [u8]] = Box::leak(head.to_vec().into_boxed_slice());
-            let (mut conn, _server) = upstream(head, false).await;
+        let answers: [&'static [&'static [u8]]; 2] = [
+            &[b"HTTP/1.1 200 OK\r\nConnection: close\r\ncontent-length: 1\r\n\r\nx"],
+            &[b"HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\nx"],
+        ];
+        for answer in answers {
+            let (mut conn, _server) = upstream(answer, false).await;
             conn.exchange(&post("{}")).await.unwrap();
             assert_eq!(body(&mut conn).await.unwrap(), b"x");
             assert!(!reusable(&mut conn));

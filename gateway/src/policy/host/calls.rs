@@ -260,7 +260,7 @@ fn route_packed(
     let res = p
         .call(Budget::of(&p.info.limits, 1), |store, b| match b {
             Bound::Router(r) => {
-                store.data_mut().latencies.clone_from(&args.latencies);
+                store.data_mut().latencies = std::sync::Arc::clone(&args.latencies);
                 r.mlxgate_policy_router()
                     .call_route(store, &args.facts, &args.items)
             }
