@@ -62,6 +62,7 @@ fn request_for(b: &Bench, prompt: Prompt, adapters: &[&str]) -> GenerateRequest 
         prompt_cache: None,
         adapters: adapters.iter().map(|s| s.to_string()).collect(),
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        priority: 0,
         grammar: None,
     }
 }

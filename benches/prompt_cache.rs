@@ -35,6 +35,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         prompt_cache: None,
         adapters: vec![],
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        priority: 0,
         grammar: None,
     }
 }

@@ -136,6 +136,7 @@ fn smollm2_answers_a_chat_question_greedily_and_deterministically() {
         prompt_cache: None,
         adapters: vec![],
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        priority: 0,
         grammar: None,
     };
     let (text, _, tokens) = collect(&engine, request.clone());
@@ -164,6 +165,7 @@ fn max_tokens_and_stop_strings_end_generation() {
         prompt_cache: None,
         adapters: vec![],
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        priority: 0,
         grammar: None,
     };
     let (text, reason, tokens) = collect(&engine, request(3, vec![]));
@@ -266,6 +268,7 @@ fn load_counts_live_streams_and_a_dropped_stream_frees_its_slot() {
         prompt_cache: None,
         adapters: vec![],
         cache_scope: mlxgate::engine::prompt_cache::CacheScope::operator(),
+        priority: 0,
         grammar: None,
     };
     let mut first = engine.generate(request.clone()).unwrap();

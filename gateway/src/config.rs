@@ -65,6 +65,91 @@ pub struct FileConfig {
     pub responses: ResponsesConfig,
     #[serde(default)]
     pub proxy: ProxyConfig,
+    #[serde(default)]
+    pub scheduler: SchedulerConfig,
+}
+
+/// The `[scheduler]` section: how each local model shares its engine
+/// between requests and tenants, and when it refuses more work rather than
+/// queue it without bound.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    /// Most sequences decoded together in one step (default 16).
+    pub max_batch: usize,
+    /// Most requests waiting to start per model (default 64); more get 503
+    /// `overloaded` with `Retry-After`.
+    pub max_queued: usize,
+    /// The fraction of `max_queued` one tenant's waiting requests may fill
+    /// (default 0.5); more get 429 `tenant_queue_share_exceeded` with
+    /// `Retry-After`, so one tenant's flood leaves room for the others.
+    pub tenant_queue_share: f64,
+    /// Prompt tokens prefilled per engine step while other sequences decode
+    /// (default 64): smaller keeps running streams' inter-token latency
+    /// lower, larger gets a long prompt's first token sooner. A prompt with
+    /// nothing else running goes in chunks of 512.
+    pub prefill_chunk: usize,
+    /// MiB the running sequences' KV caches may hold per model (default
+    /// 4096); past it the newest sequence is preempted and recomputed when
+    /// there is room, instead of running out of memory.
+    pub kv_cache_mb: u64,
+    /// Weighted-fair shares between tenants, by tenant name (default 1 each):
+    /// `tenant_weights = { batch = 1, interactive = 4 }`.
+    pub tenant_weights: std::collections::HashMap<String, u32>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        let d = crate::engine::SchedulingOptions::default();
+        SchedulerConfig {
+            max_batch: d.max_batch,
+            max_queued: d.max_queued,
+            tenant_queue_share: d.tenant_queue_share,
+            prefill_chunk: d.prefill_chunk,
+            kv_cache_mb: (d.kv_cache_bytes >> 20) as u64,
+            tenant_weights: d.tenant_weights,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// The engine's options.
+    pub fn options(&self) -> crate::engine::SchedulingOptions {
+        crate::engine::SchedulingOptions {
+            max_batch: self.max_batch,
+            max_queued: self.max_queued,
+            tenant_queue_share: self.tenant_queue_share,
+            prefill_chunk: self.prefill_chunk,
+            kv_cache_bytes: usize::try_from(self.kv_cache_mb << 20).unwrap_or(usize::MAX),
+            tenant_weights: self.tenant_weights.clone(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("max_batch", self.max_batch as u64),
+            ("max_queued", self.max_queued as u64),
+            ("prefill_chunk", self.prefill_chunk as u64),
+            ("kv_cache_mb", self.kv_cache_mb),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::Scheduler(format!(
+                "{name} must be greater than 0"
+            )));
+        }
+        if !(self.tenant_queue_share > 0.0 && self.tenant_queue_share <= 1.0) {
+            return Err(ConfigError::Scheduler(format!(
+                "tenant_queue_share must be in (0, 1], not {}",
+                self.tenant_queue_share
+            )));
+        }
+        if let Some((tenant, _)) = self.tenant_weights.iter().find(|(_, w)| **w == 0) {
+            return Err(ConfigError::Scheduler(format!(
+                "tenant_weights: `{tenant}` has weight 0; weights are at least 1"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The `[proxy]` section: how a request is passed between upstreams.
@@ -359,6 +444,8 @@ pub struct Config {
     pub responses: ResponsesConfig,
     /// The `[proxy]` section.
     pub proxy: ProxyConfig,
+    /// The `[scheduler]` section.
+    pub scheduler: SchedulerConfig,
 }
 
 impl Config {
@@ -412,6 +499,8 @@ pub enum ConfigError {
     Upstream(String),
     #[error("[server] TLS: {0}")]
     Tls(String),
+    #[error("[scheduler] {0}")]
+    Scheduler(String),
     #[error(
         "refusing to serve inference without API keys on non-loopback host '{0}': anyone who can reach it could use the model. Configure [[keys]] or MLXGATE_ADMIN_KEY, bind to 127.0.0.1, or set allow_open_inference = true in the config file if this is really intended"
     )]
@@ -520,6 +609,7 @@ impl Config {
             },
             responses: file.responses,
             proxy: file.proxy,
+            scheduler: file.scheduler,
         }
     }
 
@@ -529,6 +619,7 @@ impl Config {
             return Err(ConfigError::ZeroBodyLimit);
         }
         self.server.validate()?;
+        self.scheduler.validate()?;
         validate_specs(&self.upstreams).map_err(ConfigError::Upstream)?;
         if self.proxy.max_attempts == 0 {
             return Err(ConfigError::Upstream(

@@ -104,6 +104,7 @@ impl App {
                 auto_save_min_tokens: (c.auto_save_min_tokens > 0)
                     .then_some(c.auto_save_min_tokens),
             },
+            scheduling: self.config.scheduler.options(),
             faults: self.injected_faults(),
             ..EngineOptions::default()
         }

@@ -118,6 +118,11 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Added to the logits of the given token ids (OpenAI `logit_bias`).
     pub logit_bias: BTreeMap<u32, f32>,
+    /// Never end at the model's end-of-sequence tokens, only at
+    /// `max_tokens` or a stop string (`ignore_eos`, as vLLM and llama.cpp's
+    /// server take it: load tests want outputs of a set length). A grammar
+    /// still ends its output.
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -131,6 +136,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
+            ignore_eos: false,
             logit_bias: BTreeMap::new(),
         }
     }
@@ -186,6 +192,10 @@ pub struct GenerateRequest {
     pub cache_scope: super::prompt_cache::CacheScope,
     /// Constrains the output to this grammar (`None`: free text).
     pub grammar: Option<Grammar>,
+    /// Its class when requests wait to start: higher first (a router
+    /// policy's choice; 0 by default). Fairness between tenants holds
+    /// within a class.
+    pub priority: i8,
 }
 
 impl GenerateRequest {
@@ -205,6 +215,7 @@ impl GenerateRequest {
             adapters: vec![],
             cache_scope: super::prompt_cache::CacheScope::operator(),
             grammar: None,
+            priority: 0,
         }
     }
 
@@ -337,6 +348,23 @@ pub enum EngineError {
     /// The engine thread has stopped (shutdown or a fatal MLX error).
     #[error("the model engine is not running")]
     Unavailable,
+    /// The model's queue is full (`[scheduler] max_queued`).
+    #[error(
+        "The model is overloaded: {waiting} requests are already waiting. Retry after {} s (the Retry-After header), or send fewer requests at once.", retry_after.as_secs()
+    )]
+    Overloaded {
+        waiting: usize,
+        retry_after: std::time::Duration,
+    },
+    /// The caller's tenant already fills its share of the model's queue
+    /// (`[scheduler] tenant_queue_share`).
+    #[error(
+        "Your tenant already has {limit} requests waiting for this model, its share of the queue. Wait for some to start and retry after {} s (the Retry-After header).", retry_after.as_secs()
+    )]
+    TenantQueueFull {
+        limit: usize,
+        retry_after: std::time::Duration,
+    },
     /// MLX or tokenizer failure during generation.
     #[error("generation failed: {0}")]
     Internal(String),

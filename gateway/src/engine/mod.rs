@@ -2,8 +2,12 @@
 //! template, sampling, and a scheduler thread per model doing continuous
 //! batching. Knows nothing of HTTP; its API ([`api`]) has no MLX types.
 
+mod admission;
+use admission::Admission;
+pub use admission::{QueueStats, SchedulingOptions};
 pub mod api;
 mod constrain;
+mod fair_queue;
 use constrain::Constraint;
 pub mod convert;
 mod doctor;
@@ -38,9 +42,6 @@ use text::TextCodec;
 
 use crate::mlx::kernels::{self, KernelChoice};
 
-/// Most sequences decoded together in one step.
-const MAX_BATCH: usize = 16;
-
 /// In-memory prompt cache of an engine loaded without options.
 const DEFAULT_MEMORY_CACHE_BYTES: usize = 256 * 1024 * 1024;
 
@@ -51,6 +52,8 @@ pub struct EngineOptions {
     /// Which quantized matmul the engine thread runs (native CPU kernels or
     /// MLX's own); see [`crate::mlx::kernels`].
     pub kernels: KernelChoice,
+    /// Batch, queue and KV memory bounds, fairness between tenants.
+    pub scheduling: SchedulingOptions,
     /// Faults to inject, for tests of fault isolation (debug builds only;
     /// release builds ignore them).
     #[doc(hidden)]
@@ -102,6 +105,7 @@ impl Default for EngineOptions {
                 auto_save_min_tokens: None,
             },
             kernels: KernelChoice::default_for_process(),
+            scheduling: SchedulingOptions::default(),
             faults: Faults::default(),
         }
     }
@@ -118,8 +122,8 @@ struct Inner {
     card: ModelCard,
     /// Generations whose stream is alive (queued or running).
     in_flight: Arc<AtomicUsize>,
-    /// Generations sent to the engine thread and not yet admitted.
-    queued: Arc<AtomicUsize>,
+    /// Requests sent to the engine thread and not yet started, bounded.
+    admission: Arc<Admission>,
     codec: Arc<TextCodec>,
     /// What this engine's prompt caches depend on.
     fingerprint: Fingerprint,
@@ -248,8 +252,8 @@ impl EngineHandle {
         let scheduler_stats = Arc::clone(&cache_stats);
         let (ready, loaded) = mpsc::channel();
         let (jobs, receiver) = mpsc::channel();
-        let queued = Arc::new(AtomicUsize::new(0));
-        let scheduler_queued = Arc::clone(&queued);
+        let admission = Admission::new(&options.scheduling);
+        let scheduler_admission = Arc::clone(&admission);
         let name = format!("engine-{}", model::model_id(&path));
         let thread = std::thread::Builder::new()
             .name(name)
@@ -277,8 +281,8 @@ impl EngineHandle {
                     Scheduler::new(
                         model.transformer,
                         codec,
-                        MAX_BATCH,
-                        scheduler_queued,
+                        options.scheduling,
+                        scheduler_admission,
                         caching,
                     )
                     .with_faults(options.faults)
@@ -293,7 +297,7 @@ impl EngineHandle {
             inner: Arc::new(Inner {
                 card,
                 in_flight: Arc::new(AtomicUsize::new(0)),
-                queued,
+                admission,
                 codec,
                 fingerprint,
                 cache_stats,
@@ -310,8 +314,13 @@ impl EngineHandle {
     pub fn current_load(&self) -> (usize, usize) {
         (
             self.inner.in_flight.load(Ordering::Relaxed),
-            self.inner.queued.load(Ordering::Relaxed),
+            self.inner.admission.waiting(),
         )
+    }
+
+    /// The queue's depth, bound and refusals, for `/metrics`.
+    pub fn queue_stats(&self) -> QueueStats {
+        self.inner.admission.stats()
     }
 
     pub fn card(&self) -> &ModelCard {
@@ -461,6 +470,11 @@ impl EngineHandle {
             )?),
             None => None,
         };
+        // Last: a request refused for any other reason takes no place.
+        let ticket = self
+            .inner
+            .admission
+            .enter(request.cache_scope.tenant.as_deref())?;
         let prompt_tokens = prompt.len();
         let mut streams = Vec::with_capacity(n);
         let mut stream = || {
@@ -493,12 +507,10 @@ impl EngineHandle {
             constraint,
             events,
             forks,
+            ticket,
+            priority: request.priority,
         };
-        self.inner.queued.fetch_add(1, Ordering::Relaxed);
-        if let Err(error) = self.send(Command::Generate(job)) {
-            self.inner.queued.fetch_sub(1, Ordering::Relaxed);
-            return Err(error);
-        }
+        self.send(Command::Generate(Box::new(job)))?;
         Ok(streams)
     }
 }

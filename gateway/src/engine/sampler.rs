@@ -47,6 +47,11 @@ impl Sampler {
     /// Picks the next token from `logits` (modified in place). With
     /// `logprobs = Some(n)` it also reports the token's log-probability and
     /// the `n` most likely alternatives.
+    /// Whether end-of-sequence tokens are never to be chosen.
+    pub fn ignores_eos(&self) -> bool {
+        self.params.ignore_eos
+    }
+
     pub fn sample(&mut self, logits: &mut [f32], logprobs: Option<usize>) -> Choice {
         self.apply_penalties(logits);
         let token = if self.params.temperature <= 0.0 {

@@ -1,8 +1,14 @@
 //! The engine thread: owns the model and every sequence's KV cache, and runs
-//! continuous batching. Between decode steps it admits queued requests
-//! (prefilling each), then runs one decode step for all running sequences as
-//! one batch. A sequence whose client went away is dropped at the next step,
-//! which frees its cache.
+//! continuous batching. Each step runs one decode step for all running
+//! sequences as one batch, beside one chunk of the prompt being prefilled
+//! (chunked prefill: at most `prefill_chunk` tokens while others decode, so
+//! a long prompt arriving never stalls the running streams for its whole
+//! prefill). Waiting requests start in weighted-fair order between tenants
+//! ([`FairQueue`]) while the batch and KV memory allow; past the KV budget
+//! the newest sequence is preempted (its cache dropped) and recomputed when
+//! there is room again, its sampler and output state kept, so its stream
+//! just pauses. A sequence whose client went away is dropped at the next
+//! step, which frees its cache.
 //!
 //! Prompt caches plug in at both ends of a sequence: before prefill the
 //! longest cached prefix (memory, or a file) replaces that part of the
@@ -16,10 +22,12 @@
 //! a time from caches rolled back to before it, so the others go on and
 //! the one at fault gets [`EngineError::Internal`]. The model keeps serving.
 
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
 
 use mlx_rs::Array;
 use tokio::sync::mpsc::UnboundedSender;
@@ -27,8 +35,10 @@ use tokio::sync::mpsc::UnboundedSender;
 use std::collections::HashMap;
 
 use super::Faults;
+use super::admission::{Admission, SchedulingOptions, Ticket};
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
 use super::constrain::Constraint;
+use super::fair_queue::FairQueue;
 use super::lora::{self, Adapter, AdapterInfo, AdapterStack};
 use super::model::{KvCache, Transformer};
 use super::output::{Detokenizer, Filtered, StopFilter};
@@ -42,15 +52,15 @@ use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
 use crate::util::panic_message;
 
-/// Longest slice of a prompt run through the model at once: bounds the
-/// attention scores' memory for long prompts.
+/// Longest slice of a prompt run through the model at once when nothing
+/// else is running: bounds the attention scores' memory for long prompts.
 const PREFILL_CHUNK: usize = 512;
 
 pub type EventSender = UnboundedSender<Result<GenerateEvent, EngineError>>;
 
 /// What the engine thread is asked to do.
 pub enum Command {
-    Generate(Job),
+    Generate(Box<Job>),
     /// Prefill a prompt (reusing what is cached) and hand its cache back as
     /// bytes, for a named cache file.
     Snapshot {
@@ -91,6 +101,10 @@ pub struct Job {
     /// More choices of the same prompt (`n` > 1): each continues from this
     /// job's prefill with its own sampler, grammar and events.
     pub forks: Vec<Fork>,
+    /// Its place in the model's queue, given up when it starts.
+    pub ticket: Ticket,
+    /// Its class in the start order (higher first).
+    pub priority: i8,
 }
 
 /// One more choice of a job's prompt.
@@ -101,6 +115,11 @@ pub struct Fork {
 }
 
 impl Job {
+    /// Whether every choice's client has gone.
+    fn abandoned(&self) -> bool {
+        self.events.is_closed() && self.forks.iter().all(|f| f.events.is_closed())
+    }
+
     /// Every choice's events, for failing them all.
     pub fn all_events(&self) -> Vec<EventSender> {
         std::iter::once(&self.events)
@@ -135,6 +154,9 @@ struct Sequence {
     fault: Option<Fault>,
     /// The grammar its output must match, if any.
     constraint: Option<Constraint>,
+    /// When its prefill began: a finished request's time in the engine
+    /// (for `Retry-After` estimates).
+    started: Instant,
 }
 
 impl Sequence {
@@ -170,6 +192,7 @@ impl Sequence {
             last_token: 0,
             fault: self.fault,
             constraint: fork.constraint,
+            started: self.started,
         }
     }
 }
@@ -210,9 +233,15 @@ pub struct Caching {
 pub struct Scheduler {
     model: Transformer,
     codec: Arc<TextCodec>,
-    max_batch: usize,
-    /// Requests sent but not yet admitted (shared with the handles).
-    queued: Arc<AtomicUsize>,
+    options: SchedulingOptions,
+    /// The model's queue bound, shared with its handles.
+    admission: Arc<Admission>,
+    /// Requests received and not yet started, in fair order.
+    waiting: FairQueue<Job>,
+    /// Sequences preempted for KV memory, to recompute before new work.
+    resuming: VecDeque<Sequence>,
+    /// KV bytes one token takes in every layer.
+    kv_bytes_per_token: usize,
     caching: Caching,
     memory: MemoryCache,
     /// Mounted adapters by id.
@@ -222,21 +251,63 @@ pub struct Scheduler {
     faults: Faults,
 }
 
+/// A sequence whose prompt (or, resumed after preemption, whose history) is
+/// being run into its cache, a chunk per engine step.
+struct Prefill {
+    seq: Sequence,
+    /// Tokens of `seq.history` already in its cache.
+    done: usize,
+    /// For a new request: what its first token and its other choices need
+    /// once the prompt is in. `None` for a resumed sequence, which goes on
+    /// from its pending token.
+    start: Option<Start>,
+}
+
+struct Start {
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    forks: Vec<Fork>,
+}
+
+impl Prefill {
+    /// Every choice's events, for failing them all.
+    fn all_events(&self) -> Vec<EventSender> {
+        let forks = self
+            .start
+            .iter()
+            .flat_map(|s| s.forks.iter().map(|f| &f.events));
+        std::iter::once(&self.seq.events)
+            .chain(forks)
+            .cloned()
+            .collect()
+    }
+}
+
 impl Scheduler {
     pub fn new(
         model: Transformer,
         codec: Arc<TextCodec>,
-        max_batch: usize,
-        queued: Arc<AtomicUsize>,
+        options: SchedulingOptions,
+        admission: Arc<Admission>,
         caching: Caching,
     ) -> Scheduler {
         let memory = MemoryCache::new(caching.options.memory_bytes, Arc::clone(&caching.stats));
         let model_id = caching.fingerprint.model.clone();
+        let config = &model.config;
+        let kv_bytes_per_token =
+            2 * config.layers * config.kv_heads * config.head_dim * std::mem::size_of::<f32>();
         Scheduler {
             model,
             codec,
-            max_batch: max_batch.max(1),
-            queued,
+            options: SchedulingOptions {
+                max_batch: options.max_batch.max(1),
+                prefill_chunk: options.prefill_chunk.max(1),
+                ..options
+            },
+            admission,
+            waiting: FairQueue::default(),
+            resuming: VecDeque::new(),
+            kv_bytes_per_token,
             caching,
             memory,
             adapters: HashMap::new(),
@@ -286,64 +357,134 @@ impl Scheduler {
             .collect()
     }
 
-    /// Runs until every handle (sender of `jobs`) is gone.
+    /// Runs until every handle (sender of `jobs`) is gone and the work
+    /// they sent is done.
     pub fn run(mut self, jobs: Receiver<Command>) {
         let mut running: Vec<Sequence> = Vec::new();
+        let mut prefilling: Option<Prefill> = None;
+        let mut open = true;
         loop {
-            // Admit new work between steps; sleep only when idle.
-            while running.len() < self.max_batch {
-                let next = if running.is_empty() {
-                    jobs.recv().map_err(|_| TryRecvError::Disconnected)
+            let idle = running.is_empty()
+                && prefilling.is_none()
+                && self.waiting.is_empty()
+                && self.resuming.is_empty();
+            if idle && !open {
+                return;
+            }
+            // Take in what was sent; sleep only when there is nothing to do.
+            open = open && self.receive(&jobs, idle);
+            if prefilling.is_none() {
+                prefilling = self.next_prefill(&running);
+            }
+            if let Some(prefill) = prefilling.take() {
+                // Alone, a prompt goes in big chunks; beside running
+                // streams, in small ones so their next tokens are not held up.
+                let chunk = if running.is_empty() {
+                    PREFILL_CHUNK
                 } else {
-                    jobs.try_recv()
+                    self.options.prefill_chunk
                 };
-                match next {
-                    Ok(Command::Generate(job)) => {
-                        let events = job.all_events();
-                        match guarded(|| self.start(job)) {
-                            Ok(seqs) => running.extend(seqs),
-                            Err(why) => {
-                                tracing::error!(error = %why, "prefill panicked; failing its request");
-                                let error =
-                                    EngineError::Internal(format!("generation failed: {why}"));
-                                fail_all(&events, &error);
-                            }
-                        }
-                    }
-                    Ok(Command::Snapshot {
-                        prompt,
-                        scope,
-                        reply,
-                    }) => {
-                        let result = guarded(|| self.snapshot(&prompt, &scope));
-                        let _ = reply.send(result.unwrap_or_else(|why| {
-                            Err(EngineError::Internal(format!("snapshot failed: {why}")))
-                        }));
-                    }
-                    Ok(Command::Mount { id, path, reply }) => {
-                        let result = guarded(|| self.mount(&id, &path));
-                        let _ = reply.send(result.unwrap_or_else(|why| {
-                            Err(EngineError::Internal(format!("mount failed: {why}")))
-                        }));
-                    }
-                    Ok(Command::Unmount { id, reply }) => {
-                        let _ = reply.send(self.adapters.remove(&id).is_some());
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        if running.is_empty() {
-                            return;
-                        }
-                        break;
-                    }
-                }
+                prefilling = self.prefill_step(prefill, chunk, &mut running);
             }
             running.retain(|seq| !seq.events.is_closed());
-            if running.is_empty() {
-                continue;
+            // A request whose client left while it waited frees its place.
+            self.waiting.retain(|job| !job.abandoned());
+            self.preempt_over_budget(&mut running);
+            if !running.is_empty() {
+                self.step_isolated(&mut running);
             }
-            self.step_isolated(&mut running);
         }
+    }
+
+    /// Handles the commands sent since the last step (blocking for the
+    /// first when `idle`); false once every handle is gone.
+    fn receive(&mut self, jobs: &Receiver<Command>, idle: bool) -> bool {
+        let mut block = idle;
+        loop {
+            let next = if block {
+                jobs.recv().map_err(|_| TryRecvError::Disconnected)
+            } else {
+                jobs.try_recv()
+            };
+            block = false;
+            match next {
+                Ok(Command::Generate(job)) => {
+                    let tenant = job.ticket.tenant().map(str::to_owned);
+                    let weight = self.options.weight(tenant.as_deref());
+                    self.waiting
+                        .push(job.priority, tenant.as_deref(), weight, *job);
+                }
+                Ok(Command::Snapshot {
+                    prompt,
+                    scope,
+                    reply,
+                }) => {
+                    let result = guarded(|| self.snapshot(&prompt, &scope));
+                    let _ = reply.send(result.unwrap_or_else(|why| {
+                        Err(EngineError::Internal(format!("snapshot failed: {why}")))
+                    }));
+                }
+                Ok(Command::Mount { id, path, reply }) => {
+                    let result = guarded(|| self.mount(&id, &path));
+                    let _ = reply.send(result.unwrap_or_else(|why| {
+                        Err(EngineError::Internal(format!("mount failed: {why}")))
+                    }));
+                }
+                Ok(Command::Unmount { id, reply }) => {
+                    let _ = reply.send(self.adapters.remove(&id).is_some());
+                }
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
+    }
+
+    /// KV bytes held by `running`.
+    fn kv_in_use(running: &[Sequence]) -> usize {
+        running.iter().map(|seq| seq.cache.nbytes()).sum()
+    }
+
+    /// The next sequence to prefill, if the batch and the KV budget have
+    /// room: a preempted one first, then a waiting request in fair order.
+    /// With nothing running, one is always started.
+    fn next_prefill(&mut self, running: &[Sequence]) -> Option<Prefill> {
+        if running.len() >= self.options.max_batch {
+            return None;
+        }
+        let in_use = Scheduler::kv_in_use(running);
+        let (per_token, budget) = (self.kv_bytes_per_token, self.options.kv_cache_bytes);
+        let fits = |tokens: usize| running.is_empty() || in_use + tokens * per_token <= budget;
+        if let Some(seq) = self.resuming.front() {
+            if !fits(seq.history.len()) {
+                return None;
+            }
+            let mut seq = self.resuming.pop_front()?;
+            seq.cache = self.model.new_cache();
+            return Some(Prefill {
+                seq,
+                done: 0,
+                start: None,
+            });
+        }
+        while let Some(next) = self.waiting.peek() {
+            if !fits(next.prompt.len()) {
+                return None;
+            }
+            let job = self.waiting.pop()?;
+            let everyone = job.all_events();
+            match guarded(|| self.begin(job)) {
+                Ok(Some(prefill)) => return Some(prefill),
+                Ok(None) => continue,
+                Err(why) => {
+                    tracing::error!(error = %why, "prefill panicked; failing its request");
+                    fail_all(
+                        &everyone,
+                        &EngineError::Internal(format!("generation failed: {why}")),
+                    );
+                }
+            }
+        }
+        None
     }
 
     /// One decode step for every running sequence. If it fails (an error or
@@ -387,76 +528,185 @@ impl Scheduler {
         }
     }
 
-    /// Prefills a new request once and emits the first token of each of its
-    /// choices; returns those that go on. A request's choices are admitted
-    /// together, so `max_batch` may be passed by up to `n - 1` for a while.
-    fn start(&mut self, job: Job) -> Vec<Sequence> {
-        self.queued.fetch_sub(1, Ordering::Relaxed);
-        let everyone = job.all_events();
+    /// Starts a request: its adapters and the longest cached prefix of its
+    /// prompt; `None` when it cannot start (its clients gone, or an adapter
+    /// unmounted since it was validated: those are told why). Its place in
+    /// the queue is given up here.
+    fn begin(&mut self, job: Job) -> Option<Prefill> {
+        let Job {
+            prompt,
+            sampling,
+            stop,
+            forks,
+            ticket,
+            ..
+        } = job;
+        drop(ticket);
+        let everyone: Vec<EventSender> = std::iter::once(&job.events)
+            .chain(forks.iter().map(|f| &f.events))
+            .cloned()
+            .collect();
         if everyone.iter().all(EventSender::is_closed) {
-            return Vec::new();
+            return None;
         }
         let adapters = match self.stack(&job.adapters) {
             Ok(stack) => stack,
             Err(error) => {
                 fail_all(&everyone, &error);
-                return Vec::new();
+                return None;
             }
         };
         let adapters_key = lora::stack_key(&adapters);
         // At least the last prompt token runs: its logits start the reply.
-        let limit = job.prompt.len() - 1;
+        let limit = prompt.len() - 1;
         let (cache, cached_tokens) = self.reuse(
             &job.cache_scope,
-            &job.prompt,
+            &prompt,
             limit,
             job.prompt_cache,
             &adapters_key,
         );
-        let mut seq = Sequence {
+        if cfg!(debug_assertions)
+            && let Some(marker) = self.faults.prefill_panic
+            && prompt.contains(&marker)
+        {
+            panic!("injected prefill fault");
+        }
+        let seq = Sequence {
             cache,
             adapters,
             adapters_key,
             cache_scope: job.cache_scope,
-            sampler: Sampler::new(job.sampling.clone(), &job.prompt),
+            sampler: Sampler::new(sampling.clone(), &prompt),
             detokenizer: Detokenizer::new(),
-            stop: StopFilter::new(job.stop.clone()),
-            events: job.events.clone(),
+            stop: StopFilter::new(stop.clone()),
+            events: job.events,
             logprobs: job.logprobs,
-            prompt_len: job.prompt.len(),
+            prompt_len: prompt.len(),
             cached_tokens,
-            history: job.prompt.clone(),
+            fault: self.fault_of(&prompt),
+            history: prompt,
             generated: 0,
             max_new_tokens: job.max_new_tokens,
             last_token: 0,
-            fault: self.fault_of(&job.prompt),
             constraint: job.constraint,
+            started: Instant::now(),
         };
-        if cfg!(debug_assertions)
-            && let Some(marker) = self.faults.prefill_panic
-            && job.prompt.contains(&marker)
-        {
-            panic!("injected prefill fault");
+        Some(Prefill {
+            seq,
+            done: cached_tokens,
+            start: Some(Start {
+                sampling,
+                stop,
+                forks,
+            }),
+        })
+    }
+
+    /// Runs the next chunk (at most `chunk` tokens) of `prefill`; once its
+    /// history is all in, its sequences join `running` and `None` comes
+    /// back. A failure (an error or a panic) fails its request only.
+    fn prefill_step(
+        &mut self,
+        mut prefill: Prefill,
+        chunk: usize,
+        running: &mut Vec<Sequence>,
+    ) -> Option<Prefill> {
+        let everyone = prefill.all_events();
+        if everyone.iter().all(EventSender::is_closed) {
+            return None;
         }
-        let logits = match self.prefill(&job.prompt[cached_tokens..], &mut seq.cache, &seq.adapters)
-        {
-            Ok(logits) => logits,
-            Err(error) => {
-                fail_all(&everyone, &EngineError::Internal(error.to_string()));
-                return Vec::new();
+        let end = prefill.seq.history.len().min(prefill.done + chunk);
+        let logits = if end > prefill.done {
+            let seq = &mut prefill.seq;
+            let tokens = &seq.history[prefill.done..end];
+            match guarded(|| self.forward_chunk(tokens, &mut seq.cache, &seq.adapters)) {
+                Ok(Ok(logits)) => Some(logits),
+                Ok(Err(error)) => {
+                    fail_all(&everyone, &EngineError::Internal(error.to_string()));
+                    return None;
+                }
+                Err(why) => {
+                    tracing::error!(error = %why, "prefill panicked; failing its request");
+                    fail_all(
+                        &everyone,
+                        &EngineError::Internal(format!("generation failed: {why}")),
+                    );
+                    return None;
+                }
             }
+        } else {
+            None
         };
-        self.remember_prompt(&seq.cache_scope, &job.prompt, &seq.cache, &seq.adapters_key);
+        prefill.done = end;
+        if end < prefill.seq.history.len() {
+            return Some(prefill);
+        }
+        let Prefill { seq, start, .. } = prefill;
+        match (start, logits) {
+            (Some(start), Some(logits)) => {
+                let started = guarded(|| self.first_tokens(seq, start, &logits));
+                match started {
+                    Ok(seqs) => running.extend(seqs),
+                    Err(why) => fail_all(&everyone, &EngineError::Internal(why)),
+                }
+            }
+            // A resumed sequence goes on from its pending token.
+            (None, _) => running.push(seq),
+            (Some(_), None) => fail_all(
+                &everyone,
+                &EngineError::Internal("the prompt produced no logits".into()),
+            ),
+        }
+        None
+    }
+
+    /// A new request's prompt is in: offer its cache to the memory tier,
+    /// fork its other choices and emit each one's first token; returns those
+    /// that go on. A request's choices start together, so `max_batch` may
+    /// be passed by up to `n - 1` for a while.
+    fn first_tokens(&mut self, seq: Sequence, start: Start, logits: &Array) -> Vec<Sequence> {
+        self.remember_prompt(
+            &seq.cache_scope,
+            &seq.history,
+            &seq.cache,
+            &seq.adapters_key,
+        );
         let row = logits.as_slice::<f32>();
-        let forks: Vec<Sequence> = job
+        let forks: Vec<Sequence> = start
             .forks
             .into_iter()
-            .map(|fork| seq.fork(fork, &job.sampling, &job.prompt, &job.stop))
+            .map(|fork| seq.fork(fork, &start.sampling, &seq.history, &start.stop))
             .collect();
         std::iter::once(seq)
             .chain(forks)
             .filter_map(|mut seq| self.accept(&mut seq, &mut row.to_vec()).then_some(seq))
             .collect()
+    }
+
+    /// Preempts the newest running sequences while their KV caches hold
+    /// more than the budget (always leaving one): each drops its cache and
+    /// waits to be recomputed, keeping everything else.
+    fn preempt_over_budget(&mut self, running: &mut Vec<Sequence>) {
+        let budget = self.options.kv_cache_bytes;
+        // The step about to run adds a token to each.
+        let next = |running: &[Sequence]| {
+            Scheduler::kv_in_use(running) + running.len() * self.kv_bytes_per_token
+        };
+        while running.len() > 1 && next(running) > budget {
+            let Some(mut seq) = running.pop() else { break };
+            seq.cache = self.model.new_cache();
+            tracing::info!(
+                tokens = seq.history.len(),
+                running = running.len(),
+                "KV memory full: a sequence is preempted, to be recomputed"
+            );
+            self.admission
+                .counters
+                .preempted
+                .fetch_add(1, Ordering::Relaxed);
+            self.resuming.push_front(seq);
+        }
     }
 
     /// The cache to start `prompt` from and how many of its tokens it covers
@@ -600,6 +850,8 @@ impl Scheduler {
         tensors::export(&cache).map_err(internal)
     }
 
+    /// Runs all of `prompt` into `cache` (in chunks), returning the last
+    /// position's logits.
     fn prefill(
         &self,
         prompt: &[u32],
@@ -608,13 +860,23 @@ impl Scheduler {
     ) -> Result<Array, mlx_rs::error::Exception> {
         let mut logits = None;
         for chunk in prompt.chunks(PREFILL_CHUNK) {
-            let out =
-                self.model
-                    .forward_with_adapters(&[chunk], &mut [&mut *cache], &[adapters])?;
-            mlx_rs::transforms::eval(std::iter::once(&out).chain(cache.arrays()))?;
-            logits = Some(out);
+            logits = Some(self.forward_chunk(chunk, cache, adapters)?);
         }
         logits.ok_or_else(|| mlx_rs::error::Exception::custom("empty prompt"))
+    }
+
+    /// Runs `tokens` into `cache`, evaluated: the last position's logits.
+    fn forward_chunk(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        adapters: &AdapterStack,
+    ) -> Result<Array, mlx_rs::error::Exception> {
+        let out = self
+            .model
+            .forward_with_adapters(&[tokens], &mut [&mut *cache], &[adapters])?;
+        mlx_rs::transforms::eval(std::iter::once(&out).chain(cache.arrays()))?;
+        Ok(out)
     }
 
     /// The decode fault injected into a sequence with `prompt` (tests only).
@@ -677,11 +939,17 @@ impl Scheduler {
 
     /// Samples from `logits`, emits what is safe to show; false when finished.
     fn accept(&self, seq: &mut Sequence, logits: &mut [f32]) -> bool {
-        if let Some(constraint) = seq.constraint.as_mut()
-            && let Err(error) = constraint.mask(logits)
-        {
-            let _ = seq.events.send(Err(EngineError::Internal(error)));
-            return false;
+        if let Some(constraint) = seq.constraint.as_mut() {
+            if let Err(error) = constraint.mask(logits) {
+                let _ = seq.events.send(Err(EngineError::Internal(error)));
+                return false;
+            }
+        } else if seq.sampler.ignores_eos() {
+            for &id in &self.codec.eos_ids {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
         }
         let choice = seq.sampler.sample(logits, seq.logprobs);
         if let Some(constraint) = seq.constraint.as_mut()
@@ -746,6 +1014,7 @@ impl Scheduler {
             completion_tokens: seq.generated,
             cached_tokens: seq.cached_tokens,
         };
+        self.admission.record_service(seq.started.elapsed());
         let _ = seq
             .events
             .send(Ok(GenerateEvent::Finished { reason, usage }));

@@ -130,6 +130,15 @@ pub enum ApiError {
     #[error("{0}")]
     EngineUnavailable(String),
 
+    /// The model's queue is full (503), or the caller's tenant fills its
+    /// share of it (429); both say when to retry.
+    #[error("{message}")]
+    Overloaded {
+        message: String,
+        tenant_share: bool,
+        retry_after: std::time::Duration,
+    },
+
     #[error("{0}")]
     Internal(String),
 
@@ -260,6 +269,13 @@ impl ApiError {
             TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
+            Overloaded { tenant_share, .. } => {
+                if *tenant_share {
+                    StatusCode::TOO_MANY_REQUESTS
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            }
             TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => {
@@ -290,6 +306,7 @@ impl ApiError {
             | RequestTimeout { .. } => "invalid_request_error",
             TooManyConnectionsFromIp { .. } | ConcurrencyLimitExceeded { .. } => "rate_limit_error",
             TooManyConnections { .. } => "server_error",
+            Overloaded { .. } => type_for_status(self.status()),
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
             Route(e) => type_for_status(route_status(e)),
@@ -314,6 +331,11 @@ impl ApiError {
             RequestTimeout { .. } => "request_timeout",
             TooManyConnections { .. } | TooManyConnectionsFromIp { .. } => "too_many_connections",
             ConcurrencyLimitExceeded { .. } => "concurrency_limit_exceeded",
+            Overloaded {
+                tenant_share: false,
+                ..
+            } => "overloaded",
+            Overloaded { .. } => "tenant_queue_share_exceeded",
             MissingApiKey | InvalidApiKey => "invalid_api_key",
             InsufficientScope { .. } => "insufficient_scope",
             ZoneClosed { .. } => "api_closed",
@@ -364,6 +386,16 @@ impl ApiError {
                 code: "invalid_value",
             },
             EngineError::Unavailable => ApiError::EngineUnavailable(e.to_string()),
+            EngineError::Overloaded { retry_after, .. } => ApiError::Overloaded {
+                message: e.to_string(),
+                tenant_share: false,
+                retry_after,
+            },
+            EngineError::TenantQueueFull { retry_after, .. } => ApiError::Overloaded {
+                message: e.to_string(),
+                tenant_share: true,
+                retry_after,
+            },
             EngineError::Internal(_) => ApiError::Internal(e.to_string()),
             EngineError::PromptCacheNotFound(_) => ApiError::InvalidParam {
                 message: e.to_string(),
@@ -468,7 +500,10 @@ impl ApiError {
             ApiError::Route(RouteError::Upstream(UpstreamError::Skipped {
                 retry_after: Some(wait),
                 ..
-            })) => {
+            }))
+            | ApiError::Overloaded {
+                retry_after: wait, ..
+            } => {
                 // Whole seconds, at least one.
                 let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
                 headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));

@@ -17,22 +17,43 @@ pub async fn healthz(_cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     body::json(StatusCode::OK, &json!({"status": "ok"}))
 }
 
-/// Readiness: 200 only once every configured model has loaded.
+/// Readiness: 200 once every configured model has loaded and while one can
+/// take a request; 503 `overloaded` (with `Retry-After`) while every local
+/// model's queue is full, so a load balancer sends work elsewhere. The body
+/// shows each model's queue.
 pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
     if let Some(reason) = cx.state.app.models.not_ready_reason() {
         return Err(ApiError::NotReady(reason));
     }
-    let ids: Vec<String> = cx
-        .state
-        .app
-        .models
-        .ready()
-        .into_iter()
-        .map(|m| m.id)
+    let models = cx.state.app.models.ready();
+    let queues: serde_json::Map<String, serde_json::Value> = models
+        .iter()
+        .map(|m| {
+            let q = m.engine.queue_stats();
+            (
+                m.id.clone(),
+                json!({"waiting": q.waiting, "max_queued": q.max_queued}),
+            )
+        })
         .collect();
+    let full = |m: &LoadedModel| {
+        let q = m.engine.queue_stats();
+        q.waiting >= q.max_queued
+    };
+    if !models.is_empty() && models.iter().all(full) {
+        return Err(ApiError::Overloaded {
+            message: format!(
+                "Every model's queue is full ({}); retry after the Retry-After header's seconds",
+                serde_json::Value::Object(queues)
+            ),
+            tenant_share: false,
+            retry_after: Duration::from_secs(1),
+        });
+    }
+    let ids: Vec<&String> = models.iter().map(|m| &m.id).collect();
     body::json(
         StatusCode::OK,
-        &json!({"status": "ready", "model": ids.first(), "models": ids}),
+        &json!({"status": "ready", "model": ids.first(), "models": ids, "queues": queues}),
     )
 }
 
@@ -46,6 +67,7 @@ pub async fn metrics(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     )?;
     let ready = cx.state.app.models.all_ready();
     let text = cx.state.metrics.render(ready)
+        + &super::metrics::render_model_queues(&cx.state.app.models.ready())
         + &super::admin_policies::render_metrics(&cx.state)
         + &super::prompt_caches::render_metrics(&cx.state);
     let mut resp = Response::new(full(text));

@@ -222,6 +222,47 @@ impl Metrics {
     }
 }
 
+/// Each local model's queue: depth, bound, refusals and preemptions.
+pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
+    let mut out = String::from(
+        "# HELP mlxgate_model_queue_waiting Requests waiting to start, by model.\n\
+         # TYPE mlxgate_model_queue_waiting gauge\n\
+         # HELP mlxgate_model_queue_limit The most requests that may wait ([scheduler] max_queued).\n\
+         # TYPE mlxgate_model_queue_limit gauge\n\
+         # HELP mlxgate_model_sequences_in_flight Generations queued or running, by model.\n\
+         # TYPE mlxgate_model_sequences_in_flight gauge\n\
+         # HELP mlxgate_model_requests_rejected_total Requests refused at admission, by model and reason (overloaded: 503; tenant_share: 429).\n\
+         # TYPE mlxgate_model_requests_rejected_total counter\n\
+         # HELP mlxgate_model_preemptions_total Sequences preempted for KV memory and recomputed later.\n\
+         # TYPE mlxgate_model_preemptions_total counter\n",
+    );
+    for m in models {
+        let q = m.engine.queue_stats();
+        let (in_flight, _) = m.engine.current_load();
+        let id = label_value(&m.id);
+        let _ = write!(
+            out,
+            "mlxgate_model_queue_waiting{{model=\"{id}\"}} {}\n\
+             mlxgate_model_queue_limit{{model=\"{id}\"}} {}\n\
+             mlxgate_model_sequences_in_flight{{model=\"{id}\"}} {in_flight}\n\
+             mlxgate_model_requests_rejected_total{{model=\"{id}\",reason=\"overloaded\"}} {}\n\
+             mlxgate_model_requests_rejected_total{{model=\"{id}\",reason=\"tenant_share\"}} {}\n\
+             mlxgate_model_preemptions_total{{model=\"{id}\"}} {}\n",
+            q.waiting, q.max_queued, q.rejected_overloaded, q.rejected_tenant_share, q.preempted
+        );
+    }
+    out
+}
+
+/// A label value in Prometheus' text format (model ids come from the
+/// config and may hold anything).
+fn label_value(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 fn labels(k: &SeriesKey) -> String {
     // Route patterns come from the route table (static, no quotes or
     // backslashes), so no escaping is needed.

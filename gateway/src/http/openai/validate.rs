@@ -383,6 +383,7 @@ fn common(f: &Fields, endpoint: Endpoint) -> Result<(Common, ToolUse), ApiError>
             .number_in("repetition_penalty", Bound::Excl(0.0), Bound::None)?
             .unwrap_or(d.repetition_penalty),
         logit_bias: logit_bias(f)?,
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         ..d
     };
     Ok((
@@ -1041,7 +1042,7 @@ pub(super) mod tests {
             ],
             "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5,
             "top_k": 40, "min_p": 0.1, "seed": 3, "presence_penalty": -2, "frequency_penalty": 2.0,
-            "repetition_penalty": 1.1, "logit_bias": {"50256": -100, "7": 2.5},
+            "repetition_penalty": 1.1, "logit_bias": {"50256": -100, "7": 2.5}, "ignore_eos": true,
             "stop": ["\n", "", "END"], "n": 1, "stream": true, "stream_options": {"include_usage": true},
             "logprobs": true, "top_logprobs": 3, "user": "u", "some_future_field": {"x": 1},
             "tools": [], "response_format": {"type": "text"}
@@ -1055,6 +1056,7 @@ pub(super) mod tests {
         assert_eq!(c.sampling.seed, Some(3));
         assert_eq!(c.sampling.presence_penalty, -2.0);
         assert_eq!(c.sampling.repetition_penalty, 1.1);
+        assert!(c.sampling.ignore_eos);
         assert_eq!(c.sampling.logit_bias.get(&50256), Some(&-100.0));
         assert_eq!(c.sampling.logit_bias.get(&7), Some(&2.5));
         assert_eq!(c.stop, vec!["\n", "END"]);

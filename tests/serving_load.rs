@@ -1,0 +1,392 @@
+//! Serving under load, on the packaged SmolLM2: a long prompt is prefilled
+//! in chunks between the running streams' decode steps (they keep getting
+//! tokens), sequences preempted for KV memory are recomputed and finish with
+//! the same tokens, the queue is bounded (503 `overloaded` / 429 with
+//! `Retry-After`, never a hang, and the server serves normally after), and
+//! one tenant's flood does not starve another. Every greedy output under
+//! load equals the same request served alone.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use mlxgate::engine::{
+    EngineError, EngineHandle, EngineOptions, GenerateEvent, GenerateRequest, GenerationStream,
+    Prompt, SchedulingOptions,
+};
+use serde_json::{Value, json};
+use support::{ServerBuilder, real_model};
+
+/// SmolLM2's end-of-sequence ids, suppressed so every run decodes to
+/// `max_tokens`.
+const EOS: [u32; 2] = [0, 2];
+
+fn request(prompt: &str, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest::greedy(Prompt::Text(prompt.into()), max_tokens).suppressing(&EOS)
+}
+
+/// An engine with these scheduling options and no in-memory prompt cache
+/// (each request's reference run alone would otherwise leave its prompt
+/// cached, and the run under load would skip the prefill it is about).
+fn engine(scheduling: SchedulingOptions) -> EngineHandle {
+    let mut options = EngineOptions {
+        scheduling,
+        ..EngineOptions::default()
+    };
+    options.prompt_cache.memory_bytes = 0;
+    EngineHandle::load_with(&real_model(), options).expect("load SmolLM2 (run scripts/setup.sh)")
+}
+
+/// A stream's text and when each piece of it arrived.
+struct Received {
+    text: String,
+    at: Vec<Instant>,
+    tokens: usize,
+}
+
+fn receive(mut stream: GenerationStream) -> Received {
+    let mut received = Received {
+        text: String::new(),
+        at: Vec::new(),
+        tokens: 0,
+    };
+    while let Some(event) = stream.blocking_next() {
+        match event.expect("event") {
+            GenerateEvent::Delta { text, .. } => {
+                received.text += &text;
+                received.at.push(Instant::now());
+            }
+            GenerateEvent::Finished { usage, .. } => {
+                received.tokens = usage.completion_tokens;
+                return received;
+            }
+        }
+    }
+    panic!("the stream ended without finishing");
+}
+
+fn alone(engine: &EngineHandle, request: GenerateRequest) -> String {
+    receive(engine.generate(request).unwrap()).text
+}
+
+/// ~2,000 tokens of varied text.
+fn document() -> String {
+    (0..110)
+        .map(|i| {
+            format!(
+                "Note {i}: the keeper logged {} ships and {} gulls. ",
+                i * 3 % 17,
+                i % 7
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_between_decode_steps_and_changes_no_token() {
+    let engine = engine(SchedulingOptions {
+        prefill_chunk: 64,
+        ..SchedulingOptions::default()
+    });
+    let chats: Vec<GenerateRequest> = (0..4)
+        .map(|i| request(&format!("Tell story number {i} about a lighthouse."), 160))
+        .collect();
+    let long = request(&document(), 8);
+    let expected: Vec<String> = chats.iter().map(|r| alone(&engine, r.clone())).collect();
+    let expected_long = alone(&engine, long.clone());
+
+    let mut streams: Vec<GenerationStream> = chats
+        .iter()
+        .map(|r| engine.generate(r.clone()).unwrap())
+        .collect();
+    // Each stream is decoding before the long prompt arrives.
+    let firsts: Vec<Instant> = streams
+        .iter_mut()
+        .map(|s| match s.blocking_next() {
+            Some(Ok(GenerateEvent::Delta { .. })) => Instant::now(),
+            other => panic!("expected a first token, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(firsts.len(), 4);
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|s| std::thread::spawn(move || receive(s)))
+        .collect();
+    let sent = Instant::now();
+    let long_stream = receive(engine.generate(long).unwrap());
+    let long_first = long_stream.at[0];
+    let results: Vec<Received> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+
+    let prompt_tokens = engine.tokenize(&document()).unwrap().len();
+    assert!(prompt_tokens > 1000, "{prompt_tokens} tokens");
+    for (i, got) in results.iter().enumerate() {
+        let during = got
+            .at
+            .iter()
+            .filter(|&&t| t > sent && t < long_first)
+            .count();
+        // ~prompt / 64 chunks, a decode step beside each; all at once
+        // would give none.
+        assert!(
+            during >= 8,
+            "stream {i} got {during} tokens while {prompt_tokens} prompt tokens were prefilled"
+        );
+        assert!(
+            expected[i].ends_with(&got.text),
+            "stream {i} changed under load:\n{}\nvs alone\n{}",
+            got.text,
+            expected[i]
+        );
+    }
+    assert_eq!(long_stream.text, expected_long);
+}
+
+#[test]
+fn sequences_preempted_for_kv_memory_are_recomputed_and_finish_with_the_same_tokens() {
+    // SmolLM2 keeps 46,080 bytes of KV per token: 4 sequences of ~140
+    // tokens need ~26 MB, twice this budget.
+    let engine = engine(SchedulingOptions {
+        kv_cache_bytes: 13 << 20,
+        ..SchedulingOptions::default()
+    });
+    let requests: Vec<GenerateRequest> = (0..4)
+        .map(|i| request(&format!("Write a poem number {i} about the sea."), 120))
+        .collect();
+    let expected: Vec<String> = requests.iter().map(|r| alone(&engine, r.clone())).collect();
+    assert_eq!(engine.queue_stats().preempted, 0);
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let stream = engine.generate(r.clone()).unwrap();
+            std::thread::spawn(move || receive(stream))
+        })
+        .collect();
+    for (i, handle) in handles.into_iter().enumerate() {
+        let got = handle.join().unwrap();
+        assert_eq!(got.tokens, 120, "sequence {i} finished early");
+        assert_eq!(got.text, expected[i], "sequence {i} changed by preemption");
+    }
+    assert!(engine.queue_stats().preempted > 0, "nothing was preempted");
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_with_a_wait_and_frees_places_as_requests_start_or_leave() {
+    let engine = engine(SchedulingOptions {
+        max_batch: 1,
+        max_queued: 2,
+        tenant_queue_share: 1.0,
+        ..SchedulingOptions::default()
+    });
+    let mut running = engine
+        .generate(request("Count to a thousand:", 400))
+        .unwrap();
+    assert!(matches!(
+        running.blocking_next(),
+        Some(Ok(GenerateEvent::Delta { .. }))
+    ));
+    let waiting: Vec<_> = (0..2)
+        .map(|i| engine.generate(request(&format!("Wait {i}"), 4)).unwrap())
+        .collect();
+    assert_eq!(engine.current_load().1, 2);
+    let refused = Instant::now();
+    match engine.generate(request("One too many", 4)) {
+        Err(EngineError::Overloaded {
+            waiting,
+            retry_after,
+        }) => {
+            assert_eq!(waiting, 2);
+            assert!(retry_after >= Duration::from_secs(1));
+        }
+        other => panic!("expected overload, got {:?}", other.map(|_| ())),
+    }
+    assert!(refused.elapsed() < Duration::from_secs(1));
+    assert_eq!(engine.queue_stats().rejected_overloaded, 1);
+    // Clients that leave free their places.
+    drop(waiting);
+    drop(running);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engine.current_load().1 != 0 {
+        assert!(Instant::now() < deadline, "the queue did not drain");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        receive(engine.generate(request("Hello", 4)).unwrap()).tokens,
+        4
+    );
+}
+
+/// A chat request body for the HTTP tests.
+fn chat(content: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+    })
+}
+
+/// Sends `body` as `key` from a new thread: the status, `Retry-After`,
+/// and when the answer came.
+fn send(
+    addr: std::net::SocketAddr,
+    key: Option<&'static str>,
+    body: Value,
+) -> std::thread::JoinHandle<(u16, Option<String>, Instant, Value)> {
+    std::thread::spawn(move || {
+        let text = body.to_string();
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(auth) = &auth {
+            headers.push(("authorization", auth.as_str()));
+        }
+        let r = support::try_request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &headers,
+            Some(text.as_bytes()),
+        )
+        .expect("an answer, not a hang or a dropped connection");
+        let retry = r.header("retry-after").map(str::to_owned);
+        (r.status, retry, Instant::now(), r.json())
+    })
+}
+
+#[test]
+fn two_hundred_requests_against_a_queue_of_32_complete_or_are_refused_with_retry_after() {
+    let server = ServerBuilder::new()
+        .model(real_model())
+        .config(
+            "[scheduler]\nmax_batch = 8\nmax_queued = 32\ntenant_queue_share = 1.0\n\
+             [server]\nmax_concurrent_requests_per_key = 0\n",
+        )
+        .start();
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    let started = Instant::now();
+    let sent: Vec<_> = (0..200)
+        .map(|i| {
+            send(
+                server.addr,
+                None,
+                chat(&format!("Say hello to friend {i}."), 16),
+            )
+        })
+        .collect();
+    let answers: Vec<_> = sent.into_iter().map(|h| h.join().unwrap()).collect();
+    let (mut completed, mut refused) = (0, 0);
+    for (status, retry, at, body) in &answers {
+        match status {
+            200 => completed += 1,
+            503 => {
+                refused += 1;
+                assert_eq!(body["error"]["code"], "overloaded", "{body}");
+                assert!(retry.is_some(), "503 without Retry-After: {body}");
+                assert!(
+                    at.duration_since(started) < Duration::from_secs(20),
+                    "a refusal came only after {:?}",
+                    at.duration_since(started)
+                );
+            }
+            other => panic!("unexpected status {other}: {body}"),
+        }
+    }
+    assert_eq!(completed + refused, 200);
+    assert!(completed >= 32, "only {completed} were served");
+    assert!(refused > 0, "nothing was refused");
+    let metrics = server.get("/metrics").text();
+    assert!(
+        metrics.contains(&format!(
+            "mlxgate_model_requests_rejected_total{{model=\"SmolLM2-135M-Instruct\",reason=\"overloaded\"}} {refused}\n"
+        )),
+        "{metrics}"
+    );
+    assert!(metrics.contains("mlxgate_model_queue_limit{model=\"SmolLM2-135M-Instruct\"} 32\n"));
+    // Afterwards the server serves as before and says it is ready.
+    let ready = server.get("/readyz");
+    assert_eq!(ready.status, 200);
+    assert_eq!(
+        ready.json()["queues"]["SmolLM2-135M-Instruct"]["waiting"],
+        0
+    );
+    let (status, _, _, body) = send(server.addr, None, chat("Hi", 4)).join().unwrap();
+    assert_eq!(status, 200, "{body}");
+}
+
+const FLOOD: &str = "fair-flooding-tenant-key";
+const QUIET: &str = "fair-quiet-tenant-key";
+
+#[test]
+fn a_flooding_tenant_does_not_starve_another_and_is_held_to_its_share() {
+    let keys: String = [("a", FLOOD), ("b", QUIET)]
+        .iter()
+        .map(|(tenant, key)| {
+            format!(
+                "[[keys]]\nid = \"{tenant}\"\ntenant = \"{tenant}\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n",
+                mlxgate::http::auth::KeyHash::of(key).to_hex()
+            )
+        })
+        .collect();
+    let server = ServerBuilder::new()
+        .model(real_model())
+        .config(&format!(
+            "{keys}[scheduler]\nmax_batch = 4\nmax_queued = 160\ntenant_queue_share = 0.5\n\
+             [server]\nmax_concurrent_requests_per_key = 0\n"
+        ))
+        .start();
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    let flood: Vec<_> = (0..100)
+        .map(|i| {
+            send(
+                server.addr,
+                Some(FLOOD),
+                chat(&format!("Flood {i}: say hi."), 6),
+            )
+        })
+        .collect();
+    // The flood is queued before the quiet tenant's few requests arrive.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.get("/readyz").json()["queues"]["SmolLM2-135M-Instruct"]["waiting"]
+        .as_u64()
+        .unwrap_or(0)
+        < 40
+    {
+        assert!(Instant::now() < deadline, "the flood never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let quiet: Vec<_> = (0..5)
+        .map(|i| {
+            send(
+                server.addr,
+                Some(QUIET),
+                chat(&format!("Quiet {i}: say hi."), 6),
+            )
+        })
+        .collect();
+    let quiet: Vec<_> = quiet.into_iter().map(|h| h.join().unwrap()).collect();
+    let flood: Vec<_> = flood.into_iter().map(|h| h.join().unwrap()).collect();
+    let quiet_done = quiet.iter().map(|q| q.2).max().unwrap();
+    for (status, _, _, body) in &quiet {
+        assert_eq!(*status, 200, "{body}");
+    }
+    // Past its share (80 of 160 waiting) the flood is refused with 429.
+    let limited = flood.iter().filter(|f| f.0 == 429).count();
+    assert!(limited >= 10, "only {limited} of the flood got 429");
+    for (status, retry, _, body) in flood.iter().filter(|f| f.0 != 200) {
+        assert_eq!(*status, 429, "{body}");
+        assert_eq!(
+            body["error"]["code"], "tenant_queue_share_exceeded",
+            "{body}"
+        );
+        assert!(retry.is_some());
+    }
+    // FIFO would finish all the flood's admitted requests first; fair
+    // order interleaves the quiet tenant's with them.
+    let served: Vec<Instant> = flood.iter().filter(|f| f.0 == 200).map(|f| f.2).collect();
+    let before = served.iter().filter(|&&t| t < quiet_done).count();
+    assert!(
+        before <= 20,
+        "{before} of the flood's {} requests finished before the quiet tenant's 5",
+        served.len()
+    );
+}
