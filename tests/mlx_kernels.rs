@@ -511,6 +511,59 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     assert_packed_matches_graph(&q6k, &packed, "Q6_K-like", false);
 }
 
+/// Decode batches give each sequence the same bits as decoding it alone,
+/// for the layouts the packaged models decode with (split 4-bit codes with
+/// f16 scales and biases as Q4_1 loads, signed 8-bit codes in groups of 32
+/// as Q8_0 and of 16 as Q6_K), on AVX-512 where the batch loops share the
+/// batch-1 loops' arithmetic per input; elsewhere within rounding.
+#[test]
+fn decode_batches_give_each_input_the_bits_it_gets_alone() {
+    if !require_native() {
+        return;
+    }
+    let pack = |q: &Quantized| {
+        PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
+    };
+    let wide = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl");
+    let f16_values = |a: &Array| {
+        a.as_dtype(Dtype::Float16)
+            .and_then(|h| h.as_dtype(Dtype::Float32))
+            .expect("cast")
+    };
+    let mut q41 = quantized(150, 576, 32, 4, 61);
+    q41.scales = f16_values(&q41.scales);
+    q41.biases = f16_values(&q41.biases);
+    let layouts = [
+        ("Q4_1-like", pack(&q41)),
+        ("Q4_1-like, 17 groups", pack(&quantized(40, 544, 32, 4, 62))),
+        ("Q8_0-like", pack(&symmetric(70, 576, 255, 128.0, 63))),
+        ("Q6_K-like", pack(&q6_k_like(70, 896, 64))),
+    ];
+    for (what, packed) in &layouts {
+        let (n, k) = (packed.rows, packed.cols);
+        for m in [2usize, 3, 4, 5, 8, 13, 16] {
+            let x = random(&[m as i32, k as i32], 70 + m as u64);
+            let x = x.as_slice::<f32>();
+            let mut batch = vec![0.0f32; m * n];
+            packed.matmul(x, &mut batch);
+            for (i, row) in x.chunks(k).enumerate() {
+                let mut alone = vec![0.0f32; n];
+                packed.matmul(row, &mut alone);
+                let got = &batch[i * n..(i + 1) * n];
+                if wide {
+                    assert_eq!(got, &alone[..], "{what}, input {i} of {m}");
+                } else {
+                    let scale = alone.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
+                    let worst = got.iter().zip(&alone).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    assert!(worst <= 1e-5 * scale, "{what}, input {i} of {m}: {worst}");
+                }
+            }
+        }
+    }
+}
+
 /// MLX's own attention of `q` over `k`/`v` with a boolean `[queries, keys]`
 /// mask, as `[1, queries, heads, head_dim]`.
 fn mlx_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array) -> Array {

@@ -14,18 +14,28 @@ namespace {
 
 template <class L>
 void rows_for(const Product& p, int64_t n0, int64_t n1) {
+  // AVX-512 where the CPU has it: batch 1, and decode batches with the
+  // same per-input arithmetic (a sequence's logits do not depend on its
+  // batch).
+  const bool wide = p.m <= kMaxWideBatch && avx512_supported();
   if constexpr (L::kSplit) {
-    if (p.m == 1 && p.group_size == 32 && p.k / 32 <= kMaxWideGroups && avx512_supported()) {
-      return split_rows_wide<L>(p, n0, n1);
+    if (wide && p.group_size == 32 && p.k / 32 <= kMaxWideGroups) {
+      return p.m == 1 ? split_rows_wide<L>(p, n0, n1) : split_rows_wide_many<L>(p, n0, n1);
     }
   }
   if constexpr (L::kSigned) {
-    if (p.m == 1 && avx512_supported()) {
+    if (wide) {
       if constexpr (L::kHalves) {
-        return signed_rows_wide<L, 16>(p, n0, n1);
+        return p.m == 1 ? signed_rows_wide<L, 16>(p, n0, n1)
+                        : signed_rows_wide_many<L, 16>(p, n0, n1);
       } else {
-        return p.group_size == 32 ? signed_rows_wide<L, 32>(p, n0, n1)
-                                  : signed_rows_wide<L, 0>(p, n0, n1);
+        if (p.group_size == 32) {
+          return p.m == 1 ? signed_rows_wide<L, 32>(p, n0, n1)
+                          : signed_rows_wide_many<L, 32>(p, n0, n1);
+        }
+        if (p.m == 1) {
+          return signed_rows_wide<L, 0>(p, n0, n1);
+        }
       }
     }
   }

@@ -16,6 +16,7 @@
 //   qmm_product.h       the product every loop takes, accepted group sizes
 //   qmm_avx2.h          AVX2 decode and small-batch loops (M <= 4)
 //   qmm_avx512.h        AVX-512 batch-1 loops (signed 8-bit, split 4-bit)
+//   qmm_avx512_batch.h  AVX-512 decode-batch loops, per input as batch 1
 //   qmm_five_bit.h      five-bit codes and their AVX-512 loops
 //   qmm_avx2_prefill.h  AVX2 prefill and large-batch loops (M > 4)
 //   qmm_dispatch.h      picking a loop, running products on the pool
@@ -52,6 +53,7 @@ using mlxgate::Pool;
 #include "qmm_product.h"
 #include "qmm_avx2.h"
 #include "qmm_avx512.h"
+#include "qmm_avx512_batch.h"
 #include "qmm_five_bit.h"
 #include "qmm_avx2_prefill.h"
 #include "qmm_dispatch.h"
