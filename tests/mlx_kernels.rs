@@ -556,7 +556,11 @@ fn decode_batches_give_each_input_the_bits_it_gets_alone() {
                     assert_eq!(got, &alone[..], "{what}, input {i} of {m}");
                 } else {
                     let scale = alone.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
-                    let worst = got.iter().zip(&alone).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    let worst = got
+                        .iter()
+                        .zip(&alone)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
                     assert!(worst <= 1e-5 * scale, "{what}, input {i} of {m}: {worst}");
                 }
             }

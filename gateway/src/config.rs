@@ -83,9 +83,11 @@ pub struct SchedulerConfig {
     /// The fraction of `max_queued` one tenant's waiting requests may fill
     /// (default 0.5); more get 429 `tenant_queue_share_exceeded` with
     /// `Retry-After`, so one tenant's flood leaves room for the others.
+    /// Requests without a tenant (open inference) are bound by `max_queued`
+    /// alone.
     pub tenant_queue_share: f64,
     /// Prompt tokens prefilled per engine step while other sequences decode
-    /// (default 64): smaller keeps running streams' inter-token latency
+    /// (default 32): smaller keeps running streams' inter-token latency
     /// lower, larger gets a long prompt's first token sooner. A prompt with
     /// nothing else running goes in chunks of 512.
     pub prefill_chunk: usize,

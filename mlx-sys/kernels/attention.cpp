@@ -190,9 +190,27 @@ AVX2 void attend_row(const CausalAttention& a, int head, int64_t row) {
   }
 }
 
-/// Chunk c: head c of a single query row (a decode step).
-void attend_head(const void* ctx, int64_t head) {
-  attend_row(*static_cast<const CausalAttention*>(ctx), static_cast<int>(head), 0);
+
+/// Several sequences' decode attention of one layer: chunk c is head
+/// c % heads of sequence c / heads.
+struct DecodeRows {
+  const mlxgate_attention_row* rows;
+  int heads, kv_heads, head_dim;
+  float scale;
+
+  /// Sequence `i`'s attention: its one query row at the last position.
+  CausalAttention of(int64_t i) const {
+    const mlxgate_attention_row& r = rows[i];
+    return CausalAttention{r.out, Rows{r.q, head_dim, heads * int64_t{head_dim}},
+                           Rows{r.keys, r.head_stride, head_dim},
+                           Rows{r.values, r.head_stride, head_dim}, heads, kv_heads, head_dim,
+                           1, r.positions, r.positions - 1, 0, scale};
+  }
+};
+
+void attend_sequence_head(const void* ctx, int64_t chunk) {
+  const DecodeRows& d = *static_cast<const DecodeRows*>(ctx);
+  attend_row(d.of(chunk / d.heads), static_cast<int>(chunk % d.heads), 0);
 }
 
 /// Chunk c: one head, one block of query rows; the last (longest) blocks
@@ -211,38 +229,32 @@ void attend_block(const void* ctx, int64_t chunk) {
 
 }  // namespace
 
-extern "C" int mlxgate_decode_attention(
-    float* out,
-    const float* q,
+extern "C" int mlxgate_decode_attention_many(
+    const mlxgate_attention_row* rows,
+    int64_t count,
     int heads,
     int kv_heads,
     int head_dim,
-    const float* keys,
-    const float* values,
-    int64_t head_stride,
-    int64_t positions,
     float scale) {
 #if defined(MLXGATE_X86)
-  if (!mlxgate::cpu_supported() || heads <= 0 || kv_heads <= 0 ||
-      heads % kv_heads != 0 || head_dim <= 0 || head_dim % 8 != 0 || positions <= 0 ||
-      head_stride < positions * head_dim) {
+  if (!mlxgate::cpu_supported() || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 ||
+      head_dim <= 0 || head_dim % 8 != 0 || count < 0) {
     return 1;
   }
-  // The last position's query over every cached key: prefill's row kernel
-  // (four keys per pass, vectorized exp, sums kept in registers).
-  const Rows keys_rows{keys, head_stride, head_dim};
-  const Rows values_rows{values, head_stride, head_dim};
-  const CausalAttention attention{out, Rows{q, head_dim, heads * int64_t{head_dim}},
-                                  keys_rows, values_rows, heads, kv_heads, head_dim,
-                                  1, positions, positions - 1, 0, scale};
-  mlxgate::Pool::instance().run(attend_head, &attention, heads);
+  for (int64_t i = 0; i < count; ++i) {
+    if (rows[i].positions <= 0 || rows[i].head_stride < rows[i].positions * head_dim) {
+      return 1;
+    }
+  }
+  const DecodeRows decode{rows, heads, kv_heads, head_dim, scale};
+  mlxgate::Pool::instance().run(attend_sequence_head, &decode, count * heads);
   return 0;
 #else
-  (void)out, (void)q, (void)heads, (void)kv_heads, (void)head_dim, (void)keys;
-  (void)values, (void)head_stride, (void)positions, (void)scale;
+  (void)rows, (void)count, (void)heads, (void)kv_heads, (void)head_dim, (void)scale;
   return 1;
 #endif
 }
+
 
 // ---------------------------------------------------------------------------
 // Causal attention as an MLX primitive (prefill inside the graph).

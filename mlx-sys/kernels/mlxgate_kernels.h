@@ -93,22 +93,32 @@ int mlxgate_quantized_matmul_raw_many(
  * no broadcast), stores its data pointer in `data` and returns 0; else 1. */
 int mlxgate_array_packed_data(const mlx_array a, const void** data);
 
-/* One query position attending over `positions` cached positions, per query
- * head h (reading kv head h / (heads / kv_heads)):
+
+/* One sequence's part of a batched decode attention: one query position
+ * attending over `positions` cached positions, per query head h (reading kv
+ * head g = h / (heads / kv_heads)):
  *   out[h] = softmax(scale * q[h] . K[g]^T) V[g]
  * `q` and `out` are [heads, head_dim]; kv head g's keys start at
  * `keys + g * head_stride`, one position every head_dim floats (likewise
- * `values`). Returns 0, or 1 when the operands are refused. */
-int mlxgate_decode_attention(
-    float* out,
-    const float* q,
+ * `values`). */
+typedef struct {
+  float* out;
+  const float* q;
+  const float* keys;
+  const float* values;
+  int64_t head_stride;
+  int64_t positions;
+} mlxgate_attention_row;
+
+/* Decode attention for `count` sequences of one layer at once, as one job
+ * for the kernel pool (every sequence's heads side by side). Returns 0, or 1
+ * when the operands are refused. */
+int mlxgate_decode_attention_many(
+    const mlxgate_attention_row* rows,
+    int64_t count,
     int heads,
     int kv_heads,
     int head_dim,
-    const float* keys,
-    const float* values,
-    int64_t head_stride,
-    int64_t positions,
     float scale);
 
 /* Causal attention of `q` [1, heads, queries, head_dim] over `k` and `v`

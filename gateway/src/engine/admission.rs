@@ -4,7 +4,8 @@
 //! to wait without bound: beyond `max_queued` waiting requests the model is
 //! overloaded (the HTTP layer answers 503), and one tenant may hold at most
 //! its share of the queue (429), so a flood from one tenant leaves room for
-//! the others. Refusals carry a wait estimate for `Retry-After`, from how
+//! the others. Requests without a tenant (open inference) are bound by the
+//! queue alone. Refusals carry a wait estimate for `Retry-After`, from how
 //! long requests have recently taken.
 //!
 //! The queue here is the requests sent to the engine thread and not yet
@@ -43,7 +44,7 @@ impl Default for SchedulingOptions {
             max_batch: 16,
             max_queued: 64,
             tenant_queue_share: 0.5,
-            prefill_chunk: 64,
+            prefill_chunk: 32,
             kv_cache_bytes: 4 << 30,
             tenant_weights: HashMap::new(),
         }
@@ -129,7 +130,9 @@ impl Admission {
         }
         let key = tenant.map(str::to_owned);
         let mine = waiting.by_tenant.get(&key).copied().unwrap_or(0);
-        if mine >= self.tenant_cap {
+        // Requests without a tenant (open inference, in-process callers)
+        // are one anonymous crowd: only the queue's bound holds them.
+        if key.is_some() && mine >= self.tenant_cap {
             self.counters
                 .rejected_tenant_share
                 .fetch_add(1, Ordering::Relaxed);
@@ -265,7 +268,13 @@ mod tests {
         ));
         let other = admission.enter(Some("b")).expect("another tenant gets in");
         assert_eq!(admission.waiting(), 5);
-        drop((flood, other));
+        // Without a tenant, only the queue's bound applies.
+        let anonymous: Vec<_> = (0..3).map(|_| admission.enter(None).unwrap()).collect();
+        assert!(matches!(
+            admission.enter(None),
+            Err(EngineError::Overloaded { .. })
+        ));
+        drop((flood, other, anonymous));
         assert_eq!(admission.stats().rejected_tenant_share, 1);
     }
 

@@ -744,7 +744,7 @@ impl PackedMatrix {
     }
 }
 
-/// The shape of one decode-attention call: see [`decode_attention`].
+/// The shape every row of a [`decode_attention_many`] call shares.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
     pub heads: usize,
@@ -755,44 +755,58 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-/// One query position over `positions` cached positions, every query head:
-/// `out[h] = softmax(scale * q[h] . K[g]^T) V[g]`, `g = h / (heads / kv_heads)`.
-/// Panics unless [`attention_takes_head_dim`].
-///
-/// # Safety
-/// `keys` and `values` must be valid for reads of kv head g's positions
-/// `[0, positions)` at `g * head_stride + p * head_dim` for every kv head,
-/// and nothing may write those floats during the call.
-pub unsafe fn decode_attention(
-    out: &mut [f32],
-    q: &[f32],
-    keys: *const f32,
-    values: *const f32,
-    positions: usize,
-    shape: AttentionShape,
-) {
-    let AttentionShape {
-        heads,
-        kv_heads,
-        head_dim,
-        head_stride,
-        scale,
-    } = shape;
-    assert!(out.len() == heads * head_dim && q.len() == heads * head_dim);
-    assert!(head_stride >= positions * head_dim);
-    // SAFETY: `out` and `q` were checked; the caller vouches for the cache.
-    let status = unsafe {
-        mlx_sys::mlxgate_decode_attention(
-            out.as_mut_ptr(),
-            q.as_ptr(),
-            heads as i32,
-            kv_heads as i32,
-            head_dim as i32,
+/// One sequence's part of [`decode_attention_many`]: one query position
+/// (`[heads, head_dim]`) over `positions` cached positions, every query
+/// head: `out[h] = softmax(scale * q[h] . K[g]^T) V[g]`,
+/// `g = h / (heads / kv_heads)`.
+#[derive(Clone, Copy)]
+pub struct AttentionRow(mlx_sys::mlxgate_attention_row);
+
+impl AttentionRow {
+    /// # Safety
+    /// `keys` and `values` must be valid for reads of kv head g's positions
+    /// `[0, positions)` at `g * head_stride + p * head_dim` for every kv
+    /// head, unwritten during the call; `out` and `q` (each
+    /// `heads * head_dim` floats) must outlive the row's use and `out` must
+    /// not be read or written elsewhere meanwhile.
+    pub unsafe fn new(
+        out: &mut [f32],
+        q: &[f32],
+        keys: *const f32,
+        values: *const f32,
+        positions: usize,
+        head_stride: usize,
+    ) -> AttentionRow {
+        AttentionRow(mlx_sys::mlxgate_attention_row {
+            out: out.as_mut_ptr(),
+            q: q.as_ptr(),
             keys,
             values,
-            head_stride as i64,
-            positions as i64,
-            scale,
+            head_stride: head_stride as i64,
+            positions: positions as i64,
+        })
+    }
+}
+
+/// Decode attention for several sequences of one layer as one job for the
+/// kernel pool (one call per row and layer was a pool dispatch for a few
+/// microseconds of work), each row's result exactly as alone. Panics unless [`attention_takes_head_dim`] and
+/// every row's operands are sound.
+///
+/// # Safety
+/// Every row's promises ([`AttentionRow::new`]) hold during the call, and
+/// no two rows share an `out`.
+pub unsafe fn decode_attention_many(rows: &[AttentionRow], shape: AttentionShape) {
+    let raw: Vec<mlx_sys::mlxgate_attention_row> = rows.iter().map(|r| r.0).collect();
+    // SAFETY: the caller vouches for each row's buffers.
+    let status = unsafe {
+        mlx_sys::mlxgate_decode_attention_many(
+            raw.as_ptr(),
+            raw.len() as i64,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+            shape.scale,
         )
     };
     assert_eq!(status, 0, "decode attention refused its operands");

@@ -353,11 +353,9 @@ impl NativeDecoder {
                 rope.apply(q, head_dim, angles);
                 rope.apply(k, head_dim, angles);
                 let v = &s.v[b * kv_width..(b + 1) * kv_width];
-                let layer_cache = &mut cache.layers[layer];
-                layer_cache.push_native(k, v, c.kv_heads, head_dim)?;
-                let out = &mut s.attended[b * q_width..(b + 1) * q_width];
-                layer_cache.attend_native(out, q, c.heads, scale);
+                cache.layers[layer].push_native(k, v, c.kv_heads, head_dim)?;
             }
+            attend_all(caches, layer, &s.q, &mut s.attended, c.heads, scale);
             block.o.apply(&s.attended, &mut s.projected);
             lora.add(layer, Target::O, &s.attended, &mut s.projected);
             add_residual(
@@ -431,6 +429,36 @@ impl NativeDecoder {
             }
         }
         logits
+    }
+}
+
+/// Every row's attention over its own cache at `layer`, as one job for the
+/// kernel pool: `attended[b] = attention(q[b], caches[b])`.
+fn attend_all(
+    caches: &[&mut KvCache],
+    layer: usize,
+    q: &[f32],
+    attended: &mut [f32],
+    heads: usize,
+    scale: f32,
+) {
+    let width = q.len() / caches.len().max(1);
+    let mut shape = None;
+    let rows: Vec<kernels::AttentionRow> = caches
+        .iter()
+        .zip(q.chunks(width).zip(attended.chunks_mut(width)))
+        .map(|(cache, (q, out))| {
+            // SAFETY: `out` and `q` are disjoint rows that outlive the call
+            // below, and the caches are borrowed (not written) until it ends.
+            let (row, row_shape) =
+                unsafe { cache.layers[layer].attention_row(out, q, heads, scale) };
+            shape = Some(row_shape);
+            row
+        })
+        .collect();
+    if let Some(shape) = shape {
+        // SAFETY: as above; each row has its own `out`.
+        unsafe { kernels::decode_attention_many(&rows, shape) };
     }
 }
 
