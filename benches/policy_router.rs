@@ -78,9 +78,7 @@ fn native_route(
         .iter()
         .any(|b| b.kind == BackendKind::Local && b.name == target)
     {
-        RouteDecision::Local {
-            model: target.to_string(),
-        }
+        RouteDecision::local(target.to_string())
     } else {
         RouteDecision::Reject {
             status: 404,
@@ -143,9 +141,7 @@ fn main() {
     host.bind(PolicyKind::Router, "warm").expect("bind");
 
     let (f, b) = (facts(), backends());
-    let expected = RouteDecision::Local {
-        model: "llama-3-8b".into(),
-    };
+    let expected = RouteDecision::local("llama-3-8b");
     assert_eq!(host.route(&f, &b).expect("route"), expected);
     let aliases: HashMap<String, String> =
         HashMap::from([("gpt-4o".to_string(), "llama-3-8b".to_string())]);

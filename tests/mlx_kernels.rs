@@ -314,6 +314,17 @@ fn silu_multiply_matches_mlx_ops() {
 /// arrays, batches 1, 3, 6 and 11, and one dequantized row against MLX's:
 /// bitwise equal where the kernels sum the same products in the same order,
 /// else within rounding.
+fn pack(q: &Quantized) -> PackedMatrix {
+    PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
+}
+
+/// `a`'s values rounded to f16 (as GGUF's f16 scales and biases load).
+fn f16_values(a: &Array) -> Array {
+    a.as_dtype(Dtype::Float16)
+        .and_then(|h| h.as_dtype(Dtype::Float32))
+        .expect("cast")
+}
+
 fn assert_packed_matches_graph(q: &Quantized, packed: &PackedMatrix, what: &str, bitwise: bool) {
     let (n, k) = (packed.rows, packed.cols);
     for m in [1usize, 3, 6, 11] {
@@ -442,9 +453,6 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
     if !require_native() {
         return;
     }
-    let pack = |q: &Quantized| {
-        PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
-    };
     // MLX's own quantization: f32 scales and biases, kept as they are. 4-bit
     // codes are stored split, whose batch-1 kernel on AVX-512 sums
     // `scale * sum(q * x) + bias * sum(x)` per group: equal within rounding.
@@ -455,14 +463,9 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
         assert_packed_matches_graph(&q, &packed, &format!("MLX {bits}-bit"), bits == 8);
     }
     // Q4_1-like: f16 scales and biases, read as f16 (5 bits per weight).
-    let to_f16_values = |a: &Array| {
-        a.as_dtype(Dtype::Float16)
-            .and_then(|h| h.as_dtype(Dtype::Float32))
-            .expect("cast")
-    };
     let mut q41 = quantized(200, 256, 32, 4, 45);
-    q41.scales = to_f16_values(&q41.scales);
-    q41.biases = to_f16_values(&q41.biases);
+    q41.scales = f16_values(&q41.scales);
+    q41.biases = f16_values(&q41.biases);
     q41.dense = dequantize(&q41.w, &q41.scales, &q41.biases, 32, 4).expect("dequantize");
     let packed = pack(&q41);
     assert_eq!(packed.bits_per_weight(), 5.0);
@@ -521,17 +524,9 @@ fn decode_batches_give_each_input_the_bits_it_gets_alone() {
     if !require_native() {
         return;
     }
-    let pack = |q: &Quantized| {
-        PackedMatrix::new(&q.w, &q.scales, &q.biases, q.group_size, q.bits).expect("packable")
-    };
     let wide = is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl");
-    let f16_values = |a: &Array| {
-        a.as_dtype(Dtype::Float16)
-            .and_then(|h| h.as_dtype(Dtype::Float32))
-            .expect("cast")
-    };
     let mut q41 = quantized(150, 576, 32, 4, 61);
     q41.scales = f16_values(&q41.scales);
     q41.biases = f16_values(&q41.biases);

@@ -9,9 +9,7 @@ use mlxgate::policy::{PolicyError, PolicyKind, RecordOutcome, RouteDecision};
 use serde_json::{Value, json};
 
 fn local_route(model: &str) -> RouteDecision {
-    RouteDecision::Local {
-        model: model.into(),
-    }
+    RouteDecision::local(model)
 }
 
 #[test]

@@ -76,18 +76,14 @@ fn each_misbehaviour_is_contained_and_the_policy_recovers() {
         // The same policy answers again, on a fresh instance after a trap.
         assert_eq!(
             host.route_with("hostile", &facts("fine"), &[]).unwrap(),
-            RouteDecision::Local {
-                model: "fine".into()
-            },
+            RouteDecision::local("fine"),
             "after {model}"
         );
         // Other policies are unaffected.
         assert_eq!(
             host.route_with("good", &facts("llama"), &[local("llama", 0, 0)])
                 .unwrap(),
-            RouteDecision::Local {
-                model: "llama".into()
-            }
+            RouteDecision::local("llama")
         );
     }
     let m = host
@@ -324,7 +320,8 @@ fn upload_validation_errors_are_distinct() {
     );
 
     // Another patch release of the interface is compatible: a component
-    // built for 0.3.0 (no `backend-stats` import) on this 0.3.1 host.
+    // built for 0.3.0 (no `backend-stats` or `request-control` import) on
+    // this 0.3.2 host.
     let info = host
         .upload(
             "patch",
@@ -342,7 +339,7 @@ fn upload_validation_errors_are_distinct() {
     assert_eq!(info.interface, "mlxgate:policy/router@0.3.0");
     assert_eq!(
         host.route_with("patch", &facts("m"), &[]).unwrap(),
-        RouteDecision::Local { model: "m".into() }
+        RouteDecision::local("m")
     );
     host.remove("patch").unwrap();
 

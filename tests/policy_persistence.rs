@@ -58,9 +58,7 @@ fn restart_reloads_policies_bindings_and_artifacts() {
     assert_eq!(
         host.route(&facts("gpt-4o"), &[local("llama", 0, 0)])
             .unwrap(),
-        RouteDecision::Local {
-            model: "llama".into()
-        }
+        RouteDecision::local("llama")
     );
     assert_eq!(host.list().len(), 2);
     drop(host);
@@ -143,7 +141,7 @@ fn swaps_are_atomic_under_concurrent_calls() {
                 let mut seen = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
                     match host.route(&facts("m"), &[]) {
-                        Ok(RouteDecision::Local { model }) => seen.push(model),
+                        Ok(RouteDecision::Local { model, .. }) => seen.push(model),
                         other => panic!("call failed during swap: {other:?}"),
                     }
                 }
@@ -157,9 +155,7 @@ fn swaps_are_atomic_under_concurrent_calls() {
         let now = host.route(&facts("m"), &[]).unwrap();
         assert_eq!(
             now,
-            RouteDecision::Local {
-                model: target.into()
-            },
+            RouteDecision::local(target),
             "new version serves at once"
         );
     }

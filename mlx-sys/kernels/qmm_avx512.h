@@ -45,6 +45,21 @@ AVX512 inline __m512 sixteen_values(const void* values, int64_t g0, int64_t coun
   }
 }
 
+/// Sixteen of a row's scales from group `g0` on, as f32 in memory for
+/// broadcast operands: the row's own f32 scales, or its f16 ones converted
+/// into `block` (one conversion per 16 groups).
+template <class L>
+AVX512 inline const float* sixteen_scales(const RowGroups<L>& row, int64_t g0, int64_t count,
+                                          float* block) {
+  if constexpr (L::kF16) {
+    _mm512_store_ps(block, sixteen_values<true>(row.scales, g0, count));
+    return block;
+  } else {
+    (void)count;
+    return static_cast<const float*>(row.scales) + g0;
+  }
+}
+
 /// How far ahead of the codes in use the wide (AVX-512) batch-1 loops
 /// prefetch. Decode streams every weight from memory once per token, and a
 /// few cache lines ahead (the old distance, 128 bytes) is less than memory's
@@ -106,13 +121,7 @@ AVX512 void signed_rows_wide(const Product& p, int64_t n0, int64_t n1) {
     const float* x = p.x;
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const int64_t count = std::min<int64_t>(16, groups - g0);
-      const float* scales;
-      if constexpr (L::kF16) {
-        _mm512_store_ps(block, sixteen_values<true>(row.scales, g0, count));
-        scales = block;
-      } else {
-        scales = static_cast<const float*>(row.scales) + g0;
-      }
+      const float* scales = sixteen_scales(row, g0, count, block);
       if constexpr (kGroup == 16) {
         // A scale per 16 weights: each product scaled on its own, groups
         // alternating between the two sums.

@@ -170,13 +170,7 @@ AVX512 inline void signed_row_inputs(const Product& p, int64_t n, int64_t m0) {
   alignas(64) float block[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t count = std::min<int64_t>(16, groups - g0);
-    const float* scales;
-    if constexpr (L::kF16) {
-      _mm512_store_ps(block, sixteen_values<true>(row.scales, g0, count));
-      scales = block;
-    } else {
-      scales = static_cast<const float*>(row.scales) + g0;
-    }
+    const float* scales = sixteen_scales(row, g0, count, block);
     int64_t j = 0;
     for (; j + 2 <= count; j += 2, codes += 2 * kGroup, x += 2 * kGroup) {
       _mm_prefetch(reinterpret_cast<const char*>(codes + kWidePrefetch), _MM_HINT_T0);

@@ -22,8 +22,9 @@ use crate::upstream::{Upstream, UpstreamError};
 /// Where a request goes.
 #[derive(Clone)]
 pub enum Destination {
-    /// Serve with this local model.
-    Local { model: String },
+    /// Serve with this local model, the request in this priority class
+    /// (a router's choice; higher starts first).
+    Local { model: String, priority: i8 },
     /// Forward to the first of these configured upstreams that answers
     /// (never empty; see `upstream/fallback.rs`), with `model` rewritten if
     /// given.
@@ -92,7 +93,9 @@ impl App {
             return Ok(self.default_route(model));
         };
         match host.route_if_bound(facts, || self.backends()).await {
-            Ok(RouteDecision::Local { model }) => Ok(Destination::Local { model }),
+            Ok(RouteDecision::Local { model, priority }) => {
+                Ok(Destination::Local { model, priority })
+            }
             Ok(RouteDecision::Upstream { name, model }) => {
                 // A decision may name several upstreams, comma-separated,
                 // to be tried in order.
@@ -125,6 +128,7 @@ impl App {
             Some(order) => Destination::Upstream { order, model: None },
             None => Destination::Local {
                 model: model.to_owned(),
+                priority: 0,
             },
         }
     }

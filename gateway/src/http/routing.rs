@@ -119,6 +119,8 @@ pub struct Local {
     /// The prompt's token ids, when routing counted them (see
     /// [`counting`](super::counting)).
     pub counted: Option<Counted>,
+    /// Its priority class while it waits for the model (the router's).
+    pub priority: i8,
 }
 
 /// Sets `model` in a JSON object body (anything else is left alone).
@@ -184,7 +186,7 @@ pub async fn dispatch(
         })
         .await?;
     let rewrite = match &destination {
-        Destination::Local { model } => (model != fields.model).then(|| model.clone()),
+        Destination::Local { model, .. } => (model != fields.model).then(|| model.clone()),
         Destination::Upstream {
             model: Some(model), ..
         } => (model != fields.model).then(|| model.clone()),
@@ -198,10 +200,11 @@ pub async fn dispatch(
         Ok(json)
     };
     match destination {
-        Destination::Local { .. } => Ok(Routed::Local(Box::new(Local {
+        Destination::Local { priority, .. } => Ok(Routed::Local(Box::new(Local {
             json: whole(rewrite)?,
             head,
             counted,
+            priority,
         }))),
         Destination::Upstream { order, .. } => {
             let body = Forward {

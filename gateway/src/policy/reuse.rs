@@ -84,7 +84,7 @@ struct Decisions {
 /// Bytes `key` and `decision` hold, for the table's budget.
 fn entry_bytes(key: &[u8], decision: &RouteDecision) -> usize {
     let strings = match decision {
-        RouteDecision::Local { model } => model.len(),
+        RouteDecision::Local { model, .. } => model.len(),
         RouteDecision::Upstream { name, model } => {
             name.len() + model.as_ref().map_or(0, String::len)
         }
@@ -272,9 +272,7 @@ mod tests {
     }
 
     fn local(model: &str) -> RouteDecision {
-        RouteDecision::Local {
-            model: model.to_string(),
-        }
+        RouteDecision::local(model.to_string())
     }
 
     #[test]

@@ -36,6 +36,15 @@ pub(crate) struct HostState {
     /// The running router call's backends and their latency, for
     /// `backend-stats.latency-ms`.
     pub(crate) latencies: Latencies,
+    /// The priority class the running router call set
+    /// (`request-control.set-priority`; 0 unless it did).
+    pub(crate) priority: i8,
+}
+
+impl router::mlxgate::policy::request_control::Host for HostState {
+    fn set_priority(&mut self, class: i8) {
+        self.priority = class;
+    }
 }
 
 impl router::mlxgate::policy::backend_stats::Host for HostState {
@@ -276,6 +285,7 @@ impl LoadedPolicy {
             },
             deadline: far_off(INIT_DEADLINE),
             latencies: Latencies::default(),
+            priority: 0,
         };
         let _running = self.watchdog.enter(state.deadline);
         let mut store = Store::new(&self.engine, state);

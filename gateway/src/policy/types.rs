@@ -152,7 +152,7 @@ pub struct PolicyInfo {
     /// sha256 of the component bytes, hex.
     pub sha256: String,
     pub size_bytes: u64,
-    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.1`.
+    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.2`.
     pub interface: String,
     pub limits: Limits,
     pub on_error: OnError,
@@ -223,9 +223,31 @@ pub struct AdapterInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "route", rename_all = "snake_case")]
 pub enum RouteDecision {
-    Local { model: String },
-    Upstream { name: String, model: Option<String> },
-    Reject { status: u16, message: String },
+    /// Serve with this local model, the request in this priority class
+    /// (the router's `request-control.set-priority`; 0 by default).
+    Local {
+        model: String,
+        #[serde(default)]
+        priority: i8,
+    },
+    Upstream {
+        name: String,
+        model: Option<String>,
+    },
+    Reject {
+        status: u16,
+        message: String,
+    },
+}
+
+impl RouteDecision {
+    /// Serve with the local `model`, in the default priority class.
+    pub fn local(model: impl Into<String>) -> RouteDecision {
+        RouteDecision::Local {
+            model: model.into(),
+            priority: 0,
+        }
+    }
 }
 
 /// One dataset record's fate.

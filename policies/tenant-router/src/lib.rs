@@ -5,11 +5,13 @@
 //! the configured header consulted. Config:
 //! ```json
 //! {"header": "x-tenant",
-//!  "tenants": {"acme": {"local": "llama-3-8b", "deny": ["gpt-4o"]},
+//!  "tenants": {"acme": {"local": "llama-3-8b", "deny": ["gpt-4o"], "priority": 1},
 //!              "globex": {"upstream": "openai", "model": "gpt-4o-mini"}},
 //!  "unknown": "reject"}
 //! ```
 //! `unknown` is `"reject"` (403) or `"pass"` (serve the requested model locally).
+//! `priority` (-128 to 127, default 0) is the tenant's class while its
+//! requests wait for a local model: higher classes start first.
 
 use std::collections::HashMap;
 
@@ -35,6 +37,8 @@ struct Tenant {
     model: Option<String>,
     #[serde(default)]
     deny: Vec<String>,
+    #[serde(default)]
+    priority: i8,
 }
 
 #[derive(Deserialize, Default, PartialEq)]
@@ -84,6 +88,9 @@ impl Router for TenantRouter {
                 403,
                 format!("model `{}` is not allowed for this tenant", facts.model),
             );
+        }
+        if t.priority != 0 {
+            set_priority(t.priority);
         }
         match (&t.local, &t.upstream) {
             (Some(local), _) => RouteDecision::Local(local.clone()),

@@ -92,7 +92,7 @@ pub async fn generate_request(
         adapters,
         cache_scope: crate::http::prompt_caches::scope(cx, local.head.extensions.get()),
         grammar: common.grammar.clone(),
-        priority: 0,
+        priority: local.priority,
     })
 }
 

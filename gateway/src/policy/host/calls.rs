@@ -261,12 +261,15 @@ fn route_packed(
         .call(Budget::of(&p.info.limits, 1), |store, b| match b {
             Bound::Router(r) => {
                 store.data_mut().latencies = std::sync::Arc::clone(&args.latencies);
-                r.mlxgate_policy_router()
-                    .call_route(store, &args.facts, &args.items)
+                store.data_mut().priority = 0;
+                let decision =
+                    r.mlxgate_policy_router()
+                        .call_route(&mut *store, &args.facts, &args.items)?;
+                Ok((decision, store.data().priority))
             }
             _ => wasmtime::bail!("not a router"),
         })
-        .and_then(|d| check_route(d, p.info.limits.max_output_bytes));
+        .and_then(|(d, priority)| check_route(d, priority, p.info.limits.max_output_bytes));
     p.counters
         .record(start.elapsed(), res.as_ref().err().map(|f| f.0));
     res.map_err(|f| guest_error(p, f))
@@ -274,6 +277,7 @@ fn route_packed(
 
 fn check_route(
     d: router::exports::mlxgate::policy::router::RouteDecision,
+    priority: i8,
     max: usize,
 ) -> Result<RouteDecision, Failure> {
     use router::exports::mlxgate::policy::router::RouteDecision as W;
@@ -293,7 +297,7 @@ fn check_route(
             if model.is_empty() {
                 return Err(bad_output("empty local model name"));
             }
-            Ok(RouteDecision::Local { model })
+            Ok(RouteDecision::Local { model, priority })
         }
         W::Upstream(t) => {
             sized("upstream name", &t.name)?;

@@ -100,12 +100,18 @@ impl PolicyHost {
     pub fn open(cfg: HostConfig) -> Result<Self, PolicyError> {
         let engine = PolicyEngine::new(&cfg)?;
         let mut linker = Linker::new(&engine.engine);
-        // The one host function a guest may import (routers, since 0.3.1).
+        // The host functions a guest may import: routers' backend-stats
+        // (since 0.3.1) and request-control (since 0.3.2).
         crate::policy::bindings::router::mlxgate::policy::backend_stats::add_to_linker::<
             _,
             wasmtime::component::HasSelf<_>,
         >(&mut linker, |state| state)
         .map_err(|e| PolicyError::Engine(format!("cannot link backend-stats: {e}")))?;
+        crate::policy::bindings::router::mlxgate::policy::request_control::add_to_linker::<
+            _,
+            wasmtime::component::HasSelf<_>,
+        >(&mut linker, |state| state)
+        .map_err(|e| PolicyError::Engine(format!("cannot link request-control: {e}")))?;
         let storage = Storage::open(&cfg.data_dir)?;
         let calls = CallPool::new(cfg.call_threads, cfg.call_queue)?;
         let mut host = PolicyHost {
