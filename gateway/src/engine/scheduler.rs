@@ -237,7 +237,7 @@ pub struct Scheduler {
     /// The model's queue bound, shared with its handles.
     admission: Arc<Admission>,
     /// Requests received and not yet started, in fair order.
-    waiting: FairQueue<Job>,
+    waiting: FairQueue<Waiting>,
     /// Sequences preempted for KV memory, to recompute before new work.
     resuming: VecDeque<Sequence>,
     /// KV bytes one token takes in every layer.
@@ -249,6 +249,14 @@ pub struct Scheduler {
     /// The model id adapters' recorded base models are checked against.
     model_id: String,
     faults: Faults,
+}
+
+/// A request received and not yet started, with its adapters taken when it
+/// arrived: one unmounted while it waits stays with it, as with a running
+/// sequence.
+struct Waiting {
+    job: Job,
+    adapters: AdapterStack,
 }
 
 /// A sequence whose prompt (or, resumed after preemption, whose history) is
@@ -388,7 +396,7 @@ impl Scheduler {
             }
             running.retain(|seq| !seq.events.is_closed());
             // A request whose client left while it waited frees its place.
-            self.waiting.retain(|job| !job.abandoned());
+            self.waiting.retain(|waiting| !waiting.job.abandoned());
             self.preempt_over_budget(&mut running);
             if !running.is_empty() {
                 self.step_isolated(&mut running);
@@ -408,12 +416,7 @@ impl Scheduler {
             };
             block = false;
             match next {
-                Ok(Command::Generate(job)) => {
-                    let tenant = job.ticket.tenant().map(str::to_owned);
-                    let weight = self.options.weight(tenant.as_deref());
-                    self.waiting
-                        .push(job.priority, tenant.as_deref(), weight, *job);
-                }
+                Ok(Command::Generate(job)) => self.enqueue(*job),
                 Ok(Command::Snapshot {
                     prompt,
                     scope,
@@ -437,6 +440,24 @@ impl Scheduler {
                 Err(TryRecvError::Disconnected) => return false,
             }
         }
+    }
+
+    /// Queues a received request in fair order, holding its adapters; one
+    /// unmounted since it was validated fails it now.
+    fn enqueue(&mut self, job: Job) {
+        let adapters = match self.stack(&job.adapters) {
+            Ok(stack) => stack,
+            Err(error) => return fail_all(&job.all_events(), &error),
+        };
+        let tenant = job.ticket.tenant().map(str::to_owned);
+        let weight = self.options.weight(tenant.as_deref());
+        let priority = job.priority;
+        self.waiting.push(
+            priority,
+            tenant.as_deref(),
+            weight,
+            Waiting { job, adapters },
+        );
     }
 
     /// KV bytes held by `running`.
@@ -467,12 +488,12 @@ impl Scheduler {
             });
         }
         while let Some(next) = self.waiting.peek() {
-            if !fits(next.prompt.len()) {
+            if !fits(next.job.prompt.len()) {
                 return None;
             }
-            let job = self.waiting.pop()?;
-            let everyone = job.all_events();
-            match guarded(|| self.begin(job)) {
+            let waiting = self.waiting.pop()?;
+            let everyone = waiting.job.all_events();
+            match guarded(|| self.begin(waiting)) {
                 Ok(Some(prefill)) => return Some(prefill),
                 Ok(None) => continue,
                 Err(why) => {
@@ -528,11 +549,10 @@ impl Scheduler {
         }
     }
 
-    /// Starts a request: its adapters and the longest cached prefix of its
-    /// prompt; `None` when it cannot start (its clients gone, or an adapter
-    /// unmounted since it was validated: those are told why). Its place in
-    /// the queue is given up here.
-    fn begin(&mut self, job: Job) -> Option<Prefill> {
+    /// Starts a request from the longest cached prefix of its prompt; `None`
+    /// when its clients are gone. Its place in the queue is given up here.
+    fn begin(&mut self, waiting: Waiting) -> Option<Prefill> {
+        let Waiting { job, adapters } = waiting;
         let Job {
             prompt,
             sampling,
@@ -549,13 +569,6 @@ impl Scheduler {
         if everyone.iter().all(EventSender::is_closed) {
             return None;
         }
-        let adapters = match self.stack(&job.adapters) {
-            Ok(stack) => stack,
-            Err(error) => {
-                fail_all(&everyone, &error);
-                return None;
-            }
-        };
         let adapters_key = lora::stack_key(&adapters);
         // At least the last prompt token runs: its logits start the reply.
         let limit = prompt.len() - 1;
