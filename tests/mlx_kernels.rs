@@ -515,10 +515,11 @@ fn packed_matrices_store_exact_values_compactly_and_compute_the_same_products() 
 }
 
 /// Decode batches give each sequence the same bits as decoding it alone,
-/// for the layouts the packaged models decode with (split 4-bit codes with
-/// f16 scales and biases as Q4_1 loads, signed 8-bit codes in groups of 32
-/// as Q8_0 and of 16 as Q6_K), on AVX-512 where the batch loops share the
-/// batch-1 loops' arithmetic per input; elsewhere within rounding.
+/// for the layouts the packaged models decode with (split 4-bit codes in
+/// groups of 32, with f16 scales and biases as Q4_1 loads or f32 ones,
+/// signed 8-bit codes in groups of 32 as Q8_0 and of 16 as Q6_K, five-bit
+/// codes as Q5_0), on AVX-512 where the batch loops share the batch-1 loops'
+/// arithmetic per input; elsewhere within rounding.
 #[test]
 fn decode_batches_give_each_input_the_bits_it_gets_alone() {
     if !require_native() {
@@ -534,6 +535,7 @@ fn decode_batches_give_each_input_the_bits_it_gets_alone() {
         ("Q4_1-like", pack(&q41)),
         ("Q4_1-like, 17 groups", pack(&quantized(40, 544, 32, 4, 62))),
         ("Q8_0-like", pack(&symmetric(70, 576, 255, 128.0, 63))),
+        ("Q5_0-like", pack(&symmetric(70, 896, 32, 16.0, 65))),
         ("Q6_K-like", pack(&q6_k_like(70, 896, 64))),
     ];
     for (what, packed) in &layouts {

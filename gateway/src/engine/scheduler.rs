@@ -209,11 +209,20 @@ fn guarded<T>(work: impl FnOnce() -> T) -> Result<T, String> {
     catch_unwind(AssertUnwindSafe(work)).map_err(|p| panic_message(&*p))
 }
 
+/// The error a request gets when its work failed (an error or a panic).
+fn generation_failed(why: &str) -> EngineError {
+    EngineError::Internal(format!("generation failed: {why}"))
+}
+
 /// Ends a sequence's request with an internal error.
 fn fail(seq: Sequence, why: &str) {
-    let _ = seq.events.send(Err(EngineError::Internal(format!(
-        "generation failed: {why}"
-    ))));
+    let _ = seq.events.send(Err(generation_failed(why)));
+}
+
+/// Fails every choice of a request whose prefill failed; none goes on.
+fn fail_prefill(prefill: &Prefill, why: &str) -> Option<Prefill> {
+    fail_all(&prefill.all_events(), &generation_failed(why));
+    None
 }
 
 /// Sends `error` to every choice of a request that cannot start.
@@ -278,6 +287,16 @@ struct Start {
 }
 
 impl Prefill {
+    /// Whether every choice's client has gone.
+    fn abandoned(&self) -> bool {
+        self.seq.events.is_closed()
+            && self
+                .start
+                .iter()
+                .flat_map(|s| &s.forks)
+                .all(|f| f.events.is_closed())
+    }
+
     /// Every choice's events, for failing them all.
     fn all_events(&self) -> Vec<EventSender> {
         let forks = self
@@ -498,10 +517,7 @@ impl Scheduler {
                 Ok(None) => continue,
                 Err(why) => {
                     tracing::error!(error = %why, "prefill panicked; failing its request");
-                    fail_all(
-                        &everyone,
-                        &EngineError::Internal(format!("generation failed: {why}")),
-                    );
+                    fail_all(&everyone, &generation_failed(&why));
                 }
             }
         }
@@ -553,6 +569,9 @@ impl Scheduler {
     /// when its clients are gone. Its place in the queue is given up here.
     fn begin(&mut self, waiting: Waiting) -> Option<Prefill> {
         let Waiting { job, adapters } = waiting;
+        if job.abandoned() {
+            return None;
+        }
         let Job {
             prompt,
             sampling,
@@ -562,13 +581,6 @@ impl Scheduler {
             ..
         } = job;
         drop(ticket);
-        let everyone: Vec<EventSender> = std::iter::once(&job.events)
-            .chain(forks.iter().map(|f| &f.events))
-            .cloned()
-            .collect();
-        if everyone.iter().all(EventSender::is_closed) {
-            return None;
-        }
         let adapters_key = lora::stack_key(&adapters);
         // At least the last prompt token runs: its logits start the reply.
         let limit = prompt.len() - 1;
@@ -625,8 +637,7 @@ impl Scheduler {
         chunk: usize,
         running: &mut Vec<Sequence>,
     ) -> Option<Prefill> {
-        let everyone = prefill.all_events();
-        if everyone.iter().all(EventSender::is_closed) {
+        if prefill.abandoned() {
             return None;
         }
         let end = prefill.seq.history.len().min(prefill.done + chunk);
@@ -635,17 +646,10 @@ impl Scheduler {
             let tokens = &seq.history[prefill.done..end];
             match guarded(|| self.forward_chunk(tokens, &mut seq.cache, &seq.adapters)) {
                 Ok(Ok(logits)) => Some(logits),
-                Ok(Err(error)) => {
-                    fail_all(&everyone, &EngineError::Internal(error.to_string()));
-                    return None;
-                }
+                Ok(Err(error)) => return fail_prefill(&prefill, &error.to_string()),
                 Err(why) => {
                     tracing::error!(error = %why, "prefill panicked; failing its request");
-                    fail_all(
-                        &everyone,
-                        &EngineError::Internal(format!("generation failed: {why}")),
-                    );
-                    return None;
+                    return fail_prefill(&prefill, &why);
                 }
             }
         } else {
@@ -655,20 +659,20 @@ impl Scheduler {
         if end < prefill.seq.history.len() {
             return Some(prefill);
         }
+        let everyone = prefill.all_events();
         let Prefill { seq, start, .. } = prefill;
         match (start, logits) {
             (Some(start), Some(logits)) => {
-                let started = guarded(|| self.first_tokens(seq, start, &logits));
-                match started {
+                match guarded(|| self.first_tokens(seq, start, &logits)) {
                     Ok(seqs) => running.extend(seqs),
-                    Err(why) => fail_all(&everyone, &EngineError::Internal(why)),
+                    Err(why) => fail_all(&everyone, &generation_failed(&why)),
                 }
             }
             // A resumed sequence goes on from its pending token.
             (None, _) => running.push(seq),
             (Some(_), None) => fail_all(
                 &everyone,
-                &EngineError::Internal("the prompt produced no logits".into()),
+                &generation_failed("the prompt produced no logits"),
             ),
         }
         None

@@ -26,21 +26,18 @@ pub async fn readyz(cx: Ctx, _req: Request<ReqBody>) -> HandlerResult {
         return Err(ApiError::NotReady(reason));
     }
     let models = cx.state.app.models.ready();
+    let stats: Vec<_> = models.iter().map(|m| m.engine.queue_stats()).collect();
     let queues: serde_json::Map<String, serde_json::Value> = models
         .iter()
-        .map(|m| {
-            let q = m.engine.queue_stats();
+        .zip(&stats)
+        .map(|(m, q)| {
             (
                 m.id.clone(),
                 json!({"waiting": q.waiting, "max_queued": q.max_queued}),
             )
         })
         .collect();
-    let full = |m: &LoadedModel| {
-        let q = m.engine.queue_stats();
-        q.waiting >= q.max_queued
-    };
-    if !models.is_empty() && models.iter().all(full) {
+    if !stats.is_empty() && stats.iter().all(|q| q.waiting >= q.max_queued) {
         return Err(ApiError::Overloaded {
             message: format!(
                 "Every model's queue is full ({}); retry after the Retry-After header's seconds",

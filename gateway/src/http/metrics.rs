@@ -258,7 +258,7 @@ pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
     for m in models {
         let q = m.engine.queue_stats();
         let (in_flight, _) = m.engine.current_load();
-        let model = format!("model=\"{}\"", label_value(&m.id));
+        let model = format!("model=\"{}\"", crate::util::prometheus_label(&m.id));
         let series = [
             (
                 "mlxgate_model_queue_waiting",
@@ -296,15 +296,6 @@ pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
         }
     }
     out
-}
-
-/// A label value in Prometheus' text format (model ids come from the
-/// config and may hold anything).
-fn label_value(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 fn labels(k: &SeriesKey) -> String {

@@ -750,8 +750,6 @@ pub struct AttentionShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// Floats between one kv head's first position and the next's.
-    pub head_stride: usize,
     pub scale: f32,
 }
 

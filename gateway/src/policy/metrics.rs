@@ -1,6 +1,7 @@
 //! Per-policy call metrics: lock-free counters kept across versions of a
 //! policy name, snapshotted for the HTTP layer's Prometheus rendering.
 
+use crate::util::prometheus_label;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
@@ -158,13 +159,6 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
     out
 }
 
-/// A label value with Prometheus' escapes (backslash, quote, newline).
-fn escape_label(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
 /// A counter family with one series per policy.
 fn write_counter(
     out: &mut String,
@@ -178,7 +172,7 @@ fn write_counter(
         let _ = writeln!(
             out,
             "{name}{{policy=\"{}\",kind=\"{}\"}} {}",
-            escape_label(&m.name),
+            prometheus_label(&m.name),
             m.kind,
             value(m)
         );
@@ -196,7 +190,7 @@ fn write_failures(out: &mut String, metrics: &[PolicyMetrics]) {
             let _ = writeln!(
                 out,
                 "mlxgate_policy_failures_total{{policy=\"{}\",kind=\"{}\",failure=\"{}\"}} {}",
-                escape_label(&m.name),
+                prometheus_label(&m.name),
                 m.kind,
                 kind,
                 n
@@ -210,7 +204,11 @@ fn write_latencies(out: &mut String, metrics: &[PolicyMetrics]) {
     out.push_str("# HELP mlxgate_policy_call_duration_seconds Wasm policy call latency.\n");
     out.push_str("# TYPE mlxgate_policy_call_duration_seconds histogram\n");
     for m in metrics {
-        let labels = format!("policy=\"{}\",kind=\"{}\"", escape_label(&m.name), m.kind);
+        let labels = format!(
+            "policy=\"{}\",kind=\"{}\"",
+            prometheus_label(&m.name),
+            m.kind
+        );
         for (le, n) in &m.latency_buckets {
             let _ = writeln!(
                 out,

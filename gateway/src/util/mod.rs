@@ -18,6 +18,15 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
+/// A Prometheus label value with the text format's escapes (backslash,
+/// quote, newline): names from the config (models, policies) may hold them.
+pub fn prometheus_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// FNV-1a, for small maps whose keys come from the operator's config (key
 /// ids), never from clients: a few instructions per byte where the
 /// standard SipHash costs a couple of hundred per lookup, and nothing to

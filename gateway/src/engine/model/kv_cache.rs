@@ -20,7 +20,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::weights::MlxResult;
-use crate::mlx::kernels::{self, AttentionShape};
+use crate::mlx::kernels;
 
 /// One layer's cached keys and values, `[1, kv_heads, positions, head_dim]`.
 #[derive(Clone, Default)]
@@ -178,45 +178,31 @@ impl LayerCache {
 
     /// Attention of one query position (`q`, `[heads, head_dim]`) over every
     /// position held natively, into `out`: one row of a batched call
-    /// ([`kernels::decode_attention_many`]), with the shape all rows share.
+    /// ([`kernels::decode_attention_many`]).
     ///
     /// # Safety
     /// `out` and `q` must outlive the row's use, `out` untouched meanwhile,
     /// and this layer must not be written or dropped until the call is done.
-    pub unsafe fn attention_row(
-        &self,
-        out: &mut [f32],
-        q: &[f32],
-        heads: usize,
-        scale: f32,
-    ) -> (kernels::AttentionRow, AttentionShape) {
+    pub unsafe fn attention_row(&self, out: &mut [f32], q: &[f32]) -> kernels::AttentionRow {
         let native = self
             .native
             .as_ref()
             .expect("attention_row follows push_native");
         let store = &native.store;
-        let shape = AttentionShape {
-            heads,
-            kv_heads: store.kv_heads,
-            head_dim: store.head_dim,
-            head_stride: store.capacity * store.head_dim,
-            scale,
-        };
         let offset = native.first * store.head_dim;
         // SAFETY: positions [first, first + len) of every kv head lie inside
         // the buffers and are claimed, so no other cache writes them; the
         // caller keeps them alive.
-        let row = unsafe {
+        unsafe {
             kernels::AttentionRow::new(
                 out,
                 q,
                 store.keys_ptr().add(offset),
                 store.values_ptr().add(offset),
                 native.len,
-                shape.head_stride,
+                store.capacity * store.head_dim,
             )
-        };
-        (row, shape)
+        }
     }
 
     /// Fresh native storage holding this layer's positions with room to grow.

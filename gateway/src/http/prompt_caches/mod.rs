@@ -174,7 +174,10 @@ pub fn render_metrics(state: &super::AppState) -> String {
     };
     let stats: Vec<(String, _)> = models
         .iter()
-        .map(|m| (format!("model=\"{}\"", m.id), m.engine.prompt_cache_stats()))
+        .map(|m| {
+            let model = format!("model=\"{}\"", crate::util::prometheus_label(&m.id));
+            (model, m.engine.prompt_cache_stats())
+        })
         .collect();
     let per_model = |f: fn(&crate::engine::prompt_cache::CacheStatsSnapshot) -> u64| {
         stats

@@ -322,7 +322,7 @@ impl NativeDecoder {
         let (q_width, kv_width) = (c.heads * head_dim, c.kv_heads * head_dim);
         let (eps, gelu) = (c.rms_norm_eps, c.family == Family::Gemma3);
         let mut x = self.embed(c, tokens);
-        let scale = c.attention_scale();
+        let shape = attention_shape(c);
         let angles = self.angles(head_dim, caches)?;
         let mut s = Scratch::default();
         for (layer, block) in self.blocks.iter().enumerate() {
@@ -355,7 +355,7 @@ impl NativeDecoder {
                 let v = &s.v[b * kv_width..(b + 1) * kv_width];
                 cache.layers[layer].push_native(k, v, c.kv_heads, head_dim)?;
             }
-            attend_all(caches, layer, &s.q, &mut s.attended, c.heads, scale);
+            attend_all(caches, layer, &s.q, &mut s.attended, shape);
             block.o.apply(&s.attended, &mut s.projected);
             lora.add(layer, Target::O, &s.attended, &mut s.projected);
             add_residual(
@@ -432,6 +432,16 @@ impl NativeDecoder {
     }
 }
 
+/// The shape every row's decode attention shares, for `config`'s model.
+fn attention_shape(config: &ModelConfig) -> kernels::AttentionShape {
+    kernels::AttentionShape {
+        heads: config.heads,
+        kv_heads: config.kv_heads,
+        head_dim: config.head_dim,
+        scale: config.attention_scale(),
+    }
+}
+
 /// Every row's attention over its own cache at `layer`, as one job for the
 /// kernel pool: `attended[b] = attention(q[b], caches[b])`.
 fn attend_all(
@@ -439,27 +449,18 @@ fn attend_all(
     layer: usize,
     q: &[f32],
     attended: &mut [f32],
-    heads: usize,
-    scale: f32,
+    shape: kernels::AttentionShape,
 ) {
-    let width = q.len() / caches.len().max(1);
-    let mut shape = None;
+    let width = shape.heads * shape.head_dim;
     let rows: Vec<kernels::AttentionRow> = caches
         .iter()
         .zip(q.chunks(width).zip(attended.chunks_mut(width)))
-        .map(|(cache, (q, out))| {
-            // SAFETY: `out` and `q` are disjoint rows that outlive the call
-            // below, and the caches are borrowed (not written) until it ends.
-            let (row, row_shape) =
-                unsafe { cache.layers[layer].attention_row(out, q, heads, scale) };
-            shape = Some(row_shape);
-            row
-        })
+        // SAFETY: `out` and `q` are disjoint rows that outlive the call
+        // below, and the caches are borrowed (not written) until it ends.
+        .map(|(cache, (q, out))| unsafe { cache.layers[layer].attention_row(out, q) })
         .collect();
-    if let Some(shape) = shape {
-        // SAFETY: as above; each row has its own `out`.
-        unsafe { kernels::decode_attention_many(&rows, shape) };
-    }
+    // SAFETY: as above; each row has its own `out`.
+    unsafe { kernels::decode_attention_many(&rows, shape) };
 }
 
 /// Each row's adapter stack, whose low-rank terms follow its base products.
