@@ -403,6 +403,10 @@ pub struct ModelSpec {
     pub path: PathBuf,
     /// The id clients use; by default the engine's (from the file name).
     pub id: Option<String>,
+    /// A chat model also serves `/v1/embeddings` (last-token pooling of
+    /// its final hidden state). Encoder models always embed.
+    #[serde(default)]
+    pub embeddings: bool,
 }
 
 /// Values from flags or the environment; `None` means "not given".
@@ -579,6 +583,7 @@ impl Config {
             models.push(ModelSpec {
                 path: first.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
                 id: None,
+                embeddings: false,
             });
         }
         models.extend(file.models);
@@ -736,6 +741,7 @@ mod tests {
         let spec = |p: &str, id: Option<&str>| ModelSpec {
             path: p.into(),
             id: id.map(Into::into),
+            embeddings: false,
         };
         let c = Config::resolve(FileConfig::default(), Overrides::default(), None).unwrap();
         assert_eq!(c.models, vec![spec(DEFAULT_MODEL, None)]);

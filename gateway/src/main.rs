@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use mlxgate::app::Engine;
 use mlxgate::config::{Config, Overrides};
+use mlxgate::engine::embed::{EncoderHandle, SentenceModel};
 use mlxgate::engine::{EngineHandle, EngineOptions};
 use mlxgate::http::BoxError;
 use mlxgate::http::auth::KeyHash;
@@ -245,9 +247,15 @@ fn init_tracing(format: LogFormat) {
 }
 
 /// The model loader the server runs in the background: loads the model and
-/// starts its engine thread.
-fn load_model(path: &Path, options: &EngineOptions) -> Result<EngineHandle, BoxError> {
-    Ok(EngineHandle::load_with(path, options.clone())?)
+/// starts its engine thread (an encoder directory gets the embeddings engine).
+fn load_model(path: &Path, options: &EngineOptions) -> Result<Engine, BoxError> {
+    if SentenceModel::is_encoder_dir(path) {
+        return Ok(Engine::Encoder(EncoderHandle::load(path)?));
+    }
+    Ok(Engine::Chat(EngineHandle::load_with(
+        path,
+        options.clone(),
+    )?))
 }
 
 /// mimalloc for Rust allocations: a proxied request makes a few dozen small

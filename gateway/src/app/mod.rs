@@ -24,7 +24,9 @@ use crate::config::Config;
 use crate::engine::prompt_cache::{CacheStore, PromptCacheOptions};
 use crate::engine::{EngineOptions, Faults};
 use crate::upstream::Upstreams;
-pub use models::{LoadedModel, ModelError, ModelLoader, ModelRegistry, ModelState};
+pub use models::{
+    Engine, LoadedEncoder, LoadedModel, ModelError, ModelLoader, ModelRegistry, ModelState,
+};
 pub use policies::Policies;
 pub use routing::{Destination, RouteError};
 

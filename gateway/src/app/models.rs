@@ -14,12 +14,22 @@ use tracing::{error, info};
 
 use super::adapters::StartupMount;
 use crate::config::ModelSpec;
+use crate::engine::embed::{Embedder, EncoderHandle};
 use crate::engine::{EngineHandle, EngineOptions};
 use crate::util::BoxError;
 
 /// Loads one model (blocking) and starts its engine. Passed in by the
-/// binary, which wires it to `EngineHandle::load_with`.
-pub type ModelLoader = Box<dyn Fn(&Path, &EngineOptions) -> Result<EngineHandle, BoxError> + Send>;
+/// binary, which wires it to `EngineHandle::load_with` or, for encoder
+/// directories, `EncoderHandle::load`.
+pub type ModelLoader = Box<dyn Fn(&Path, &EngineOptions) -> Result<Engine, BoxError> + Send>;
+
+/// What a loaded model runs on.
+pub enum Engine {
+    /// A decoder: chat, completions (and embeddings where enabled).
+    Chat(EngineHandle),
+    /// An encoder: embeddings only.
+    Encoder(EncoderHandle),
+}
 
 /// Why a request's model cannot serve it.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +40,9 @@ pub enum ModelError {
     /// The model is loading or failed to load; the message says which.
     #[error("{0}")]
     NotReady(String),
+    /// An embedding model asked for text, or a chat model for embeddings.
+    #[error("{0}")]
+    WrongKind(String),
 }
 
 /// Where one model's loading stands.
@@ -37,7 +50,20 @@ pub enum ModelError {
 pub enum ModelState {
     Loading,
     Ready(LoadedModel),
-    Failed { reason: String },
+    /// An embedding model, ready.
+    ReadyEncoder(LoadedEncoder),
+    Failed {
+        reason: String,
+    },
+}
+
+/// An encoder model that can serve embeddings.
+#[derive(Clone)]
+pub struct LoadedEncoder {
+    pub id: String,
+    pub path: PathBuf,
+    pub created: u64,
+    pub encoder: EncoderHandle,
 }
 
 /// A model that can serve.
@@ -61,6 +87,12 @@ pub struct Slot {
 
 pub struct ModelRegistry {
     slots: RwLock<Vec<Slot>>,
+}
+
+impl ModelState {
+    fn is_ready(&self) -> bool {
+        matches!(self, ModelState::Ready(_) | ModelState::ReadyEncoder(_))
+    }
 }
 
 impl ModelRegistry {
@@ -93,10 +125,41 @@ impl ModelRegistry {
             .collect()
     }
 
-    pub fn all_ready(&self) -> bool {
+    /// The embedding models that can serve now, in config order.
+    pub fn ready_encoders(&self) -> Vec<LoadedEncoder> {
         self.slots()
+            .into_iter()
+            .filter_map(|s| match s.state {
+                ModelState::ReadyEncoder(m) => Some(m),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn all_ready(&self) -> bool {
+        self.slots().iter().all(|s| s.state.is_ready())
+    }
+
+    /// The model that serves `/v1/embeddings` for `id`: an encoder, or a
+    /// chat model whose `[[models]]` entry has `embeddings = true`.
+    pub fn resolve_embedder(&self, id: &str) -> Result<Embedder, ModelError> {
+        if let Some(encoder) = self.slots().into_iter().find_map(|s| match s.state {
+            ModelState::ReadyEncoder(m) if m.id == id => Some(m.encoder),
+            _ => None,
+        }) {
+            return Ok(Embedder::Encoder(encoder));
+        }
+        let chat = self.resolve(id)?;
+        let enabled = self
+            .slots()
             .iter()
-            .all(|s| matches!(s.state, ModelState::Ready(_)))
+            .any(|s| s.spec.embeddings && matches!(&s.state, ModelState::Ready(m) if m.id == id));
+        if !enabled {
+            return Err(ModelError::WrongKind(format!(
+                "The model `{id}` is a chat model and does not serve embeddings. Use an embedding model (GET /v1/models lists each model's `capabilities`), or let this one embed with last-token pooling: `embeddings = true` in its [[models]] entry."
+            )));
+        }
+        Ok(Embedder::Decoder(chat.engine))
     }
 
     /// The model a request names: 404 if no configured model has that id,
@@ -109,6 +172,14 @@ impl ModelRegistry {
             _ => None,
         }) {
             return Ok(m);
+        }
+        if slots
+            .iter()
+            .any(|s| matches!(&s.state, ModelState::ReadyEncoder(m) if m.id == id))
+        {
+            return Err(ModelError::WrongKind(format!(
+                "The model `{id}` is an embedding model: it serves POST /v1/embeddings only. Send chat and completions to a chat model (GET /v1/models lists each model's `capabilities`)."
+            )));
         }
         if let Some(s) = slots.iter().find(|s| s.spec.id.as_deref() == Some(id)) {
             return Err(not_ready(id, s));
@@ -132,7 +203,7 @@ impl ModelRegistry {
             .slots()
             .iter()
             .filter_map(|s| match &s.state {
-                ModelState::Ready(_) => None,
+                ModelState::Ready(_) | ModelState::ReadyEncoder(_) => None,
                 ModelState::Loading => {
                     Some(format!("model {} is still loading", s.spec.path.display()))
                 }
@@ -159,6 +230,7 @@ impl ModelRegistry {
         for (i, s) in slots.iter().enumerate() {
             let taken = match &s.state {
                 ModelState::Ready(m) => m.id == id,
+                ModelState::ReadyEncoder(m) => m.id == id,
                 _ => s.spec.id.as_deref() == Some(id),
             };
             if i != index && taken {
@@ -223,14 +295,18 @@ fn load_one(
     registry: &ModelRegistry,
     index: usize,
     spec: &ModelSpec,
-    load: &dyn Fn(&Path) -> Result<EngineHandle, BoxError>,
+    load: &dyn Fn(&Path) -> Result<Engine, BoxError>,
 ) -> ModelState {
     let path = &spec.path;
     info!(path = %path.display(), "loading model");
     let started = Instant::now();
     match std::panic::catch_unwind(AssertUnwindSafe(|| load(path))) {
         Ok(Ok(engine)) => {
-            let id = spec.id.clone().unwrap_or_else(|| engine.card().id.clone());
+            let engine_id = match &engine {
+                Engine::Chat(chat) => chat.card().id.clone(),
+                Engine::Encoder(encoder) => encoder.card().id.clone(),
+            };
+            let id = spec.id.clone().unwrap_or(engine_id);
             if let Err(reason) = registry.claim_id(index, &id) {
                 error!(path = %path.display(), %reason, "model failed to load");
                 return ModelState::Failed { reason };
@@ -238,15 +314,33 @@ fn load_one(
             let created = std::fs::metadata(path)
                 .and_then(|m| m.modified())
                 .unwrap_or_else(|_| SystemTime::now());
-            let card = engine.card();
-            info!(model = %id, architecture = %card.architecture, context_length = card.context_length,
-                elapsed_ms = started.elapsed().as_millis() as u64, "model ready");
-            ModelState::Ready(LoadedModel {
-                id,
-                path: path.clone(),
-                created: crate::util::time::unix_secs_at(created),
-                engine,
-            })
+            let created = crate::util::time::unix_secs_at(created);
+            let elapsed_ms = started.elapsed().as_millis() as u64;
+            let path = path.clone();
+            match engine {
+                Engine::Chat(engine) => {
+                    let card = engine.card();
+                    info!(model = %id, architecture = %card.architecture, context_length = card.context_length,
+                        elapsed_ms, "model ready");
+                    ModelState::Ready(LoadedModel {
+                        id,
+                        path,
+                        created,
+                        engine,
+                    })
+                }
+                Engine::Encoder(encoder) => {
+                    let card = encoder.card();
+                    info!(model = %id, architecture = %card.architecture, dimensions = card.dimensions,
+                        max_tokens = card.max_tokens, elapsed_ms, "embedding model ready");
+                    ModelState::ReadyEncoder(LoadedEncoder {
+                        id,
+                        path,
+                        created,
+                        encoder,
+                    })
+                }
+            }
         }
         Ok(Err(e)) => {
             error!(path = %path.display(), error = %e, "model failed to load");
@@ -271,6 +365,7 @@ mod tests {
         ModelSpec {
             path: path.into(),
             id: id.map(Into::into),
+            embeddings: false,
         }
     }
 
@@ -279,6 +374,7 @@ mod tests {
             Ok(m) => panic!("resolved to {}", m.id),
             Err(e @ ModelError::NotFound(_)) => (404, "model_not_found", e.to_string()),
             Err(e @ ModelError::NotReady(_)) => (503, "model_not_ready", e.to_string()),
+            Err(e @ ModelError::WrongKind(_)) => (400, "model_not_supported", e.to_string()),
         }
     }
 

@@ -309,6 +309,8 @@ pub struct ModelCard {
     pub architecture: String,
     pub context_length: usize,
     pub vocab_size: usize,
+    /// Width of the hidden state (what last-token embeddings have).
+    pub hidden_size: usize,
     /// Longest prompt text, in bytes, that could fit the context: the
     /// context length times the longest vocabulary entry. Longer text is
     /// refused without tokenizing it (tokenizing megabytes costs seconds

@@ -11,6 +11,7 @@ mod fair_queue;
 use constrain::Constraint;
 pub mod convert;
 mod doctor;
+pub mod embed;
 pub mod lora;
 pub mod model;
 mod output;
@@ -210,6 +211,7 @@ fn model_card(model: &LoadedModel) -> ModelCard {
         architecture: config.family.name().to_owned(),
         context_length: config.context_length,
         vocab_size: config.vocab_size,
+        hidden_size: config.hidden_size,
         max_prompt_bytes: config
             .context_length
             .saturating_mul(model.codec.longest_token_bytes().max(1)),
@@ -560,6 +562,18 @@ impl EngineHandle {
             Grammar::ToolCalls(_) => EngineError::ToolSchema(message),
             _ => EngineError::Grammar(message),
         })
+    }
+
+    /// Embeddings of `inputs` (token ids): each one's final-normed hidden
+    /// state at its last position, L2-normalized. Runs on the engine thread
+    /// between decode steps, one input at a time.
+    pub async fn embed_last_token(
+        &self,
+        inputs: Vec<Vec<u32>>,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Command::Embed { inputs, reply })?;
+        answer.await.map_err(|_| EngineError::Unavailable)?
     }
 
     fn send(&self, command: Command) -> Result<(), EngineError> {

@@ -75,6 +75,11 @@ pub enum Command {
         path: std::path::PathBuf,
         reply: tokio::sync::oneshot::Sender<Result<AdapterInfo, EngineError>>,
     },
+    /// Last-token embeddings of token ids (a chat model that embeds).
+    Embed {
+        inputs: Vec<Vec<u32>>,
+        reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, EngineError>>,
+    },
     /// Forget an adapter; sequences using it keep it until they end.
     Unmount {
         id: String,
@@ -451,6 +456,13 @@ impl Scheduler {
                     let _ = reply.send(result.unwrap_or_else(|why| {
                         Err(EngineError::Internal(format!("mount failed: {why}")))
                     }));
+                }
+                Ok(Command::Embed { inputs, reply }) => {
+                    let result = guarded(|| self.embed_last_token(&inputs));
+                    let _ =
+                        reply.send(result.unwrap_or_else(Err).map_err(|why| {
+                            EngineError::Internal(format!("embedding failed: {why}"))
+                        }));
                 }
                 Ok(Command::Unmount { id, reply }) => {
                     let _ = reply.send(self.adapters.remove(&id).is_some());
@@ -848,6 +860,11 @@ impl Scheduler {
         if let Err(error) = spawned {
             tracing::warn!(%error, "cannot start the prompt cache writer");
         }
+    }
+
+    /// Last-token embeddings of `inputs`, one forward each (no cache).
+    fn embed_last_token(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, String> {
+        super::embed::last_token_embeddings(&self.model, inputs).map_err(|e| e.to_string())
     }
 
     /// Prefills all of `prompt` (reusing what `scope` may) and returns its

@@ -534,6 +534,11 @@ impl From<ModelError> for ApiError {
         match e {
             ModelError::NotFound(id) => ApiError::ModelNotFound(id),
             ModelError::NotReady(message) => ApiError::NotReady(message),
+            ModelError::WrongKind(message) => ApiError::InvalidParam {
+                message,
+                param: "model".into(),
+                code: "model_not_supported",
+            },
         }
     }
 }

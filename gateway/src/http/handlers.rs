@@ -8,7 +8,8 @@ use http::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{self, Body, ReqBody, full};
-use super::{ApiError, Caller, Ctx, LoadedModel, Route};
+use super::{ApiError, Caller, Ctx, ModelState, Route};
+use crate::app::models::Slot;
 
 type HandlerResult = Result<Response<Body>, ApiError>;
 
@@ -75,8 +76,32 @@ pub async fn metrics(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     Ok(resp)
 }
 
-fn model_object(m: &LoadedModel) -> serde_json::Value {
-    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "mlxgate"})
+/// A local model as OpenAI lists it, plus what it serves (`capabilities`)
+/// and, for models that embed, the vector size.
+fn model_object(slot: &Slot) -> Option<serde_json::Value> {
+    let (id, created, capabilities, dimensions) = match &slot.state {
+        ModelState::Ready(m) => {
+            let mut serves = vec!["chat.completions", "completions"];
+            if slot.spec.embeddings {
+                serves.push("embeddings");
+            }
+            let dimensions = slot.spec.embeddings.then(|| m.engine.card().hidden_size);
+            (&m.id, m.created, serves, dimensions)
+        }
+        ModelState::ReadyEncoder(m) => (
+            &m.id,
+            m.created,
+            vec!["embeddings"],
+            Some(m.encoder.card().dimensions),
+        ),
+        _ => return None,
+    };
+    let mut object = json!({"id": id, "object": "model", "created": created, "owned_by": "mlxgate",
+        "capabilities": capabilities});
+    if let Some(dimensions) = dimensions {
+        object["dimensions"] = json!(dimensions);
+    }
+    Some(object)
 }
 
 /// A model an upstream declares (`[[upstreams]] models`): `owned_by` names
@@ -90,13 +115,14 @@ fn upstream_model_object(model: &str, upstream: &str) -> serde_json::Value {
 /// upstream declares the same id, then those the upstreams declare.
 fn all_models(cx: &Ctx) -> Vec<serde_json::Value> {
     let upstreams = &cx.state.app.upstreams;
-    let local = cx.state.app.models.ready();
-    let local = local
-        .iter()
-        .filter(|m| upstreams.for_model(&m.id).is_none());
+    let local = cx.state.app.models.slots();
+    let local = local.iter().filter_map(model_object).filter(|m| {
+        m["id"]
+            .as_str()
+            .is_some_and(|id| upstreams.for_model(id).is_none())
+    });
     let declared = upstreams.declared_models();
     local
-        .map(model_object)
         .chain(declared.map(|(model, upstream)| upstream_model_object(model, upstream)))
         .collect()
 }

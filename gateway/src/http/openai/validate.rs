@@ -759,7 +759,7 @@ fn prompt(f: &Fields) -> Result<Prompt, ApiError> {
     }
 }
 
-fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
     items
         .iter()
         .enumerate()
