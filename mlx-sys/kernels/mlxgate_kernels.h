@@ -150,6 +150,16 @@ int mlxgate_silu_multiply(
     char* error,
     size_t error_len);
 
+/* Exact (erf) GELU element-wise on a float32 array, as an MLX primitive on
+ * CPU stream `s` (erf within 1.5e-7). Returns 0, or 1 with a message in
+ * `error`. */
+int mlxgate_gelu(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -257,6 +257,26 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
     })
 }
 
+/// Whether this thread should run the exact GELU natively (float32).
+pub fn gelu_is_native(x: &Array) -> bool {
+    thread_choice() == KernelChoice::Native && x.dtype() == Dtype::Float32
+}
+
+/// `x / 2 * (1 + erf(x / sqrt 2))` by the native kernel on this thread's
+/// stream (erf within 1.5e-7 of exact). No gradient.
+pub fn gelu(x: &Array) -> Result<Array, Exception> {
+    // SAFETY: the operand is a live array and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_gelu(
+            res,
+            x.as_ptr(),
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
 /// Runs a kernel constructor of the form `f(&mut res, error, error_len)`:
 /// on 0, the new array in `res`; else the message it wrote into `error`.
 fn new_array(

@@ -113,23 +113,18 @@ impl SentenceModel {
 
     /// One vector per input of a batch (token ids with special tokens).
     pub fn embed(&self, inputs: &[&[u32]]) -> MlxResult<Vec<Vec<f32>>> {
-        let length = inputs.iter().map(|i| i.len()).max().unwrap_or(0);
         let lengths: Vec<usize> = inputs.iter().map(|i| i.len()).collect();
-        let mut ids = Vec::with_capacity(inputs.len() * length);
-        for input in inputs {
-            ids.extend_from_slice(input);
-            ids.resize(ids.len() + length - input.len(), 0);
-        }
-        let states: Array = self.encoder.forward(&ids, &lengths, length)?;
+        let ids: Vec<u32> = inputs.concat();
+        let states: Array = self.encoder.forward(&ids, &lengths)?;
         states.eval()?;
         let hidden = self.encoder.config.hidden_size;
         let states = states.as_slice::<f32>();
+        let mut start = 0;
         Ok(lengths
             .iter()
-            .enumerate()
-            .map(|(row, &n)| {
-                let start = row * length * hidden;
-                let own = &states[start..start + n * hidden];
+            .map(|&n| {
+                let own = &states[start * hidden..(start + n) * hidden];
+                start += n;
                 self.pooling.pool(own, hidden, self.normalize)
             })
             .collect())
