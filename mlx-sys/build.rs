@@ -196,6 +196,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .file(kernels.join("quantized_matmul.cpp"))
         .file(kernels.join("attention.cpp"))
         .file(kernels.join("activation.cpp"))
+        .file(kernels.join("dense.cpp"))
         .compile("mlxgate_kernels");
 }
 

@@ -41,6 +41,17 @@ inline bool cpu_supported() {
 /// `cpu_supported()` first.
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/// Compiles one function for AVX-512 (F, BW and VL: every AVX-512 CPU since
+/// Skylake-SP) as well; chosen at run time, where `avx512_supported()`.
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+inline bool avx512_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
 AVX2 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -150,6 +150,21 @@ int mlxgate_silu_multiply(
     char* error,
     size_t error_len);
 
+/* 1 where `mlxgate_dense` runs (an AVX-512 x86-64 CPU), else 0. */
+int mlxgate_dense_supported(void);
+
+/* `x W^T + b` in float32: x `[M, K]`, W packed as `panels` `[N / 32, K, 32]`
+ * (panel p, row k holds W[32p .. 32p + 32, k]), b `[N]`; an MLX primitive on
+ * CPU stream `s`. Returns 0, or 1 with a message in `error`. */
+int mlxgate_dense(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array panels,
+    const mlx_array bias,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
 /* Exact (erf) GELU element-wise on a float32 array, as an MLX primitive on
  * CPU stream `s` (erf within 1.5e-7). Returns 0, or 1 with a message in
  * `error`. */

@@ -16,16 +16,7 @@ namespace {
 // values (a known false positive of those headers).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-/// Compiles one function for AVX-512 (F, BW and VL: every AVX-512 CPU since
-/// Skylake-SP) as well; chosen at run time.
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-inline bool avx512_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl");
-  return ok;
-}
+using mlxgate::avx512_supported;
 
 /// Sixteen groups' scales (or biases) from `values` + g0 as f32 vector
 /// lanes; lanes from `count` on are zero.

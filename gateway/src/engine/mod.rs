@@ -43,6 +43,31 @@ use text::TextCodec;
 
 use crate::mlx::kernels::{self, KernelChoice};
 
+/// Chat engines with work in hand (prefilling or decoding), process-wide:
+/// the embeddings thread gives way to them (see [`embed`]).
+static GENERATING: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether some chat engine is generating now.
+pub(crate) fn chat_is_generating() -> bool {
+    GENERATING.load(Ordering::Relaxed) > 0
+}
+
+/// Counts its engine in [`GENERATING`] while alive.
+struct Generating;
+
+impl Generating {
+    fn start() -> Generating {
+        GENERATING.fetch_add(1, Ordering::Relaxed);
+        Generating
+    }
+}
+
+impl Drop for Generating {
+    fn drop(&mut self) {
+        GENERATING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// In-memory prompt cache of an engine loaded without options.
 const DEFAULT_MEMORY_CACHE_BYTES: usize = 256 * 1024 * 1024;
 

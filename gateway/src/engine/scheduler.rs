@@ -395,6 +395,7 @@ impl Scheduler {
         let mut running: Vec<Sequence> = Vec::new();
         let mut prefilling: Option<Prefill> = None;
         let mut open = true;
+        let mut generating: Option<super::Generating> = None;
         loop {
             let idle = running.is_empty()
                 && prefilling.is_none()
@@ -402,6 +403,11 @@ impl Scheduler {
                 && self.resuming.is_empty();
             if idle && !open {
                 return;
+            }
+            if idle {
+                generating = None;
+            } else if generating.is_none() {
+                generating = Some(super::Generating::start());
             }
             // Take in what was sent; sleep only when there is nothing to do.
             open = open && self.receive(&jobs, idle);

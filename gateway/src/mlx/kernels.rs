@@ -257,6 +257,46 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
     })
 }
 
+/// Output columns per panel of a weight packed for [`dense`].
+pub const DENSE_PANEL: usize = 32;
+
+/// Whether this thread should run float32 dense layers natively (an
+/// AVX-512 CPU; `out` a multiple of [`DENSE_PANEL`]).
+pub fn dense_is_native(out: usize) -> bool {
+    // SAFETY: a pure query of the CPU's features.
+    thread_choice() == KernelChoice::Native
+        && out.is_multiple_of(DENSE_PANEL)
+        && unsafe { mlx_sys::mlxgate_dense_supported() } == 1
+}
+
+/// `x W^T + b` by the native kernel on this thread's stream: `x` `[M, K]`,
+/// `panels` the weight packed by [`dense_panels`], `bias` `[N]`.
+pub fn dense(x: &Array, panels: &Array, bias: &Array) -> Result<Array, Exception> {
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_dense(
+            res,
+            x.as_ptr(),
+            panels.as_ptr(),
+            bias.as_ptr(),
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
+/// A weight `[N, K]` packed for [`dense`]: `[N / 32, K, 32]`, panel p's row
+/// k holding `W[32p .. 32p + 32, k]`.
+pub fn dense_panels(weight: &Array) -> Result<Array, Exception> {
+    let (n, k) = (weight.shape()[0], weight.shape()[1]);
+    let panel = DENSE_PANEL as i32;
+    weight
+        .reshape(&[n / panel, panel, k])?
+        .transpose_axes(&[0, 2, 1])?
+        .contiguous()
+}
+
 /// Whether this thread should run the exact GELU natively (float32).
 pub fn gelu_is_native(x: &Array) -> bool {
     thread_choice() == KernelChoice::Native && x.dtype() == Dtype::Float32

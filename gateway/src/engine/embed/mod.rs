@@ -16,7 +16,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use sentence::{Pooling, SentenceModel, l2_normalize};
 
@@ -219,10 +219,11 @@ fn serve(model: &SentenceModel, jobs: &Receiver<EmbedJob>) {
         }
         // A client that went away needs no vectors.
         round.retain(|job| !job.reply.is_closed());
-        // The projections are float GEMMs through OpenBLAS, which engines on
-        // native kernels keep to one thread (their decode does not use it):
-        // all cores for the round, ~1.4x on batches of 32.
-        let _blas = BlasThreads::all_cores();
+        // Without the native dense kernel the projections are OpenBLAS
+        // GEMMs, which engines on native kernels keep to one thread (their
+        // decode does not use it): all cores for the round, ~1.4x on
+        // batches of 32.
+        let _blas = model.encoder.uses_blas().then(BlasThreads::all_cores);
         run_round(model, round);
     }
 }
@@ -244,7 +245,10 @@ fn run_round(model: &SentenceModel, round: Vec<EmbedJob>) {
             .iter()
             .map(|&(j, i)| round[j].inputs[i].as_slice())
             .collect();
-        match catch_unwind(AssertUnwindSafe(|| model.embed(&rows))) {
+        let mut give_way = GiveWay::new();
+        match catch_unwind(AssertUnwindSafe(|| {
+            model.embed(&rows, &mut |x| give_way.after_layer(x))
+        })) {
             Ok(Ok(out)) => {
                 for (&(j, i), v) in batch.iter().zip(out) {
                     vectors[j][i] = v;
@@ -268,6 +272,36 @@ fn run_round(model: &SentenceModel, round: Vec<EmbedJob>) {
             Some(error) => Err(error),
             None => Ok(out),
         });
+    }
+}
+
+/// Embeddings give way to chat: while a chat engine is generating, the
+/// encoder finishes each layer and then rests as long as the layer took, so
+/// a stream's next token waits at most about one layer (a few ms to a few
+/// tens of ms) and chat keeps about half the machine. Alone, layers stay
+/// one lazy graph.
+struct GiveWay {
+    since: Instant,
+}
+
+impl GiveWay {
+    /// The longest rest after one layer.
+    const MAX_REST: Duration = Duration::from_millis(50);
+
+    fn new() -> GiveWay {
+        GiveWay {
+            since: Instant::now(),
+        }
+    }
+
+    fn after_layer(&mut self, x: &mlx_rs::Array) -> MlxResult<()> {
+        if !super::chat_is_generating() {
+            return Ok(());
+        }
+        x.eval()?;
+        std::thread::sleep(self.since.elapsed().min(Self::MAX_REST));
+        self.since = Instant::now();
+        Ok(())
     }
 }
 

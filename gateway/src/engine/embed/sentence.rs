@@ -111,11 +111,16 @@ impl SentenceModel {
         })
     }
 
-    /// One vector per input of a batch (token ids with special tokens).
-    pub fn embed(&self, inputs: &[&[u32]]) -> MlxResult<Vec<Vec<f32>>> {
+    /// One vector per input of a batch (token ids with special tokens);
+    /// `after_layer` as in [`Bert::forward`].
+    pub fn embed(
+        &self,
+        inputs: &[&[u32]],
+        after_layer: &mut dyn FnMut(&Array) -> MlxResult<()>,
+    ) -> MlxResult<Vec<Vec<f32>>> {
         let lengths: Vec<usize> = inputs.iter().map(|i| i.len()).collect();
         let ids: Vec<u32> = inputs.concat();
-        let states: Array = self.encoder.forward(&ids, &lengths)?;
+        let states: Array = self.encoder.forward(&ids, &lengths, after_layer)?;
         states.eval()?;
         let hidden = self.encoder.config.hidden_size;
         let states = states.as_slice::<f32>();
