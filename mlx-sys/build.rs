@@ -197,6 +197,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .file(kernels.join("attention.cpp"))
         .file(kernels.join("activation.cpp"))
         .file(kernels.join("dense.cpp"))
+        .file(kernels.join("encoder_attention.cpp"))
         .compile("mlxgate_kernels");
 }
 

@@ -165,6 +165,26 @@ int mlxgate_dense(
     char* error,
     size_t error_len);
 
+/* 1 where `mlxgate_encoder_attention` runs for heads `head_dim` wide (an
+ * AVX-512 x86-64 CPU; 16, 32 or 64), else 0. */
+int mlxgate_encoder_attention_supported(int head_dim);
+
+/* Bidirectional attention of packed inputs: `qkv` float32 `[tokens, 3 *
+ * heads * head_dim]` (queries, keys, values side by side), input i being the
+ * next `lengths[i]` tokens; each input attends over its own tokens. Returns
+ * `[tokens, heads * head_dim]` (an MLX primitive on CPU stream `s`); 0, or 1
+ * with a message in `error`. */
+int mlxgate_encoder_attention(
+    mlx_array* res,
+    const mlx_array qkv,
+    const int64_t* lengths,
+    int64_t count,
+    int heads,
+    float scale,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
 /* Exact (erf) GELU element-wise on a float32 array, as an MLX primitive on
  * CPU stream `s` (erf within 1.5e-7). Returns 0, or 1 with a message in
  * `error`. */

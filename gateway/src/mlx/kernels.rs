@@ -297,6 +297,42 @@ pub fn dense_panels(weight: &Array) -> Result<Array, Exception> {
         .contiguous()
 }
 
+/// Whether this thread should run an encoder's attention natively (an
+/// AVX-512 CPU, heads 16, 32 or 64 wide).
+pub fn encoder_attention_is_native(head_dim: usize) -> bool {
+    let width = i32::try_from(head_dim).unwrap_or(0);
+    // SAFETY: a pure query of the CPU's features.
+    thread_choice() == KernelChoice::Native
+        && unsafe { mlx_sys::mlxgate_encoder_attention_supported(width) } == 1
+}
+
+/// Bidirectional attention of packed inputs by the native kernel on this
+/// thread's stream: `qkv` `[tokens, 3 * hidden]` (queries, keys, values),
+/// input i the next `lengths[i]` tokens, attending over its own. Returns
+/// `[tokens, hidden]`.
+pub fn encoder_attention(
+    qkv: &Array,
+    lengths: &[usize],
+    heads: usize,
+    scale: f32,
+) -> Result<Array, Exception> {
+    let lengths: Vec<i64> = lengths.iter().map(|&n| n as i64).collect();
+    // SAFETY: the operands are live; the kernel copies `lengths`.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_encoder_attention(
+            res,
+            qkv.as_ptr(),
+            lengths.as_ptr(),
+            lengths.len() as i64,
+            heads as i32,
+            scale,
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
 /// Whether this thread should run the exact GELU natively (float32).
 pub fn gelu_is_native(x: &Array) -> bool {
     thread_choice() == KernelChoice::Native && x.dtype() == Dtype::Float32

@@ -277,13 +277,17 @@ impl Bert {
     }
 
     /// Bidirectional attention of each input over itself, from the packed
-    /// `[tokens, 3 * hidden]` projections: the native prefill kernel (a
-    /// query placed at the last key sees every key) where it runs, else
+    /// `[tokens, 3 * hidden]` projections: the native encoder kernel (one
+    /// call for the batch) on AVX-512 CPUs; else per input, the native
+    /// prefill kernel (a query placed at the last key sees every key) or
     /// MLX's attention.
     fn attend(&self, qkv: &Array, lengths: &[usize]) -> MlxResult<Array> {
         let c = &self.config;
         let (heads, head_dim) = (c.heads as i32, (c.hidden_size / c.heads) as i32);
         let scale = 1.0 / (head_dim as f32).sqrt();
+        if kernels::encoder_attention_is_native(head_dim as usize) {
+            return kernels::encoder_attention(qkv, lengths, c.heads, scale);
+        }
         let native = kernels::causal_attention_is_native(qkv, head_dim as usize);
         let mut parts = Vec::with_capacity(lengths.len());
         let mut start = 0;
