@@ -759,3 +759,109 @@ fn engine_greedy_tokens_are_the_same_with_native_and_mlx_kernels() {
         );
     }
 }
+
+/// The encoder's kernels (embeddings) against MLX's own ops: GELU, the
+/// packed dense layer and packed bidirectional attention.
+#[test]
+fn gelu_matches_mlx_exact_gelu() {
+    if !require_native() {
+        return;
+    }
+    for shape in [&[1, 7][..], &[97, 1536], &[3, 16_411]] {
+        // Inputs over [-12, 12): both tails and the middle.
+        let x = mlx_rs::ops::multiply(random(shape, 70), Array::from_f32(12.0)).expect("scale");
+        assert!(kernels::gelu_is_native(&x));
+        let ours = kernels::gelu(&x).expect("native");
+        let theirs = mlx_rs::nn::gelu(&x).expect("gelu");
+        // erf within 1.5e-7 absolute: errors of at most ~1e-6 of the largest output.
+        let error = relative_error(&ours, &theirs);
+        assert!(error < 1e-6, "{shape:?}: {error:e}");
+    }
+}
+
+#[test]
+fn dense_layer_matches_addmm() {
+    if !require_native() || !kernels::dense_is_native(32) {
+        eprintln!("skipped: no AVX-512 for the dense kernel");
+        return;
+    }
+    for (m, n, k) in [
+        (1, 384, 384),
+        (7, 1152, 384),
+        (100, 1536, 384),
+        (131, 384, 1536),
+        (9, 32, 8),
+    ] {
+        let x = random(&[m, k], 71);
+        let w = random(&[n, k], 72);
+        let b = random(&[n], 73);
+        let panels = kernels::dense_panels(&w).expect("pack");
+        let ours = kernels::dense(&x, &panels, &b).expect("native");
+        let theirs = mlx_rs::ops::addmm(&b, &x, w.t(), None, None).expect("addmm");
+        let error = relative_error(&ours, &theirs);
+        assert!(error < 1e-5, "{m}x{n}x{k}: {error:e}");
+    }
+    // A strided input is packed first; a bad panel shape is refused.
+    let x = random(&[384, 5], 74).t();
+    let w = random(&[64, 384], 75);
+    let b = random(&[64], 76);
+    let ours = kernels::dense(&x, &kernels::dense_panels(&w).unwrap(), &b).expect("native");
+    let theirs = mlx_rs::ops::addmm(&b, &x, w.t(), None, None).expect("addmm");
+    assert!(relative_error(&ours, &theirs) < 1e-5);
+    let error = kernels::dense(&x, &w, &b).expect_err("a [n, k] weight is not packed");
+    assert!(error.to_string().contains("panels"), "{error}");
+}
+
+#[test]
+fn encoder_attention_matches_mlx_attention_per_input() {
+    if !require_native() || !kernels::encoder_attention_is_native(32) {
+        eprintln!("skipped: no AVX-512 for the encoder attention kernel");
+        return;
+    }
+    let (heads, head_dim) = (12, 32);
+    let hidden = heads * head_dim;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let lengths = [1usize, 5, 16, 17, 100, 256];
+    let tokens: usize = lengths.iter().sum();
+    let qkv = mlx_rs::ops::multiply(
+        random(&[tokens as i32, 3 * hidden as i32], 77),
+        Array::from_f32(3.0),
+    )
+    .expect("scale");
+    let ours = kernels::encoder_attention(&qkv, &lengths, heads, scale).expect("native");
+    assert_eq!(ours.shape(), &[tokens as i32, hidden as i32]);
+    let mut start = 0;
+    for &n in &lengths {
+        use mlx_rs::ops::indexing::IndexOp;
+        let rows = qkv
+            .index(start as i32..(start + n) as i32)
+            .reshape(&[n as i32, 3, heads as i32, head_dim as i32])
+            .unwrap();
+        let part = |i: i32| {
+            rows.index((.., i))
+                .transpose_axes(&[1, 0, 2])
+                .unwrap()
+                .expand_dims(0)
+                .unwrap()
+        };
+        let theirs = mlx_rs::fast::scaled_dot_product_attention(
+            part(0),
+            part(1),
+            part(2),
+            scale,
+            None,
+            None,
+        )
+        .unwrap()
+        .transpose_axes(&[0, 2, 1, 3])
+        .unwrap()
+        .reshape(&[n as i32, hidden as i32])
+        .unwrap();
+        let mine = ours.index(start as i32..(start + n) as i32);
+        let error = relative_error(&mine.contiguous().unwrap(), &theirs);
+        assert!(error < 1e-5, "input of {n} tokens: {error:e}");
+        start += n;
+    }
+    let error = kernels::encoder_attention(&qkv, &[3, 4], heads, scale).expect_err("bad lengths");
+    assert!(error.to_string().contains("add up"), "{error}");
+}
