@@ -111,6 +111,9 @@ Example config file:
   [[models]]                    # more models, served next to `model`
   path = \"models/other.gguf\"    # GGUF file or HF/mlx model directory
   id = \"other\"                  # optional; default: the engine's id (file name)
+  embeddings = true             # a chat model also serves /v1/embeddings (last token)
+  [[models]]                    # an encoder (BERT, sentence-transformers layout):
+  path = \"models/all_minilm_l6_v2\"  # serves /v1/embeddings only
 
   [prompt_cache]
   memory_mb = 512               # per-model LRU of prompt prefixes (0: off)
