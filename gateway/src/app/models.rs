@@ -156,7 +156,7 @@ impl ModelRegistry {
             .any(|s| s.spec.embeddings && matches!(&s.state, ModelState::Ready(m) if m.id == id));
         if !enabled {
             return Err(ModelError::WrongKind(format!(
-                "The model `{id}` is a chat model and does not serve embeddings. Use an embedding model (GET /v1/models lists each model's `capabilities`), or let this one embed with last-token pooling: `embeddings = true` in its [[models]] entry."
+                "The model `{id}` is a chat model and does not serve embeddings. Use an embedding model (GET /v1/models lists each model's `capabilities`), send embeddings to an upstream that serves them (list the model in its `[[upstreams]] models`, or route it with a router policy), or let this model embed with last-token pooling: `embeddings = true` in its [[models]] entry."
             )));
         }
         Ok(Embedder::Decoder(chat.engine))
