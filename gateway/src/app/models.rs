@@ -332,7 +332,8 @@ fn load_one(
                 Engine::Encoder(encoder) => {
                     let card = encoder.card();
                     info!(model = %id, architecture = %card.architecture, dimensions = card.dimensions,
-                        max_tokens = card.max_tokens, elapsed_ms, "embedding model ready");
+                        max_tokens = card.max_tokens, pooling = card.pooling.name(),
+                        normalized = card.normalized, elapsed_ms, "embedding model ready");
                     ModelState::ReadyEncoder(LoadedEncoder {
                         id,
                         path,

@@ -18,7 +18,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use sentence::{Pooling, SentenceModel, l2_normalize};
+pub use sentence::{Pooling, SentenceModel};
 
 use mlx_rs::ops::indexing::IndexOp;
 

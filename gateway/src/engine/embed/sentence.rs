@@ -56,7 +56,7 @@ impl Pooling {
 }
 
 /// Scales `v` to unit length (as torch's `F.normalize`, eps 1e-12).
-pub fn l2_normalize(v: &mut [f32]) {
+fn l2_normalize(v: &mut [f32]) {
     let norm = v
         .iter()
         .map(|&x| (x as f64) * (x as f64))
