@@ -29,16 +29,48 @@ fn encoder_dir() -> PathBuf {
 
 /// The chat model plus the encoder, both ready.
 fn server_with_encoder() -> Server {
+    start(ServerBuilder::new().model(real_model()))
+}
+
+fn start(builder: ServerBuilder) -> Server {
     let config = format!(
         "[[models]]\npath = {:?}\nid = \"{ENCODER}\"\n",
         encoder_dir()
     );
-    let s = ServerBuilder::new()
-        .model(real_model())
-        .config(&config)
-        .start();
+    let s = builder.config(&config).start();
     s.wait_for_status("/readyz", 200, Duration::from_secs(120));
     s
+}
+
+/// The reference texts' vectors against sentence-transformers'; returns the
+/// reference and ours.
+fn assert_matches_reference(s: &Server) -> (Value, Vec<Vec<f32>>) {
+    let path = workspace_root().join("tests/data/minilm_reference.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let answer = embed(s, json!({"model": ENCODER, "input": reference["texts"]}));
+    let ours = vectors(&answer);
+    for (i, expected) in reference["embeddings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let similarity = cosine(&ours[i], &floats(expected));
+        assert!(
+            similarity >= 0.9999,
+            "text {i}: cosine {similarity} to sentence-transformers"
+        );
+        assert!(
+            (cosine(&ours[i], &ours[i]) - 1.0).abs() < 1e-6,
+            "unit length"
+        );
+    }
+    assert_eq!(answer["model"], ENCODER);
+    assert_eq!(
+        answer["usage"]["prompt_tokens"],
+        answer["usage"]["total_tokens"]
+    );
+    (reference, ours)
 }
 
 fn embed(s: &Server, body: Value) -> Value {
@@ -89,35 +121,9 @@ fn encoder_matches_sentence_transformers_and_batching_changes_no_vector() {
     assert_eq!(listed["capabilities"], json!(["embeddings"]));
     assert_eq!(listed["dimensions"], 384);
 
-    let reference: Value = serde_json::from_str(
-        &std::fs::read_to_string(workspace_root().join("tests/data/minilm_reference.json"))
-            .unwrap(),
-    )
-    .unwrap();
-    let texts = reference["texts"].clone();
-    let answer = embed(&s, json!({"model": ENCODER, "input": texts}));
-    let ours = vectors(&answer);
-    for (i, expected) in reference["embeddings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
-        let similarity = cosine(&ours[i], &floats(expected));
-        assert!(
-            similarity >= 0.9999,
-            "text {i}: cosine {similarity} to sentence-transformers"
-        );
-        let norm = cosine(&ours[i], &ours[i]);
-        assert!((norm - 1.0).abs() < 1e-6);
-    }
+    let (reference, ours) = assert_matches_reference(&s);
     // Meaning shows: the two sentences about eating are the closest pair.
     assert!(cosine(&ours[0], &ours[1]) > cosine(&ours[0], &ours[2]) + 0.3);
-    assert_eq!(answer["model"], ENCODER);
-    assert_eq!(
-        answer["usage"]["prompt_tokens"],
-        answer["usage"]["total_tokens"]
-    );
 
     // One string: [CLS] hello world [SEP] is 4 tokens; its token ids embed
     // as the text does; base64 carries the same floats.
@@ -182,6 +188,18 @@ fn encoder_matches_sentence_transformers_and_batching_changes_no_vector() {
             "input {i} sent concurrently"
         );
     }
+}
+
+/// Without mlxgate's kernels (other CPUs, GPUs): MLX's matmul, attention
+/// and GELU give the same vectors.
+#[test]
+fn mlx_ops_alone_match_sentence_transformers_too() {
+    let s = start(
+        ServerBuilder::new()
+            .model(real_model())
+            .env("MLXGATE_KERNELS", "mlx"),
+    );
+    assert_matches_reference(&s);
 }
 
 #[test]
