@@ -276,6 +276,23 @@ fn bad_embedding_requests_get_a_clear_400() {
     );
     assert_eq!(cut["truncated_inputs"], 1);
     assert_eq!(cut["data"].as_array().unwrap().len(), 2);
+    // A request with more text than the serving thread tokenizes inline
+    // (64 KiB) is tokenized on a blocking thread, with the same checks.
+    let many: Vec<String> = (0..30).map(|i| format!("{i} {long}{long}")).collect();
+    let big = embed(
+        &s,
+        json!({"model": ENCODER, "input": many, "truncate": true}),
+    );
+    assert_eq!(big["truncated_inputs"], 30);
+    assert_eq!(big["usage"]["prompt_tokens"], 30 * 256);
+    let mut bad = many.clone();
+    bad[20] = String::new();
+    let message = refused(
+        json!({"model": ENCODER, "input": bad, "truncate": true}),
+        "input",
+        "invalid_value",
+    );
+    assert!(message.contains("input[20]"), "{message}");
 
     // Each kind of model refuses the other's endpoint, saying where to go.
     let message = refused(

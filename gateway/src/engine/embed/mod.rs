@@ -34,6 +34,9 @@ pub const MAX_BATCH_ROWS: usize = 32;
 pub const MAX_BATCH_TOKENS: usize = 8192;
 /// Requests waiting for the encoder thread before new ones get 503.
 const MAX_QUEUED_REQUESTS: usize = 64;
+/// Text a request may tokenize on the serving thread; more goes to a
+/// blocking thread.
+const TOKENIZE_INLINE_BYTES: usize = 64 * 1024;
 /// Inputs the thread takes into one round (requests beyond wait for the next).
 const MAX_ROUND_INPUTS: usize = 4096;
 
@@ -355,6 +358,41 @@ impl Embedder {
         inputs: Vec<EmbedInput>,
         truncate: bool,
     ) -> Result<Embeddings, EngineError> {
+        // Tokenizing megabytes of text takes a second or more: off the
+        // serving thread, whose other connections would wait meanwhile.
+        let text_bytes: usize = inputs
+            .iter()
+            .map(|i| match i {
+                EmbedInput::Text(text) => text.len(),
+                EmbedInput::Tokens(_) => 0,
+            })
+            .sum();
+        let (ids, truncated) = if text_bytes > TOKENIZE_INLINE_BYTES {
+            let embedder = self.clone();
+            tokio::task::spawn_blocking(move || embedder.prepare_all(inputs, truncate))
+                .await
+                .map_err(|e| EngineError::Internal(format!("tokenizing failed: {e}")))??
+        } else {
+            self.prepare_all(inputs, truncate)?
+        };
+        let prompt_tokens = ids.iter().map(Vec::len).sum();
+        let vectors = match self {
+            Embedder::Encoder(e) => e.run(ids).await?,
+            Embedder::Decoder(d) => d.embed_last_token(ids).await?,
+        };
+        Ok(Embeddings {
+            vectors,
+            prompt_tokens,
+            truncated,
+        })
+    }
+
+    /// Every input's ids and how many were cut; the error names the input.
+    fn prepare_all(
+        &self,
+        inputs: Vec<EmbedInput>,
+        truncate: bool,
+    ) -> Result<(Vec<Vec<u32>>, usize), EngineError> {
         let mut truncated = 0;
         let mut ids = Vec::with_capacity(inputs.len());
         for (index, input) in inputs.into_iter().enumerate() {
@@ -367,16 +405,7 @@ impl Embedder {
             truncated += cut as usize;
             ids.push(tokens);
         }
-        let prompt_tokens = ids.iter().map(Vec::len).sum();
-        let vectors = match self {
-            Embedder::Encoder(e) => e.run(ids).await?,
-            Embedder::Decoder(d) => d.embed_last_token(ids).await?,
-        };
-        Ok(Embeddings {
-            vectors,
-            prompt_tokens,
-            truncated,
-        })
+        Ok((ids, truncated))
     }
 
     /// One input's ids, special tokens included, and whether it was cut.
