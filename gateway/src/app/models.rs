@@ -143,23 +143,28 @@ impl ModelRegistry {
     /// The model that serves `/v1/embeddings` for `id`: an encoder, or a
     /// chat model whose `[[models]]` entry has `embeddings = true`.
     pub fn resolve_embedder(&self, id: &str) -> Result<Embedder, ModelError> {
-        if let Some(encoder) = self.slots().into_iter().find_map(|s| match s.state {
-            ModelState::ReadyEncoder(m) if m.id == id => Some(m.encoder),
-            _ => None,
-        }) {
-            return Ok(Embedder::Encoder(encoder));
+        for slot in self.slots() {
+            match slot.state {
+                ModelState::ReadyEncoder(m) if m.id == id => {
+                    return Ok(Embedder::Encoder(m.encoder));
+                }
+                ModelState::Ready(m) if m.id == id && slot.spec.embeddings => {
+                    return Ok(Embedder::Decoder(m.engine));
+                }
+                ModelState::Ready(m) if m.id == id => {
+                    return Err(ModelError::WrongKind(format!(
+                        "The model `{id}` is a chat model and does not serve embeddings. Use an embedding model (GET /v1/models lists each model's `capabilities`), send embeddings to an upstream that serves them (list the model in its `[[upstreams]] models`, or route it with a router policy), or let this model embed with last-token pooling: `embeddings = true` in its [[models]] entry."
+                    )));
+                }
+                _ => {}
+            }
         }
-        let chat = self.resolve(id)?;
-        let enabled = self
-            .slots()
-            .iter()
-            .any(|s| s.spec.embeddings && matches!(&s.state, ModelState::Ready(m) if m.id == id));
-        if !enabled {
-            return Err(ModelError::WrongKind(format!(
-                "The model `{id}` is a chat model and does not serve embeddings. Use an embedding model (GET /v1/models lists each model's `capabilities`), send embeddings to an upstream that serves them (list the model in its `[[upstreams]] models`, or route it with a router policy), or let this model embed with last-token pooling: `embeddings = true` in its [[models]] entry."
-            )));
+        // Loading, failed or unknown: the answer every endpoint gives.
+        match self.resolve(id) {
+            // Ready since the loop looked (models never unload): look again.
+            Ok(_) | Err(ModelError::WrongKind(_)) => self.resolve_embedder(id),
+            Err(error) => Err(error),
         }
-        Ok(Embedder::Decoder(chat.engine))
     }
 
     /// The model a request names: 404 if no configured model has that id,

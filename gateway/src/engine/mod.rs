@@ -43,6 +43,13 @@ use text::TextCodec;
 
 use crate::mlx::kernels::{self, KernelChoice};
 
+/// Runs `work`, turning a panic into an error message: a fault in one
+/// request's work on an engine thread fails that request, not the thread.
+fn guarded<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+        .map_err(|p| crate::util::panic_message(&*p))
+}
+
 /// Chat engines with work in hand (prefilling or decoding), process-wide:
 /// the embeddings thread gives way to them (see [`embed`]).
 static GENERATING: AtomicUsize = AtomicUsize::new(0);

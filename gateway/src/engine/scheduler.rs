@@ -23,7 +23,6 @@
 //! the one at fault gets [`EngineError::Internal`]. The model keeps serving.
 
 use std::collections::VecDeque;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -34,7 +33,6 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use std::collections::HashMap;
 
-use super::Faults;
 use super::admission::{Admission, SchedulingOptions, Ticket};
 use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, TokenOutput, Usage};
 use super::constrain::Constraint;
@@ -50,7 +48,7 @@ use super::prompt_cache::{
 };
 use super::sampler::{Choice, Sampler};
 use super::text::TextCodec;
-use crate::util::panic_message;
+use super::{Faults, guarded};
 
 /// Longest slice of a prompt run through the model at once when nothing
 /// else is running: bounds the attention scores' memory for long prompts.
@@ -207,11 +205,6 @@ impl Sequence {
 enum Fault {
     Panic,
     Error,
-}
-
-/// Runs `work`, turning a panic into an error message.
-fn guarded<T>(work: impl FnOnce() -> T) -> Result<T, String> {
-    catch_unwind(AssertUnwindSafe(work)).map_err(|p| panic_message(&*p))
 }
 
 /// The error a request gets when its work failed (an error or a panic).

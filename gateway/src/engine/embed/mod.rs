@@ -12,7 +12,6 @@
 mod bert;
 mod sentence;
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
@@ -26,12 +25,11 @@ use super::model::weights::MlxResult;
 use super::model::{self, LoadError};
 use super::{EngineError, EngineHandle};
 use crate::mlx::kernels::BlasThreads;
-use crate::util::panic_message;
 
 /// Rows (inputs) of one encoder batch.
-pub const MAX_BATCH_ROWS: usize = 32;
+const MAX_BATCH_ROWS: usize = 32;
 /// Tokens of one encoder batch (its inputs' lengths summed).
-pub const MAX_BATCH_TOKENS: usize = 8192;
+const MAX_BATCH_TOKENS: usize = 8192;
 /// Requests waiting for the encoder thread before new ones get 503.
 const MAX_QUEUED_REQUESTS: usize = 64;
 /// Text a request may tokenize on the serving thread; more goes to a
@@ -249,20 +247,15 @@ fn run_round(model: &SentenceModel, round: Vec<EmbedJob>) {
             .map(|&(j, i)| round[j].inputs[i].as_slice())
             .collect();
         let mut give_way = GiveWay::new();
-        match catch_unwind(AssertUnwindSafe(|| {
-            model.embed(&rows, &mut |x| give_way.after_layer(x))
-        })) {
-            Ok(Ok(out)) => {
+        let outcome = super::guarded(|| model.embed(&rows, &mut |x| give_way.after_layer(x)))
+            .and_then(|result| result.map_err(|e| e.to_string()));
+        match outcome {
+            Ok(out) => {
                 for (&(j, i), v) in batch.iter().zip(out) {
                     vectors[j][i] = v;
                 }
             }
-            outcome => {
-                let why = match outcome {
-                    Ok(Err(e)) => e.to_string(),
-                    Err(panic) => panic_message(&*panic),
-                    Ok(Ok(_)) => unreachable!(),
-                };
+            Err(why) => {
                 tracing::error!(error = %why, "embedding batch failed");
                 for &(j, _) in batch {
                     failed[j] = Some(EngineError::Internal(format!("embedding failed: {why}")));
