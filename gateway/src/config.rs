@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::auth::{ApiKey, KeyHash, Scope};
+pub use crate::limits::LimitsConfig;
 use crate::upstream::{UpstreamSpec, validate_specs};
 
 pub const DEFAULT_HOST: &str = "127.0.0.1";
@@ -67,6 +68,8 @@ pub struct FileConfig {
     pub proxy: ProxyConfig,
     #[serde(default)]
     pub scheduler: SchedulerConfig,
+    #[serde(default)]
+    pub limits: LimitsConfig,
 }
 
 /// The `[scheduler]` section: how each local model shares its engine
@@ -455,6 +458,8 @@ pub struct Config {
     pub proxy: ProxyConfig,
     /// The `[scheduler]` section.
     pub scheduler: SchedulerConfig,
+    /// The `[limits]` section: rate limits and quotas per key and tenant.
+    pub limits: LimitsConfig,
 }
 
 impl Config {
@@ -506,6 +511,8 @@ pub enum ConfigError {
     ZeroServerLimit(&'static str),
     #[error("[[upstreams]]: {0}")]
     Upstream(String),
+    #[error("[limits] {0}")]
+    Limits(String),
     #[error("[server] TLS: {0}")]
     Tls(String),
     #[error("[scheduler] {0}")]
@@ -620,6 +627,7 @@ impl Config {
             responses: file.responses,
             proxy: file.proxy,
             scheduler: file.scheduler,
+            limits: file.limits,
         }
     }
 
@@ -657,6 +665,9 @@ impl Config {
                 return Err(ConfigError::NoScopes(k.id.clone()));
             }
         }
+        self.limits
+            .validate(self.keys.iter().map(|k| (k.id.as_str(), k.tenant.as_str())))
+            .map_err(ConfigError::Limits)?;
         let loopback = is_loopback_host(&self.host);
         if self.keys.is_empty() && !loopback && !self.allow_open_inference {
             return Err(ConfigError::OpenOnPublicHost(self.host.clone()));

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod fixtures;
 pub mod http;
 pub mod jobs;
+pub mod limits;
 pub mod mlx;
 pub mod policy;
 pub mod upstream;

@@ -14,6 +14,7 @@ pub mod models;
 pub mod policies;
 pub mod responses;
 pub mod routing;
+pub mod usage;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -46,6 +47,10 @@ pub struct App {
     pub prompt_caches: Option<Arc<CacheStore>>,
     /// Stored `/v1/responses`, opened on first use.
     responses: std::sync::OnceLock<Result<responses::ResponseStore, String>>,
+    /// Rate limits and quotas per key and tenant (`[limits]`).
+    pub limits: crate::limits::Limiter,
+    /// Token usage per day, tenant, key, model and backend.
+    pub usage: Arc<usage::UsageLedger>,
 }
 
 impl App {
@@ -68,6 +73,14 @@ impl App {
             jobs: jobs::JobsService::default(),
             prompt_caches,
             responses: std::sync::OnceLock::new(),
+            limits: crate::limits::Limiter::new(
+                &config.limits,
+                config
+                    .keys
+                    .iter()
+                    .map(|k| (k.id.as_str(), k.tenant.as_str())),
+            ),
+            usage: Arc::new(usage::UsageLedger::new(config.data_dir.join("usage.redb"))),
             config,
         }
     }
@@ -77,10 +90,42 @@ impl App {
     /// in the background, each with its configured adapters.
     pub fn start(&self, load: ModelLoader, shutdown: impl Future<Output = ()> + Send + 'static) {
         self.start_jobs(shutdown);
+        self.start_usage_flushes();
         self.upstreams.start_health_checks();
         let mounts = adapters::startup_mounts(&self.config);
         self.models
             .load_in_background(load, self.engine_options(), mounts);
+    }
+
+    /// Folds the usage of finished requests into its database every few
+    /// seconds, on a blocking thread (a redb commit syncs to disk).
+    fn start_usage_flushes(&self) {
+        let usage = Arc::clone(&self.usage);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let usage = Arc::clone(&usage);
+                match tokio::task::spawn_blocking(move || usage.flush()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => error!(error = %e, "usage not saved; kept for the next try"),
+                    Err(e) => error!(error = %e, "usage flush failed"),
+                }
+            }
+        });
+    }
+
+    /// Stops what runs beside the requests, at shutdown: jobs drain, and
+    /// the usage not yet saved is.
+    pub async fn stop(&self) {
+        self.stop_jobs().await;
+        let usage = Arc::clone(&self.usage);
+        match tokio::task::spawn_blocking(move || usage.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => error!(error = %e, "usage of the last seconds not saved"),
+            Err(e) => error!(error = %e, "usage flush failed"),
+        }
     }
 
     /// The store of `/v1/responses` (`<data_dir>/responses.redb`), opened

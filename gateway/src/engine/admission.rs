@@ -146,6 +146,8 @@ impl Admission {
         Ok(Ticket {
             admission: Arc::clone(self),
             tenant: key,
+            entered: std::time::Instant::now(),
+            waited: Arc::default(),
         })
     }
 
@@ -205,16 +207,26 @@ impl Admission {
 pub struct Ticket {
     admission: Arc<Admission>,
     tenant: Option<String>,
+    entered: std::time::Instant,
+    /// How long the request waited, set when it gives up its place (it
+    /// starts, or is dropped); its stream reads it (queue-wait metrics).
+    waited: Arc<std::sync::OnceLock<std::time::Duration>>,
 }
 
 impl Ticket {
     pub fn tenant(&self) -> Option<&str> {
         self.tenant.as_deref()
     }
+
+    /// Where the wait is written when the ticket is given up.
+    pub fn waited(&self) -> Arc<std::sync::OnceLock<std::time::Duration>> {
+        Arc::clone(&self.waited)
+    }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        let _ = self.waited.set(self.entered.elapsed());
         self.admission.leave(&self.tenant);
     }
 }

@@ -516,6 +516,8 @@ impl EngineHandle {
             streams.push(GenerationStream {
                 receiver,
                 prompt_tokens,
+                queue_wait: ticket.waited(),
+                observer: None,
                 _in_flight: InFlight::new(&self.inner.in_flight),
             });
             events
@@ -779,8 +781,17 @@ impl EngineHandle {
 pub struct GenerationStream {
     receiver: UnboundedReceiver<Result<GenerateEvent, EngineError>>,
     prompt_tokens: usize,
+    /// Set when the request leaves the model's queue (it starts).
+    queue_wait: Arc<std::sync::OnceLock<std::time::Duration>>,
+    /// Sees each event before the reader does (token accounting).
+    observer: Option<StreamObserver>,
     _in_flight: InFlight,
 }
+
+/// A function shown each event of a stream before its reader gets it,
+/// with how long the request waited in the queue (`None` while it waits).
+pub type StreamObserver =
+    Box<dyn FnMut(&Result<GenerateEvent, EngineError>, Option<std::time::Duration>) + Send>;
 
 /// Counts a live stream in `EngineHandle::current_load` until it is dropped.
 struct InFlight(Arc<AtomicUsize>);
@@ -803,13 +814,36 @@ impl GenerationStream {
         self.prompt_tokens
     }
 
+    /// How long the request waited in the model's queue before it started;
+    /// `None` while it still waits.
+    pub fn queue_wait(&self) -> Option<std::time::Duration> {
+        self.queue_wait.get().copied()
+    }
+
+    /// Shows every later event to `observer` first.
+    pub fn observe(&mut self, observer: StreamObserver) {
+        self.observer = Some(observer);
+    }
+
     /// The next event; `None` after `Finished` or an error.
     pub async fn next(&mut self) -> Option<Result<GenerateEvent, EngineError>> {
-        self.receiver.recv().await
+        let event = self.receiver.recv().await;
+        self.show(event)
     }
 
     /// Blocking variant for non-async callers (CLI, benches).
     pub fn blocking_next(&mut self) -> Option<Result<GenerateEvent, EngineError>> {
-        self.receiver.blocking_recv()
+        let event = self.receiver.blocking_recv();
+        self.show(event)
+    }
+
+    fn show(
+        &mut self,
+        event: Option<Result<GenerateEvent, EngineError>>,
+    ) -> Option<Result<GenerateEvent, EngineError>> {
+        if let (Some(observer), Some(e)) = (&mut self.observer, &event) {
+            observer(e, self.queue_wait.get().copied());
+        }
+        event
     }
 }

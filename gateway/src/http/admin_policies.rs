@@ -92,44 +92,6 @@ fn bad_param(param: &str, message: String) -> ApiError {
     }
 }
 
-/// Decodes `application/x-www-form-urlencoded` text (`+` is a space).
-fn percent_decode(s: &str) -> Result<String, String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = bytes
-                    .get(i + 1..i + 3)
-                    .and_then(|h| std::str::from_utf8(h).ok())
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| format!("bad percent escape at byte {i}"))?;
-                out.push(hex);
-                i += 2;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).map_err(|_| "not UTF-8 after decoding".to_string())
-}
-
-fn query_params(req: &Request<ReqBody>) -> Result<HashMap<String, String>, ApiError> {
-    let mut map = HashMap::new();
-    for pair in req.uri().query().unwrap_or("").split('&') {
-        if pair.is_empty() {
-            continue;
-        }
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let k = percent_decode(k).map_err(|e| bad_param(k, e))?;
-        let v = percent_decode(v).map_err(|e| bad_param(&k, e))?;
-        map.insert(k, v);
-    }
-    Ok(map)
-}
-
 fn parse<T: std::str::FromStr>(
     q: &HashMap<String, String>,
     key: &str,
@@ -195,7 +157,7 @@ fn name_param(cx: &Ctx) -> String {
 
 async fn put(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let name = name_param(&cx);
-    let (kind, opts) = upload_options(&query_params(&req)?)?;
+    let (kind, opts) = upload_options(&body::query_params(&req)?)?;
     let bytes = body::read_bytes(req).await?;
     let state = cx.state.clone();
     let res = blocking(move || {
@@ -281,19 +243,5 @@ async fn put_binding(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     match res {
         Ok(()) => body::json(StatusCode::OK, &json!({"kind": kind, "policy": b.policy})),
         Err(e) => Err(e.into()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percent_decoding() {
-        assert_eq!(percent_decode("a%20b+c").unwrap(), "a b c");
-        assert_eq!(percent_decode("%7B%22k%22%3A1%7D").unwrap(), "{\"k\":1}");
-        assert!(percent_decode("%zz").is_err());
-        assert!(percent_decode("%4").is_err());
-        assert!(percent_decode("%ff").is_err());
     }
 }

@@ -15,6 +15,7 @@ use crate::app::{ModelError, RouteError};
 use crate::engine::EngineError;
 use crate::engine::prompt_cache::SaveError;
 use crate::jobs::JobError;
+use crate::limits::{LimitError, LimitKind};
 use crate::policy::PolicyError;
 use crate::upstream::UpstreamError;
 
@@ -141,6 +142,11 @@ pub enum ApiError {
 
     #[error("{0}")]
     Internal(String),
+
+    /// Over a `[limits]` rate or budget (429), or the shared limits' store
+    /// is unreachable and the config says to refuse (503).
+    #[error(transparent)]
+    RateLimited(#[from] LimitError),
 
     /// A router policy's refusal, a `fail_closed` policy failure, or an
     /// upstream failure; carries its own status and code.
@@ -283,6 +289,8 @@ impl ApiError {
             }
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            RateLimited(LimitError::Refused { .. }) => StatusCode::TOO_MANY_REQUESTS,
+            RateLimited(LimitError::Unavailable) => StatusCode::SERVICE_UNAVAILABLE,
             Route(e) => route_status(e),
             Policy(e) => policy_status(e),
         }
@@ -309,6 +317,13 @@ impl ApiError {
             Overloaded { .. } => type_for_status(self.status()),
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
+            // OpenAI's own: the kind of limit, or the quota.
+            RateLimited(LimitError::Refused { refusal, .. }) => match refusal.kind {
+                LimitKind::RequestsPerMinute => "requests",
+                LimitKind::TokensPerMinute => "tokens",
+                LimitKind::DailyTokens => "insufficient_quota",
+            },
+            RateLimited(LimitError::Unavailable) => "server_error",
             Route(e) => type_for_status(route_status(e)),
             Policy(e) => type_for_status(policy_status(e)),
         }
@@ -342,6 +357,11 @@ impl ApiError {
             NotReady(_) => "model_not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
+            RateLimited(LimitError::Refused { refusal, .. }) => match refusal.kind {
+                LimitKind::DailyTokens => "insufficient_quota",
+                _ => "rate_limit_exceeded",
+            },
+            RateLimited(LimitError::Unavailable) => "rate_limiter_unavailable",
             Route(e) => route_code(e),
             Policy(e) => e.code(),
         }
@@ -496,6 +516,9 @@ impl ApiError {
             }
             ApiError::RequestTimeout { .. } => {
                 headers.insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            ApiError::RateLimited(e) => {
+                headers.insert(RETRY_AFTER, HeaderValue::from(e.retry_after_secs()));
             }
             ApiError::Route(RouteError::Upstream(UpstreamError::Skipped {
                 retry_after: Some(wait),

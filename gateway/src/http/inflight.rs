@@ -24,11 +24,12 @@ use tokio::time::Instant;
 use super::auth::{ApiKey, Caller};
 use super::body::{Body, BoxError};
 use super::error::ApiError;
+use crate::limits::{ANONYMOUS, LimitsConfig};
 
 // ------------------------------------------------------ per-key concurrency
 
 /// Inference requests in progress per API key (per client IP for open
-/// inference), against each key's cap.
+/// inference) and per tenant, against their caps.
 #[derive(Debug)]
 pub struct Concurrency {
     default: u32,
@@ -36,20 +37,46 @@ pub struct Concurrency {
     /// a lookup and an atomic add, nothing allocated or locked (it happens
     /// on every inference request, proxied ones included).
     keys: HashMap<String, Arc<Slots>, crate::util::FnvBuild>,
+    /// A counter per tenant with a cap (`[limits]` tenants' or
+    /// `default_tenant`'s `max_concurrent_requests`), shared by its keys.
+    tenants: HashMap<String, Arc<Slots>, crate::util::FnvBuild>,
     /// Open-inference callers, by client IP.
     by_ip: Mutex<HashMap<String, u32>>,
 }
 
-/// One key's cap and the slots in use.
+/// One key's or tenant's cap and the slots in use.
 #[derive(Debug)]
 struct Slots {
     limit: u32,
     used: AtomicU32,
 }
 
-/// One request's slot; dropping it frees the slot.
+impl Slots {
+    fn new(limit: u32) -> Arc<Slots> {
+        Arc::new(Slots {
+            limit,
+            used: AtomicU32::new(0),
+        })
+    }
+
+    /// Takes a slot; `false` when all are taken.
+    fn take(&self) -> bool {
+        let limit = self.limit;
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_ok()
+    }
+}
+
+/// One request's slots; dropping it frees them.
 #[derive(Debug)]
-pub struct Permit(Held);
+pub struct Permit {
+    /// The key's or IP's slot, freed by its own drop.
+    _caller: Option<Held>,
+    tenant: Option<Arc<Slots>>,
+}
 
 #[derive(Debug)]
 enum Held {
@@ -61,49 +88,77 @@ enum Held {
 }
 
 impl Concurrency {
-    /// `default` applies to keys without their own `max_concurrent_requests`
-    /// and to open-inference callers; 0 means no cap.
-    pub fn new(default: u32, keys: &[ApiKey]) -> Arc<Self> {
-        let keys = keys
+    /// `default` applies to keys without their own cap (`[limits.keys]` or
+    /// the key's `max_concurrent_requests`) and to open-inference callers;
+    /// 0 means no cap. Tenants are capped only where `limits` says.
+    pub fn new(default: u32, keys: &[ApiKey], limits: &LimitsConfig) -> Arc<Self> {
+        let key_cap = |k: &ApiKey| {
+            limits
+                .keys
+                .get(&k.id)
+                .and_then(|s| s.max_concurrent_requests)
+                .or(k.max_concurrent_requests)
+                .unwrap_or(default)
+        };
+        let keys_slots = keys
             .iter()
-            .map(|k| {
-                let slots = Slots {
-                    limit: k.max_concurrent_requests.unwrap_or(default),
-                    used: AtomicU32::new(0),
-                };
-                (k.id.clone(), Arc::new(slots))
-            })
+            .map(|k| (k.id.clone(), Slots::new(key_cap(k))))
+            .collect();
+        let tenants = keys
+            .iter()
+            .map(|k| k.tenant.as_str())
+            .chain([ANONYMOUS])
+            .filter_map(|t| Some((t.to_owned(), Slots::new(limits.tenant_concurrency(t)?))))
             .collect();
         Arc::new(Concurrency {
             default,
-            keys,
+            keys: keys_slots,
+            tenants,
             by_ip: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Takes a slot for `caller` (an anonymous caller is counted by `peer`),
-    /// or refuses with 429 when its cap is reached; `None` when uncapped.
+    /// Takes a slot for `caller` (an anonymous caller is counted by `peer`)
+    /// and for its tenant, or refuses with 429 when a cap is reached;
+    /// `None` when uncapped.
     pub fn acquire(
         self: &Arc<Self>,
         caller: &Caller,
         peer: IpAddr,
     ) -> Result<Option<Permit>, ApiError> {
+        let held = self.acquire_caller(caller, peer)?;
+        let tenant = match self.tenants.get(&*caller.tenant) {
+            Some(slots) if !slots.take() => {
+                return Err(ApiError::ConcurrencyLimitExceeded {
+                    who: format!("tenant '{}'", caller.tenant),
+                    limit: slots.limit,
+                });
+            }
+            Some(slots) => Some(Arc::clone(slots)),
+            None => None,
+        };
+        Ok((held.is_some() || tenant.is_some()).then_some(Permit {
+            _caller: held,
+            tenant,
+        }))
+    }
+
+    fn acquire_caller(
+        self: &Arc<Self>,
+        caller: &Caller,
+        peer: IpAddr,
+    ) -> Result<Option<Held>, ApiError> {
         if !caller.is_anonymous()
             && let Some(slots) = self.keys.get(&*caller.key_id)
         {
-            let limit = slots.limit;
-            if limit == 0 {
+            if slots.limit == 0 {
                 return Ok(None);
             }
-            return match slots
-                .used
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < limit).then_some(n + 1)
-                }) {
-                Ok(_) => Ok(Some(Permit(Held::Key(Arc::clone(slots))))),
-                Err(_) => Err(ApiError::ConcurrencyLimitExceeded {
+            return match slots.take() {
+                true => Ok(Some(Held::Key(Arc::clone(slots)))),
+                false => Err(ApiError::ConcurrencyLimitExceeded {
                     who: format!("API key '{}'", caller.key_id),
-                    limit,
+                    limit: slots.limit,
                 }),
             };
         }
@@ -118,10 +173,10 @@ impl Concurrency {
             return Err(ApiError::ConcurrencyLimitExceeded { who, limit });
         }
         *n += 1;
-        Ok(Some(Permit(Held::Ip {
+        Ok(Some(Held::Ip {
             owner: Arc::clone(self),
             who,
-        })))
+        }))
     }
 
     fn release_ip(&self, who: &str) {
@@ -135,13 +190,21 @@ impl Concurrency {
     }
 }
 
-impl Drop for Permit {
+impl Drop for Held {
     fn drop(&mut self) {
-        match &self.0 {
+        match self {
             Held::Key(slots) => {
                 slots.used.fetch_sub(1, Ordering::AcqRel);
             }
             Held::Ip { owner, who } => owner.release_ip(who),
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(slots) = &self.tenant {
+            slots.used.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -314,7 +377,11 @@ mod tests {
 
     #[test]
     fn per_key_caps_with_overrides() {
-        let c = Concurrency::new(2, &[key("a", None), key("b", Some(1)), key("c", Some(0))]);
+        let c = Concurrency::new(
+            2,
+            &[key("a", None), key("b", Some(1)), key("c", Some(0))],
+            &LimitsConfig::default(),
+        );
         let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
         let a1 = c.acquire(&caller("a"), ip).unwrap();
         let _a2 = c.acquire(&caller("a"), ip).unwrap();
@@ -331,8 +398,27 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_cap_is_shared_by_its_keys_and_frees_with_them() {
+        let limits: LimitsConfig =
+            toml::from_str("[tenants.t]\nmax_concurrent_requests = 2\n").unwrap();
+        let c = Concurrency::new(0, &[key("a", None), key("b", Some(1))], &limits);
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let a1 = c.acquire(&caller("a"), ip).unwrap();
+        let b1 = c.acquire(&caller("b"), ip).unwrap();
+        let e = c.acquire(&caller("a"), ip).unwrap_err();
+        assert!(e.to_string().contains("tenant 't'"), "{e}");
+        drop(b1);
+        // The tenant's slot is back, and the key's own cap was not taken
+        // by the refused request.
+        let b2 = c.acquire(&caller("b"), ip).unwrap();
+        assert!(c.acquire(&caller("b"), ip).is_err());
+        drop((a1, b2));
+        assert!(c.acquire(&caller("a"), ip).unwrap().is_some());
+    }
+
+    #[test]
     fn open_inference_is_capped_per_ip() {
-        let c = Concurrency::new(1, &[]);
+        let c = Concurrency::new(1, &[], &LimitsConfig::default());
         let anon = Caller {
             key_id: Caller::ANONYMOUS.into(),
             tenant: Caller::ANONYMOUS.into(),

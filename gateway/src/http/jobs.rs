@@ -20,7 +20,6 @@
 //! The service itself is the app's (`App::jobs`): opened when the server
 //! starts, which also recovers rows of a previous process.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -67,21 +66,6 @@ fn bad(param: &str, message: String) -> ApiError {
         message,
         param: Some(param.to_owned()),
     }
-}
-
-/// `a=b&c=d`; the values this API takes are plain tokens, so a value with
-/// `%` escapes is simply refused by the parsers below.
-fn query(req: &Request<ReqBody>) -> HashMap<String, String> {
-    req.uri()
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (k.to_owned(), v.to_owned())
-        })
-        .collect()
 }
 
 #[derive(Deserialize)]
@@ -134,7 +118,7 @@ async fn submit(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
 
 async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let caller = caller(&req)?;
-    let q = query(&req);
+    let q = body::query_params(&req)?;
     let mut filter = Filter {
         tenant: (!caller.has(Scope::Admin)).then(|| caller.tenant.to_string()),
         ..Filter::default()
@@ -195,7 +179,8 @@ async fn events(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         .headers()
         .get("last-event-id")
         .map(|v| v.to_str().unwrap_or("").trim().to_owned());
-    let after = match header.or_else(|| query(&req).get("after").cloned()) {
+    let query = body::query_params(&req)?;
+    let after = match header.or_else(|| query.get("after").cloned()) {
         None => 0,
         Some(s) if s.is_empty() => 0,
         Some(s) => s

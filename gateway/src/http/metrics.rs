@@ -88,21 +88,88 @@ struct SeriesKey {
     status: u16,
 }
 
-#[derive(Debug, Default)]
-struct Series {
+/// Counts of observations per latency bucket, their sum and number.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Histogram {
     count: u64,
     sum: f64,
     /// Non-cumulative counts per bucket; made cumulative when rendered.
     buckets: [u64; BUCKETS.len()],
 }
 
+impl Histogram {
+    pub fn observe(&mut self, secs: f64) {
+        self.count += 1;
+        self.sum += secs;
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            self.buckets[i] += 1;
+        }
+    }
+
+    pub fn merge(&mut self, other: &Histogram) {
+        self.count += other.count;
+        self.sum += other.sum;
+        for (a, b) in self.buckets.iter_mut().zip(other.buckets) {
+            *a += b;
+        }
+    }
+
+    /// Appends the series of `name` with labels `l` (`k="v",...`).
+    fn render(&self, out: &mut String, name: &str, l: &str) {
+        let mut cumulative = 0;
+        for (bound, n) in BUCKETS.iter().zip(self.buckets.iter()) {
+            cumulative += n;
+            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{l},le=\"+Inf\"}} {}\n{name}_sum{{{l}}} {}\n{name}_count{{{l}}} {}",
+            self.count, self.sum, self.count
+        );
+    }
+}
+
+/// Where a request's tokens went: its tenant, the model it named (or was
+/// routed to) and the backend that served it (`local` or an upstream).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct UsageKey {
+    tenant: String,
+    model: String,
+    backend: String,
+}
+
+#[derive(Debug, Default)]
+struct UsageSeries {
+    requests: u64,
+    /// Prompt, completion and cached prompt tokens.
+    tokens: [u64; 3],
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    /// Local models only: time waiting for the engine.
+    queue: Histogram,
+}
+
+/// Most (tenant, model, backend) series kept; later combinations count
+/// under the model `other` (clients name models, so their number is open).
+const MAX_USAGE_SERIES: usize = 1000;
+
+/// One finished request's latencies, in seconds.
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    /// Time to the first token (local) or the answer's first byte (proxied).
+    pub first_token: Option<f64>,
+    /// The gaps between tokens.
+    pub inter_token: Histogram,
+    pub end_to_end: f64,
+    pub queue_wait: Option<f64>,
+}
+
 #[derive(Debug, Default)]
 pub struct Metrics {
-    series: Mutex<BTreeMap<SeriesKey, Series>>,
+    series: Mutex<BTreeMap<SeriesKey, Histogram>>,
     in_flight: AtomicI64,
-    /// Tokens of proxied answers: (upstream, kind) to count. Upstream names
-    /// come from the config, so the series are few and need no escaping.
-    upstream_tokens: Mutex<BTreeMap<String, [u64; 2]>>,
+    usage: Mutex<BTreeMap<UsageKey, UsageSeries>>,
 }
 
 /// Keeps the in-flight gauge right even when a request future is dropped.
@@ -126,28 +193,34 @@ impl Metrics {
             route,
             status,
         };
-        let secs = elapsed.as_secs_f64();
         let mut map = self.series.lock().unwrap_or_else(|p| p.into_inner());
-        let s = map.entry(key).or_default();
-        s.count += 1;
-        s.sum += secs;
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            s.buckets[i] += 1;
-        }
+        map.entry(key).or_default().observe(elapsed.as_secs_f64());
     }
 
-    /// Adds a proxied answer's usage to `upstream`'s token counters.
-    pub fn count_upstream_tokens(&self, upstream: &str, prompt: u64, completion: u64) {
-        let mut map = self
-            .upstream_tokens
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let counts = match map.get_mut(upstream) {
-            Some(c) => c,
-            None => map.entry(upstream.to_owned()).or_default(),
+    /// Counts one finished inference request: its tokens and latencies.
+    pub fn record_request(&self, u: &crate::app::usage::RequestUsage, t: &Timings) {
+        let mut key = UsageKey {
+            tenant: u.tenant.clone(),
+            model: u.model.clone(),
+            backend: u.backend.clone(),
         };
-        counts[0] += prompt;
-        counts[1] += completion;
+        let mut map = self.usage.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= MAX_USAGE_SERIES && !map.contains_key(&key) {
+            key.model = "other".into();
+        }
+        let s = map.entry(key).or_default();
+        s.requests += 1;
+        s.tokens[0] += u.prompt_tokens;
+        s.tokens[1] += u.completion_tokens;
+        s.tokens[2] += u.cached_tokens;
+        if let Some(v) = t.first_token {
+            s.ttft.observe(v);
+        }
+        s.itl.merge(&t.inter_token);
+        s.e2e.observe(t.end_to_end);
+        if let Some(v) = t.queue_wait {
+            s.queue.observe(v);
+        }
     }
 
     /// Renders all series; `model_ready` is sampled by the caller at scrape time.
@@ -171,23 +244,13 @@ impl Metrics {
              # TYPE mlxgate_http_request_duration_seconds histogram\n",
         );
         for (k, s) in map.iter() {
-            let l = labels(k);
-            let mut cumulative = 0;
-            for (bound, n) in BUCKETS.iter().zip(s.buckets.iter()) {
-                cumulative += n;
-                let _ = writeln!(
-                    out,
-                    "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"{bound}\"}} {cumulative}"
-                );
-            }
-            let _ = writeln!(
-                out,
-                "mlxgate_http_request_duration_seconds_bucket{{{l},le=\"+Inf\"}} {}\n\
-                 mlxgate_http_request_duration_seconds_sum{{{l}}} {}\n\
-                 mlxgate_http_request_duration_seconds_count{{{l}}} {}",
-                s.count, s.sum, s.count
+            s.render(
+                &mut out,
+                "mlxgate_http_request_duration_seconds",
+                &labels(k),
             );
         }
+        drop(map);
         let _ = write!(
             out,
             "# HELP mlxgate_http_requests_in_flight Requests being handled now.\n\
@@ -199,26 +262,82 @@ impl Metrics {
             self.in_flight.load(Ordering::Relaxed),
             u8::from(model_ready)
         );
-        let tokens = self
-            .upstream_tokens
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if !tokens.is_empty() {
-            out.push_str(
-                "# HELP mlxgate_upstream_tokens_total Tokens of proxied answers as the upstream reported them, by upstream and kind (prompt, completion).\n\
-                 # TYPE mlxgate_upstream_tokens_total counter\n",
-            );
-            for (i, kind) in ["prompt", "completion"].into_iter().enumerate() {
-                for (upstream, counts) in tokens.iter() {
-                    let _ = writeln!(
-                        out,
-                        "mlxgate_upstream_tokens_total{{upstream=\"{upstream}\",kind=\"{kind}\"}} {}",
-                        counts[i]
-                    );
-                }
+        self.render_usage(&mut out);
+        out
+    }
+
+    /// The inference series: requests and tokens by tenant, model and
+    /// backend; latency histograms by model and backend.
+    fn render_usage(&self, out: &mut String) {
+        let map = self.usage.lock().unwrap_or_else(|p| p.into_inner());
+        if map.is_empty() {
+            return;
+        }
+        let label = crate::util::prometheus_label;
+        let full = |k: &UsageKey| {
+            format!(
+                "tenant=\"{}\",model=\"{}\",backend=\"{}\"",
+                label(&k.tenant),
+                label(&k.model),
+                label(&k.backend)
+            )
+        };
+        out.push_str(
+            "# HELP mlxgate_requests_total Inference requests finished, by tenant, model and backend (local or the upstream).\n\
+             # TYPE mlxgate_requests_total counter\n",
+        );
+        for (k, s) in map.iter() {
+            let _ = writeln!(out, "mlxgate_requests_total{{{}}} {}", full(k), s.requests);
+        }
+        out.push_str(
+            "# HELP mlxgate_tokens_total Tokens read and written, by tenant, model, backend and kind (prompt, completion; cached: prompt tokens served from a prompt cache).\n\
+             # TYPE mlxgate_tokens_total counter\n",
+        );
+        for (k, s) in map.iter() {
+            for (kind, n) in ["prompt", "completion", "cached"].iter().zip(s.tokens) {
+                let _ = writeln!(
+                    out,
+                    "mlxgate_tokens_total{{{},kind=\"{kind}\"}} {n}",
+                    full(k)
+                );
             }
         }
-        out
+        // Latencies by model and backend: tenants merged.
+        let mut by_model: BTreeMap<(&str, &str), [Histogram; 4]> = BTreeMap::new();
+        for (k, s) in map.iter() {
+            let h = by_model.entry((&k.model, &k.backend)).or_default();
+            for (a, b) in h.iter_mut().zip([&s.ttft, &s.itl, &s.e2e, &s.queue]) {
+                a.merge(b);
+            }
+        }
+        let families = [
+            (
+                "mlxgate_time_to_first_token_seconds",
+                "Time from the request to its first token (proxied: the answer's first byte), by model and backend.",
+            ),
+            (
+                "mlxgate_inter_token_latency_seconds",
+                "Time between consecutive tokens of an answer, by model and backend.",
+            ),
+            (
+                "mlxgate_request_latency_seconds",
+                "Time from the request to the answer's last token, by model and backend.",
+            ),
+            (
+                "mlxgate_queue_wait_seconds",
+                "Time a request waited for a local model's engine to start it, by model.",
+            ),
+        ];
+        for (i, (name, help)) in families.into_iter().enumerate() {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+            for ((model, backend), h) in &by_model {
+                if h[i].count == 0 && i == 3 {
+                    continue;
+                }
+                let l = format!("model=\"{}\",backend=\"{}\"", label(model), label(backend));
+                h[i].render(out, name, &l);
+            }
+        }
     }
 }
 

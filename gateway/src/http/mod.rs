@@ -32,6 +32,7 @@ pub mod error;
 mod handlers;
 pub mod inflight;
 pub mod jobs;
+pub mod metering;
 pub mod metrics;
 pub mod openai;
 pub mod prompt_caches;
@@ -68,6 +69,7 @@ pub use body::{Body, BodyLimit, BoxError, ReqBody};
 use connections::{ConnLimits, ReadDeadline};
 pub use error::ApiError;
 use inflight::{Concurrency, Guarded, Permit, SendWatch};
+use metering::QuotaSlot;
 use metrics::Metrics;
 use serving::ServingThreads;
 
@@ -96,11 +98,15 @@ impl AppState {
         table.extend(jobs::routes());
         table.extend(prompt_caches::routes());
         table.extend(adapters::routes());
+        table.extend(metering::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
         }
-        let concurrency =
-            Concurrency::new(config.server.max_concurrent_requests_per_key, &config.keys);
+        let concurrency = Concurrency::new(
+            config.server.max_concurrent_requests_per_key,
+            &config.keys,
+            &config.limits,
+        );
         Arc::new(AppState {
             keys: KeyStore::new(config.keys.clone()),
             app: App::new(config),
@@ -224,6 +230,8 @@ struct Outcome {
     response: Response<Body>,
     /// The caller's concurrency slot, held until the answer's body is done.
     permit: Option<Permit>,
+    /// An inference request (POST under `/v1/`): limited and metered.
+    permit_zone: bool,
 }
 
 async fn route(
@@ -238,6 +246,7 @@ async fn route(
         caller: None,
         response: Response::default(),
         permit: None,
+        permit_zone: false,
     };
     let (r, params, limit) = match admit(&state, &req, (peer, keys), &mut outcome) {
         Ok(admitted) => admitted,
@@ -251,6 +260,11 @@ async fn route(
     if let Some(c) = outcome.caller.clone() {
         req.extensions_mut().insert(c);
     }
+    // Inference under [limits]: the quota left goes out on the answer.
+    let quota = (outcome.permit_zone && !state.app.limits.is_empty()).then(QuotaSlot::default);
+    if let Some(slot) = &quota {
+        req.extensions_mut().insert(slot.clone());
+    }
     let handler = r.handler;
     let cx = Ctx {
         state,
@@ -259,6 +273,9 @@ async fn route(
         peer,
     };
     outcome.response = call_handler(handler, cx, req).await;
+    if let Some(q) = quota.as_ref().and_then(QuotaSlot::get) {
+        metering::write_headers(outcome.response.headers_mut(), q);
+    }
     outcome
 }
 
@@ -278,8 +295,8 @@ fn admit<'s>(
         outcome.caller = Some(state.keys.authorize(req.headers(), scope, keys)?);
     }
     let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
-    if zone == Zone::Scoped(Scope::Infer)
-        && r.method == Method::POST
+    outcome.permit_zone = zone == Zone::Scoped(Scope::Infer) && r.method == Method::POST;
+    if outcome.permit_zone
         && let Some(c) = &outcome.caller
     {
         outcome.permit = state.concurrency.acquire(c, peer.ip())?;
@@ -502,7 +519,7 @@ pub async fn serve(config: Config, load: ModelLoader) -> Result<(), ServeError> 
     let state = AppState::new(config);
     state.app.start(load, shutdown_signal());
     run(listener, Arc::clone(&state), tls, shutdown_signal()).await?;
-    state.app.stop_jobs().await;
+    state.app.stop().await;
     Ok(())
 }
 

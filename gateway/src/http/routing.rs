@@ -24,6 +24,7 @@ use serde_json::Value;
 
 use super::body::{self, Body, BodyLimit, ReqBody};
 use super::counting::{self, Counted};
+use super::metering::{self, Meter, QuotaSlot};
 use super::openai::validate::{self, Endpoint, RoutingFields};
 use super::upstream_usage::{self, UsageTap};
 use super::{ApiError, Caller, Ctx, Route};
@@ -121,6 +122,8 @@ pub struct Local {
     pub counted: Option<Counted>,
     /// Its priority class while it waits for the model (the router's).
     pub priority: i8,
+    /// Its token accounting; the handler hands it the answer's streams.
+    pub meter: Meter,
 }
 
 /// Sets `model` in a JSON object body (anything else is left alone).
@@ -168,11 +171,15 @@ pub async fn dispatch(
     req: Request<ReqBody>,
     endpoint: Endpoint,
 ) -> Result<Routed, ApiError> {
+    let started = std::time::Instant::now();
     let (head, body) = req.into_parts();
     let limit = head.extensions.get::<BodyLimit>().map_or(0, |l| l.0);
     let bytes = body::read_body(body, limit).await?;
     let picked = body::pick_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
     let fields = validate::picked_routing_fields(&picked, endpoint)?;
+    let caller = head.extensions.get::<Caller>();
+    let slot = head.extensions.get::<QuotaSlot>();
+    let plan = metering::admit(&cx.state, caller, fields.model, slot).await?;
     let (prompt_tokens, counted) = if cx.state.app.router_reads_prompt_tokens().await {
         counting::prompt_tokens(cx, endpoint, &bytes, &head, fields.model).await
     } else {
@@ -192,6 +199,14 @@ pub async fn dispatch(
         } => (model != fields.model).then(|| model.clone()),
         Destination::Upstream { model: None, .. } => None,
     };
+    let (model, backend) = match &destination {
+        Destination::Local { model, .. } => (model.as_str(), "local"),
+        Destination::Upstream { order, model } => (
+            model.as_deref().unwrap_or(fields.model),
+            order[0].name.as_str(),
+        ),
+    };
+    let meter = Meter::new(&cx.state, caller, (model, backend), plan, started);
     let whole = |rewrite: Option<String>| -> Result<Value, ApiError> {
         let mut json = body::parse_json(&bytes)?;
         if let Some(model) = rewrite {
@@ -205,6 +220,7 @@ pub async fn dispatch(
             head,
             counted,
             priority,
+            meter,
         }))),
         Destination::Upstream { order, .. } => {
             let body = Forward {
@@ -213,7 +229,7 @@ pub async fn dispatch(
                 rewrite,
                 stream: fields.stream,
             };
-            forward(cx, &head, endpoint, &order, body)
+            forward(cx, &head, endpoint, &order, (body, meter))
                 .await
                 .map(Routed::Proxied)
         }
@@ -238,7 +254,7 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
     head: &http::request::Parts,
     endpoint: Endpoint,
     order: &[Arc<Upstream>],
-    body: Forward<'_, F>,
+    (body, meter): (Forward<'_, F>, Meter),
 ) -> Result<Response<Body>, ApiError> {
     let first = &order[0];
     let max_attempts = cx.state.app.config.proxy.max_attempts;
@@ -291,23 +307,30 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         protocol,
     };
     let resp = upstream::proxy_in_order(order, out, max_attempts).await?;
-    Ok(count_usage(cx, resp, strip))
+    Ok(count_usage(resp, strip, meter))
 }
 
-/// A proxied answer whose usage is counted as it passes
+/// A proxied answer whose usage is counted into `meter` as it passes
 /// ([`upstream_usage`]); `strip` takes out the usage chunk the gateway
 /// asked for. Error answers pass untouched.
-fn count_usage(cx: &Ctx, resp: Response<upstream::ProxyBody>, strip: bool) -> Response<Body> {
-    let upstream = resp.headers().get(&upstream::UPSTREAM_HEADER).cloned();
-    let (Some(upstream), true) = (upstream, resp.status().is_success()) else {
+fn count_usage(resp: Response<upstream::ProxyBody>, strip: bool, meter: Meter) -> Response<Body> {
+    let upstream = resp
+        .headers()
+        .get(&upstream::UPSTREAM_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let Some(upstream) = upstream else {
         return resp.map(body::Body::new);
     };
+    meter.answered_by(upstream);
+    if !resp.status().is_success() {
+        return resp.map(body::Body::new);
+    }
     let events = resp
         .headers()
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
-    let metrics = Arc::clone(&cx.state.metrics);
-    resp.map(|b| body::Body::new(UsageTap::new(b, events, strip, metrics, upstream)))
+    let sink = Box::new(move |prompt, completion| meter.upstream_usage(prompt, completion));
+    resp.map(|b| body::Body::new(UsageTap::new(b, events, strip, sink)))
 }
 
 #[cfg(test)]

@@ -13,16 +13,13 @@
 //! clients ignore).
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::HeaderValue;
 use hyper::body::{Body, Frame, SizeHint};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::metrics::Metrics;
 use crate::util::BoxError;
 
 /// Most bytes of a whole answer kept to read its usage; a longer one is
@@ -99,8 +96,12 @@ impl Usage {
     }
 }
 
+/// What a proxied answer's usage (prompt, completion tokens) is given to
+/// when the answer ends or is dropped.
+pub type UsageSink = Box<dyn FnOnce(u64, u64) + Send>;
+
 /// A proxied answer's body, passed on while its usage is read; the counts
-/// go to the metrics when it ends or is dropped.
+/// go to its sink when it ends or is dropped.
 pub struct UsageTap<B> {
     inner: B,
     /// Server-sent events (else one JSON document).
@@ -114,19 +115,11 @@ pub struct UsageTap<B> {
     /// A JSON answer longer than [`MAX_WHOLE_ANSWER`]: not read.
     too_long: bool,
     usage: Usage,
-    metrics: Arc<Metrics>,
-    /// The answering upstream's name (its `x-mlxgate-upstream` value).
-    upstream: HeaderValue,
+    sink: Option<UsageSink>,
 }
 
 impl<B> UsageTap<B> {
-    pub fn new(
-        inner: B,
-        events: bool,
-        strip: bool,
-        metrics: Arc<Metrics>,
-        upstream: HeaderValue,
-    ) -> Self {
+    pub fn new(inner: B, events: bool, strip: bool, sink: UsageSink) -> Self {
         UsageTap {
             inner,
             events,
@@ -135,8 +128,7 @@ impl<B> UsageTap<B> {
             first: None,
             too_long: false,
             usage: Usage::default(),
-            metrics,
-            upstream,
+            sink: Some(sink),
         }
     }
 
@@ -218,11 +210,8 @@ impl<B> UsageTap<B> {
             }
         }
         let usage = std::mem::take(&mut self.usage);
-        if usage != Usage::default()
-            && let Ok(upstream) = self.upstream.to_str()
-        {
-            self.metrics
-                .count_upstream_tokens(upstream, usage.prompt, usage.completion);
+        if let Some(sink) = self.sink.take() {
+            sink(usage.prompt, usage.completion);
         }
     }
 }
@@ -325,27 +314,28 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
     use http_body_util::{BodyExt, StreamBody};
 
-    async fn tap(parts: &[&str], events: bool, strip: bool) -> (String, Arc<Metrics>) {
-        let metrics = Arc::new(Metrics::default());
+    type Counted = Arc<std::sync::Mutex<Option<(u64, u64)>>>;
+
+    async fn tap(parts: &[&str], events: bool, strip: bool) -> (String, Counted) {
+        let counted = Counted::default();
+        let into = Arc::clone(&counted);
+        let sink = Box::new(move |p, c| *into.lock().unwrap() = Some((p, c)));
         let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
             .iter()
             .map(|p| Ok(Frame::data(Bytes::from(p.to_string()))))
             .collect();
         let inner = StreamBody::new(futures_util::stream::iter(frames));
-        let up = HeaderValue::from_static("up");
-        let body = UsageTap::new(inner, events, strip, Arc::clone(&metrics), up);
+        let body = UsageTap::new(inner, events, strip, sink);
         let out = body.collect().await.unwrap().to_bytes();
-        (String::from_utf8(out.to_vec()).unwrap(), metrics)
+        (String::from_utf8(out.to_vec()).unwrap(), counted)
     }
 
-    fn counted(m: &Metrics) -> String {
-        m.render(true)
-            .lines()
-            .filter(|l| l.starts_with("mlxgate_upstream_tokens_total{"))
-            .collect::<Vec<_>>()
-            .join(";")
+    fn counted(c: &Counted) -> Option<(u64, u64)> {
+        *c.lock().unwrap()
     }
 
     const CHUNK: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n";
@@ -363,15 +353,11 @@ mod tests {
         ];
         let (out, m) = tap(&split, true, true).await;
         assert_eq!(out, format!("{CHUNK}data: [DONE]\n\n"));
-        assert_eq!(
-            counted(&m),
-            "mlxgate_upstream_tokens_total{upstream=\"up\",kind=\"prompt\"} 7;\
-             mlxgate_upstream_tokens_total{upstream=\"up\",kind=\"completion\"} 2"
-        );
+        assert_eq!(counted(&m), Some((7, 2)));
         // The client asked: it keeps the chunk.
         let (out, m) = tap(&split, true, false).await;
         assert_eq!(out, format!("{CHUNK}{USAGE}data: [DONE]\n\n"));
-        assert!(counted(&m).contains("kind=\"completion\"} 2"));
+        assert_eq!(counted(&m), Some((7, 2)));
     }
 
     #[tokio::test]
@@ -382,14 +368,11 @@ mod tests {
         ];
         let (out, m) = tap(&events, true, false).await;
         assert_eq!(out, events.concat());
-        assert!(
-            counted(&m).contains("kind=\"prompt\"} 11")
-                && counted(&m).contains("kind=\"completion\"} 5")
-        );
+        assert_eq!(counted(&m), Some((11, 5)));
         let whole = r#"{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
         let (out, m) = tap(&[&whole[..9], &whole[9..]], false, false).await;
         assert_eq!(out, whole);
-        assert!(counted(&m).contains("kind=\"prompt\"} 3"));
+        assert_eq!(counted(&m), Some((3, 4)));
     }
 
     #[test]

@@ -52,6 +52,26 @@ impl Date {
         }
     }
 
+    /// `YYYY-MM-DD`.
+    pub fn iso(&self) -> String {
+        format!("{:04}-{:02}-{:02}", self.year, self.month, self.day)
+    }
+
+    /// Reads `YYYY-MM-DD` (month 1-12, day 1-31); `None` otherwise.
+    pub fn parse_iso(s: &str) -> Option<Date> {
+        let b = s.as_bytes();
+        if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+            return None;
+        }
+        let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<u32>().ok();
+        let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
+        ((1..=12).contains(&month) && (1..=31).contains(&day)).then_some(Date {
+            year: i64::from(year),
+            month,
+            day,
+        })
+    }
+
     /// Today, in UTC.
     pub fn today() -> Date {
         Date::from_days((since_epoch(SystemTime::now()).as_secs() / 86_400) as i64)
@@ -82,6 +102,17 @@ mod tests {
         assert_eq!(Date::from_days(-1), d(1969, 12, 31));
         assert_eq!(Date::from_days(11_016), d(2000, 2, 29));
         assert_eq!(Date::from_days(20_792), d(2026, 12, 5));
+        assert_eq!(d(2026, 2, 3).iso(), "2026-02-03");
+        assert_eq!(Date::parse_iso("2026-02-03"), Some(d(2026, 2, 3)));
+        for bad in [
+            "2026-13-01",
+            "2026-1-01",
+            "20260101",
+            "2026-02-00",
+            "abcd-ef-gh",
+        ] {
+            assert_eq!(Date::parse_iso(bad), None, "{bad}");
+        }
         let t = rfc3339_now();
         assert_eq!((t.len(), &t[10..11], &t[23..]), (24, "T", "Z"), "{t}");
     }

@@ -36,7 +36,8 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let prompt = Prompt::Tokens(ids);
     let request = generate_request(&cx, &local, prompt, &completion.common, &model).await?;
     let n = completion.common.n;
-    let streams = start_blocking(&cx, move || engine.generate_n(request, n), "prompt").await?;
+    let mut streams = start_blocking(&cx, move || engine.generate_n(request, n), "prompt").await?;
+    local.meter.watch(&mut streams);
     let engine_err = |e| ApiError::from_engine(e, "prompt");
 
     let id = format!("cmpl-{}", cx.request_id);

@@ -61,6 +61,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             json!({"object": "embedding", "index": index, "embedding": embedding})
         })
         .collect();
+    local.meter.prompt(out.prompt_tokens as u64);
     let usage = json!({"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens});
     let mut answer =
         json!({"object": "list", "data": data, "model": request.model, "usage": usage});

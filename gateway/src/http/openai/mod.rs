@@ -140,7 +140,7 @@ pub async fn start_chat(
     let prompt_tokens = ids.len();
     let mut request = generate_request(cx, local, Prompt::Tokens(ids), common, &model).await?;
     let (n, tools_active) = (common.n, tools.active());
-    let streams = start_blocking(
+    let mut streams = start_blocking(
         cx,
         move || {
             request.grammar = engine.output_grammar(&tools, request.grammar.as_ref())?;
@@ -149,6 +149,7 @@ pub async fn start_chat(
         params,
     )
     .await?;
+    local.meter.watch(&mut streams);
     Ok(ChatStart {
         model,
         streams,

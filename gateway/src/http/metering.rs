@@ -1,0 +1,366 @@
+//! One inference request's accounting: its rate limits checked before it
+//! is routed ([`admit`]), then its tokens charged to them as they are read
+//! and produced, and at its end counted in `/metrics` and the usage ledger
+//! with its latencies ([`Meter`]). The remaining quota goes back to the
+//! client as OpenAI's `x-ratelimit-*` headers ([`QuotaSlot`]).
+//!
+//! A local answer is metered by observing its generation streams (each
+//! token as it comes, the prompt when it is queued); a proxied one when its
+//! usage passes through (`upstream_usage.rs`), at its end.
+//!
+//! `GET /admin/usage?tenant=&from=&to=` reports the ledger ([`routes`]).
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use http::header::{HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Request, StatusCode};
+use serde_json::json;
+
+use super::body::{self, ReqBody};
+use super::metrics::{Histogram, Timings};
+use super::{ApiError, AppState, Caller, Ctx, Route};
+use crate::app::usage::RequestUsage;
+use crate::engine::{GenerateEvent, GenerationStream};
+use crate::limits::{Headroom, Plan, Quota};
+
+/// Where [`admit`] leaves the caller's remaining quota for the answer's
+/// headers (in the request's extensions; the dispatcher writes them).
+#[derive(Debug, Clone, Default)]
+pub struct QuotaSlot(Arc<OnceLock<Quota>>);
+
+impl QuotaSlot {
+    pub fn get(&self) -> Option<&Quota> {
+        self.0.get()
+    }
+}
+
+/// Checks the limits of `caller`'s requests for `model` and takes this
+/// request from them: the plan its tokens are charged to (`None`: no
+/// limits apply), or 429/503. The quota left is put in `slot` either way.
+pub async fn admit(
+    state: &AppState,
+    caller: Option<&Caller>,
+    model: &str,
+    slot: Option<&QuotaSlot>,
+) -> Result<Option<Arc<Plan>>, ApiError> {
+    let limits = &state.app.limits;
+    let Some(plan) = caller.and_then(|c| limits.plan(&c.key_id, model)) else {
+        return Ok(None);
+    };
+    let result = limits.admit(plan).await;
+    let quota = match &result {
+        Ok(q) => Some(q),
+        Err(e) => e.quota(),
+    };
+    if let (Some(slot), Some(q)) = (slot, quota) {
+        let _ = slot.0.set(*q);
+    }
+    result.map_err(ApiError::RateLimited)?;
+    Ok(Some(Arc::clone(plan)))
+}
+
+static LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
+static REMAINING_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-requests");
+static RESET_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-reset-requests");
+static LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
+static REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
+static RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
+static LIMIT_DAILY: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens-day");
+static REMAINING_DAILY: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens-day");
+static RESET_DAILY: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens-day");
+
+/// OpenAI's rate-limit headers for `quota` (the daily budget in
+/// `-tokens-day` headers of the same form): the limit, what remains, and
+/// the time until it is whole again as a Go duration (`1s`, `6m0s`).
+pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
+    let kinds = [
+        (
+            quota.requests,
+            [&LIMIT_REQUESTS, &REMAINING_REQUESTS, &RESET_REQUESTS],
+        ),
+        (
+            quota.tokens,
+            [&LIMIT_TOKENS, &REMAINING_TOKENS, &RESET_TOKENS],
+        ),
+        (
+            quota.daily_tokens,
+            [&LIMIT_DAILY, &REMAINING_DAILY, &RESET_DAILY],
+        ),
+    ];
+    for (headroom, [limit, remaining, reset]) in kinds {
+        let Some(Headroom {
+            limit: l,
+            remaining: r,
+            reset_us,
+        }) = headroom
+        else {
+            continue;
+        };
+        headers.insert(limit.clone(), HeaderValue::from(l));
+        headers.insert(remaining.clone(), HeaderValue::from(r));
+        if let Ok(v) = HeaderValue::from_str(&go_duration(reset_us)) {
+            headers.insert(reset.clone(), v);
+        }
+    }
+}
+
+/// `us` microseconds as Go prints a duration, to the millisecond: `250ms`,
+/// `1.5s`, `6m0s`, `1h2m3s`.
+fn go_duration(us: f64) -> String {
+    let ms = (us.max(0.0) / 1e3).round() as u64;
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m) = (ms / 3_600_000, ms % 3_600_000 / 60_000);
+    let secs = (ms % 60_000) as f64 / 1e3;
+    match (h, m) {
+        (0, 0) => format!("{secs}s"),
+        (0, m) => format!("{m}m{secs}s"),
+        (h, m) => format!("{h}h{m}m{secs}s"),
+    }
+}
+
+// ----------------------------------------------------------------- report
+
+/// `GET /admin/usage`.
+pub fn routes() -> Vec<Route> {
+    vec![Route::new(Method::GET, "/admin/usage", |cx, req| {
+        Box::pin(usage_report(cx, req))
+    })]
+}
+
+/// Tokens and requests per day, tenant, key, model and backend, for days
+/// `from..=to` (`YYYY-MM-DD`, UTC; both default to today), of one
+/// `tenant` or all, with their totals.
+async fn usage_report(
+    cx: Ctx,
+    req: Request<ReqBody>,
+) -> Result<http::Response<body::Body>, ApiError> {
+    let q = body::query_params(&req)?;
+    let day = |name: &str| -> Result<String, ApiError> {
+        match q.get(name) {
+            None => Ok(crate::util::time::Date::today().iso()),
+            Some(v) => crate::util::time::Date::parse_iso(v)
+                .map(|d| d.iso())
+                .ok_or_else(|| ApiError::InvalidRequest {
+                    message: format!("'{name}' must be a date as YYYY-MM-DD (UTC), not `{v}`"),
+                    param: Some(name.to_owned()),
+                }),
+        }
+    };
+    let (from, to) = (day("from")?, day("to")?);
+    if from > to {
+        return Err(ApiError::InvalidRequest {
+            message: format!("'from' ({from}) is after 'to' ({to})"),
+            param: Some("from".into()),
+        });
+    }
+    let tenant = q.get("tenant").cloned();
+    let ledger = std::sync::Arc::clone(&cx.state.app.usage);
+    let (f, t, who) = (from.clone(), to.clone(), tenant.clone());
+    let rows = tokio::task::spawn_blocking(move || ledger.report(who.as_deref(), &f, &t))
+        .await
+        .map_err(|e| ApiError::Internal(format!("usage report failed: {e}")))?
+        .map_err(ApiError::Internal)?;
+    let sum = |f: fn(&crate::app::usage::UsageRow) -> u64| rows.iter().map(f).sum::<u64>();
+    let (prompt, completion) = (sum(|r| r.prompt_tokens), sum(|r| r.completion_tokens));
+    let totals = json!({
+        "requests": sum(|r| r.requests),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": sum(|r| r.cached_tokens),
+        "total_tokens": prompt + completion,
+    });
+    body::json(
+        StatusCode::OK,
+        &json!({"object": "usage_report", "from": from, "to": to, "tenant": tenant, "totals": totals, "data": rows}),
+    )
+}
+
+// ------------------------------------------------------------------ meter
+
+/// One request's tokens and times; shared by every stream and body of its
+/// answer, and counted when the last of them is done. Cloning shares it.
+#[derive(Clone)]
+pub struct Meter(Arc<Inner>);
+
+struct Inner {
+    state: Arc<AppState>,
+    plan: Option<Arc<Plan>>,
+    tenant: Arc<str>,
+    key_id: Arc<str>,
+    model: String,
+    started: Instant,
+    tally: Mutex<Tally>,
+}
+
+#[derive(Default)]
+struct Tally {
+    /// `local`, or the upstream that answered.
+    backend: String,
+    prompt: u64,
+    completion: u64,
+    cached: u64,
+    /// Tokens counted but not yet charged to the limits (batched).
+    uncharged: u64,
+    first_token: Option<Instant>,
+    inter_token: Histogram,
+    queue_wait: Option<Duration>,
+}
+
+impl Meter {
+    /// The meter of a request that arrived at `started`, from `caller`,
+    /// for `model`, served by `backend`, charging `plan`.
+    pub fn new(
+        state: &Arc<AppState>,
+        caller: Option<&Caller>,
+        (model, backend): (&str, &str),
+        plan: Option<Arc<Plan>>,
+        started: Instant,
+    ) -> Meter {
+        let anonymous: Arc<str> = Arc::from(Caller::ANONYMOUS);
+        Meter(Arc::new(Inner {
+            state: Arc::clone(state),
+            plan,
+            tenant: caller.map_or_else(|| Arc::clone(&anonymous), |c| Arc::clone(&c.tenant)),
+            key_id: caller.map_or(anonymous, |c| Arc::clone(&c.key_id)),
+            model: model.to_owned(),
+            started,
+            tally: Mutex::new(Tally {
+                backend: backend.to_owned(),
+                ..Tally::default()
+            }),
+        }))
+    }
+
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.0.tally.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds tokens to the tally with `count` and charges them to the
+    /// limits once a batch is due.
+    fn count(&self, tokens: u64, count: impl FnOnce(&mut Tally)) {
+        let due = {
+            let mut t = self.tally();
+            count(&mut t);
+            t.uncharged += tokens;
+            let batch = self.0.state.app.limits.charge_batch();
+            (t.uncharged >= batch).then(|| std::mem::take(&mut t.uncharged))
+        };
+        if let (Some(n), Some(plan)) = (due, &self.0.plan) {
+            self.0.state.app.limits.charge(plan, n);
+        }
+    }
+
+    /// Prompt tokens read (embeddings: every input token).
+    pub fn prompt(&self, tokens: u64) {
+        self.count(tokens, |t| t.prompt += tokens);
+    }
+
+    /// Watches a local answer's streams (one per choice): the prompt is
+    /// counted now, once; each choice's tokens as they come.
+    pub fn watch(&self, streams: &mut [GenerationStream]) {
+        if let Some(first) = streams.first() {
+            self.prompt(first.prompt_tokens() as u64);
+        }
+        for (i, stream) in streams.iter_mut().enumerate() {
+            let meter = self.clone();
+            let mut seen = 0u64;
+            let mut last: Option<Instant> = None;
+            stream.observe(Box::new(move |event, queue_wait| match event {
+                Ok(GenerateEvent::Delta { tokens, .. }) if !tokens.is_empty() => {
+                    let n = tokens.len() as u64;
+                    seen += n;
+                    let now = Instant::now();
+                    let gap = last.map(|l| now.duration_since(l).as_secs_f64() / n as f64);
+                    last = Some(now);
+                    meter.count(n, |t| {
+                        t.completion += n;
+                        t.first_token.get_or_insert(now);
+                        if i == 0 && t.queue_wait.is_none() {
+                            t.queue_wait = queue_wait;
+                        }
+                        if let Some(gap) = gap {
+                            (0..n).for_each(|_| t.inter_token.observe(gap));
+                        }
+                    });
+                }
+                Ok(GenerateEvent::Finished { usage, .. }) => {
+                    // Tokens held back with a stop string never came as deltas.
+                    let rest = (usage.completion_tokens as u64).saturating_sub(seen);
+                    let cached = if i == 0 {
+                        usage.cached_tokens as u64
+                    } else {
+                        0
+                    };
+                    meter.count(rest, |t| {
+                        t.completion += rest;
+                        t.cached += cached;
+                    });
+                }
+                _ => {}
+            }));
+        }
+    }
+
+    /// The upstream answering (its name); its first byte is the answer's
+    /// first token as far as latency goes.
+    pub fn answered_by(&self, upstream: &str) {
+        let mut t = self.tally();
+        t.backend = upstream.to_owned();
+        t.first_token.get_or_insert_with(Instant::now);
+    }
+
+    /// A proxied answer's usage, as the upstream reported it.
+    pub fn upstream_usage(&self, prompt: u64, completion: u64) {
+        self.count(prompt + completion, |t| {
+            t.prompt += prompt;
+            t.completion += completion;
+        });
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let t = std::mem::take(self.tally.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let app = &self.state.app;
+        if let Some(plan) = &self.plan {
+            app.limits.charge(plan, t.uncharged);
+        }
+        let usage = RequestUsage {
+            tenant: self.tenant.to_string(),
+            key_id: self.key_id.to_string(),
+            model: std::mem::take(&mut self.model),
+            backend: t.backend,
+            prompt_tokens: t.prompt,
+            completion_tokens: t.completion,
+            cached_tokens: t.cached,
+        };
+        let timings = Timings {
+            first_token: t
+                .first_token
+                .map(|f| f.duration_since(self.started).as_secs_f64()),
+            inter_token: t.inter_token,
+            end_to_end: self.started.elapsed().as_secs_f64(),
+            queue_wait: t.queue_wait.map(|d| d.as_secs_f64()),
+        };
+        self.state.metrics.record_request(&usage, &timings);
+        app.usage.record(&usage);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_go_prints_them() {
+        assert_eq!(go_duration(250e3), "250ms");
+        assert_eq!(go_duration(1.5e6), "1.5s");
+        assert_eq!(go_duration(20e6), "20s");
+        assert_eq!(go_duration(360e6), "6m0s");
+        assert_eq!(go_duration(3723e6), "1h2m3s");
+        assert_eq!(go_duration(-5.0), "0ms");
+    }
+}

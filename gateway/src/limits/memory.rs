@@ -1,0 +1,40 @@
+//! Counters kept in this process: one state per counter in one vector
+//! behind one lock, so checking every counter of a request and taking the
+//! request from all of them is a single short critical section.
+
+use std::sync::Mutex;
+
+use super::gcra::{self, State};
+use super::{LimitError, Plan, Quota, decide, now_us};
+
+pub struct MemoryStore {
+    states: Mutex<Vec<State>>,
+}
+
+impl MemoryStore {
+    pub fn new(counters: usize) -> MemoryStore {
+        MemoryStore {
+            states: Mutex::new(vec![State::default(); counters]),
+        }
+    }
+
+    pub fn admit(&self, plan: &Plan) -> Result<Quota, LimitError> {
+        let now = now_us();
+        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine: Vec<State> = plan.counters.iter().map(|c| states[c.slot]).collect();
+        let tats = decide(plan, &mine, now)?;
+        for ((c, s), tat) in plan.counters.iter().zip(&mut mine).zip(tats) {
+            s.request_tat = tat;
+            states[c.slot].request_tat = tat;
+        }
+        Ok(Quota::of(plan, &mine, now))
+    }
+
+    pub fn charge(&self, plan: &Plan, tokens: u64) {
+        let now = now_us();
+        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        for c in &plan.counters {
+            gcra::charge(&mut states[c.slot], &c.rates, tokens, now);
+        }
+    }
+}
