@@ -291,10 +291,13 @@ impl Usage {
 /// exactly one `Finished` (or an error).
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerateEvent {
-    /// Text safe to show (never part of a stop string), and the tokens it came from.
+    /// Text safe to show (never part of a stop string), and the tokens it
+    /// came from (with logprobs only); `generated` counts the choice's
+    /// tokens so far, shown or held back (token accounting).
     Delta {
         text: String,
         tokens: Vec<TokenOutput>,
+        generated: usize,
     },
     Finished {
         reason: FinishReason,

@@ -1019,6 +1019,7 @@ impl Scheduler {
                     let delta = GenerateEvent::Delta {
                         text,
                         tokens: token.into_iter().collect(),
+                        generated: seq.generated,
                     };
                     if seq.events.send(Ok(delta)).is_err() {
                         return false;
@@ -1040,6 +1041,7 @@ impl Scheduler {
             let _ = seq.events.send(Ok(GenerateEvent::Delta {
                 text,
                 tokens: token.into_iter().collect(),
+                generated: seq.generated,
             }));
         }
         let usage = Usage {

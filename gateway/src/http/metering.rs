@@ -269,8 +269,8 @@ impl Meter {
             let mut seen = 0u64;
             let mut last: Option<Instant> = None;
             stream.observe(Box::new(move |event, queue_wait| match event {
-                Ok(GenerateEvent::Delta { tokens, .. }) if !tokens.is_empty() => {
-                    let n = tokens.len() as u64;
+                Ok(GenerateEvent::Delta { generated, .. }) if *generated as u64 > seen => {
+                    let n = *generated as u64 - seen;
                     seen += n;
                     let now = Instant::now();
                     let gap = last.map(|l| now.duration_since(l).as_secs_f64() / n as f64);
@@ -287,7 +287,8 @@ impl Meter {
                     });
                 }
                 Ok(GenerateEvent::Finished { usage, .. }) => {
-                    // Tokens held back with a stop string never came as deltas.
+                    // Tokens after the last delta (held back, then dropped
+                    // with a stop string).
                     let rest = (usage.completion_tokens as u64).saturating_sub(seen);
                     let cached = if i == 0 {
                         usage.cached_tokens as u64

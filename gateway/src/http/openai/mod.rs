@@ -258,6 +258,7 @@ where
             GenerateEvent::Delta {
                 text: t,
                 tokens: ts,
+                ..
             } => {
                 text.push_str(&t);
                 if keep_tokens {
@@ -295,10 +296,12 @@ mod tests {
             Ok(GenerateEvent::Delta {
                 text: "a".into(),
                 tokens: vec![tok("a")],
+                generated: 1,
             }),
             Ok(GenerateEvent::Delta {
                 text: "b".into(),
                 tokens: vec![tok("b")],
+                generated: 2,
             }),
             Ok(GenerateEvent::Finished {
                 reason: FinishReason::Length,
@@ -320,6 +323,7 @@ mod tests {
         let cut = futures_util::stream::iter(vec![Ok(GenerateEvent::Delta {
             text: "a".into(),
             tokens: vec![],
+            generated: 1,
         })]);
         assert!(rt.block_on(collect(cut, false)).is_err());
     }

@@ -110,7 +110,9 @@ impl Framer {
         event: Result<GenerateEvent, EngineError>,
     ) -> (String, bool) {
         match event {
-            Ok(GenerateEvent::Delta { text, tokens }) => (self.delta(index, text, &tokens), false),
+            Ok(GenerateEvent::Delta { text, tokens, .. }) => {
+                (self.delta(index, text, &tokens), false)
+            }
             Ok(GenerateEvent::Finished { reason, usage }) => {
                 let text = self.finish(index, reason, usage);
                 (text, self.open == 0)
@@ -432,6 +434,7 @@ mod tests {
         Ok(GenerateEvent::Delta {
             text: text.into(),
             tokens: vec![tok(text)],
+            generated: 1,
         })
     }
 
@@ -567,6 +570,7 @@ mod tests {
                 Ok(GenerateEvent::Delta {
                     text: String::new(),
                     tokens: vec![tok("")],
+                    generated: 1,
                 }),
                 finished(FinishReason::Stop),
             ],
