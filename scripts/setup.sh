@@ -27,7 +27,8 @@ EMBEDDING_MODEL=models/all_minilm_l6_v2
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-apt_packages=(libclang-dev libopenblas0-pthread)
+# redis-server: the tests of limits shared through Redis start their own.
+apt_packages=(libclang-dev libopenblas0-pthread redis-server)
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()
 for package in "${apt_packages[@]}"; do
