@@ -45,6 +45,7 @@ fn facts() -> RequestFacts<'static> {
         prompt_tokens: 812,
         max_tokens: Some(256),
         streaming: true,
+        quota: Default::default(),
     }
 }
 

@@ -50,7 +50,7 @@ fn admin_api_uploads_binds_lists_and_removes() {
     assert_eq!(v["version"], 1);
     assert_eq!(v["on_error"], "fail_closed");
     assert_eq!(v["config"], r#"{"aliases":{"gpt-4o":"llama"}}"#);
-    assert_eq!(v["interface"], "mlxgate:policy/router@0.3.2");
+    assert_eq!(v["interface"], "mlxgate:policy/router@0.3.3");
     let r = put(
         "/admin/policies/alias?kind=router&deadline_ms=20&memory_mb=8",
         &alias,

@@ -321,7 +321,7 @@ fn upload_validation_errors_are_distinct() {
 
     // Another patch release of the interface is compatible: a component
     // built for 0.3.0 (no `backend-stats` or `request-control` import) on
-    // this 0.3.2 host.
+    // this 0.3.3 host.
     let info = host
         .upload(
             "patch",

@@ -118,3 +118,79 @@ fn fail_open_and_local_decisions_are_served_by_the_engine() {
     );
     served_locally_as(&chat(&s, "gpt-4o"), "panic");
 }
+
+/// `policies/quota-spillover`: a caller whose local budget for a model is
+/// spent is sent upstream (whose model has no entry of its own) instead of
+/// being refused; the router reads `caller-quota.remaining`.
+#[test]
+fn a_router_sends_a_caller_over_its_local_budget_upstream() {
+    let up = routing::FakeUpstream::start();
+    let key = "routing-local-spill-key";
+    let config = format!(
+        "[[models]]\npath = \"{}\"\nid = \"smol\"\n\
+         [[keys]]\nid = \"s1\"\ntenant = \"s\"\nscopes = [\"infer\"]\nsha256 = \"{}\"\n\
+         [[upstreams]]\nname = \"spill\"\nbase_url = \"{}\"\n\
+         [limits.tenants.s.models.smol]\nrequests_per_minute = 2\n",
+        real_model().display(),
+        routing::key_hash(key),
+        up.base_url()
+    );
+    let s = ServerBuilder::new()
+        .config(&config)
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start();
+    let deadline = Instant::now() + LOAD_TIMEOUT;
+    while !s
+        .get_with("/v1/models", &[("authorization", &auth())])
+        .text()
+        .contains("\"smol\"")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "model did not load; log:\n{}",
+            s.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    bind_router(
+        &s,
+        "spill",
+        "quota-spillover",
+        "fail_closed",
+        r#"{"upstream": "spill", "model": "spill-model"}"#,
+    );
+    let ask = || {
+        let body = json!({"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]});
+        support::keyed_call(s.addr, "POST", "/v1/chat/completions", key, Some(&body))
+    };
+    for left in ["1", "0"] {
+        let r = ask();
+        served_locally_as(&r, "smol");
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), Some(left));
+    }
+    // Spent: upstream, under the upstream's model, which no limit names.
+    let r = ask();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-mlxgate-upstream"), Some("spill"));
+    assert_eq!(r.json()["body"]["model"], "spill-model");
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), None);
+    // Metered under the backend that answered, with the upstream's usage.
+    let scrape = s.get("/metrics").text();
+    let labels = "tenant=\"s\",model=\"spill-model\",backend=\"spill\"";
+    assert!(
+        scrape.contains(&format!("mlxgate_requests_total{{{labels}}} 1")),
+        "{scrape}"
+    );
+    assert!(
+        scrape.contains(&format!(
+            "mlxgate_tokens_total{{{labels},kind=\"prompt\"}} 7"
+        )),
+        "{scrape}"
+    );
+    assert!(
+        scrape.contains(&format!(
+            "mlxgate_tokens_total{{{labels},kind=\"completion\"}} 2"
+        )),
+        "{scrape}"
+    );
+}

@@ -2,7 +2,7 @@
 //!
 //! Each guest kind (router, adapter selector, dataset transform) is a WIT world
 //! in `wit/policy.wit` that exports one versioned interface of the package
-//! `mlxgate:policy@0.3.2`. This crate turns each world into a Rust trait with
+//! `mlxgate:policy@0.3.3`. This crate turns each world into a Rust trait with
 //! state created once per instance from the operator's configuration string,
 //! plus an export macro that wires the trait to the component exports:
 //!
@@ -51,7 +51,7 @@ pub mod bindings {
             export_macro_name: "__export_adapter_world",
             default_bindings_module: "mlxgate_guest::bindings::adapter",
             with: {
-                "mlxgate:policy/types@0.3.2": crate::bindings::router::mlxgate::policy::types,
+                "mlxgate:policy/types@0.3.3": crate::bindings::router::mlxgate::policy::types,
             },
         });
     }
@@ -224,6 +224,17 @@ pub mod router {
     pub use crate::bindings::router::mlxgate::policy::types::FactSet;
     pub use crate::types::{BackendKind, BackendState, RequestFacts};
 
+    pub use crate::bindings::router::mlxgate::policy::caller_quota::Quota;
+
+    /// What is left of the caller's `[limits]` for the requested model,
+    /// before this request: for each kind (requests and tokens per minute,
+    /// tokens today) the least left across its key, tenant and their model
+    /// entries; `None` where no limit of that kind applies. Call it from
+    /// `route`; a router that does must leave `decision_inputs` at `None`.
+    pub fn caller_quota() -> Quota {
+        crate::bindings::router::mlxgate::policy::caller_quota::remaining()
+    }
+
     /// Sets the routed request's priority class while it waits for a local
     /// model: higher classes start first (default 0), fairness between
     /// tenants holding within a class. Call it from `route`; the last call
@@ -350,7 +361,7 @@ pub mod __private {
 }
 
 /// Exports a [`router::Router`] implementation as the component's
-/// `mlxgate:policy/router@0.3.2` interface. Use once per guest crate.
+/// `mlxgate:policy/router@0.3.3` interface. Use once per guest crate.
 #[macro_export]
 macro_rules! export_router {
     ($ty:ty) => {
@@ -389,7 +400,7 @@ macro_rules! export_router {
 }
 
 /// Exports an [`adapter::AdapterSelector`] implementation as the component's
-/// `mlxgate:policy/adapter-selector@0.3.2` interface.
+/// `mlxgate:policy/adapter-selector@0.3.3` interface.
 #[macro_export]
 macro_rules! export_adapter_selector {
     ($ty:ty) => {
@@ -425,7 +436,7 @@ macro_rules! export_adapter_selector {
 }
 
 /// Exports a [`dataset::DatasetTransform`] implementation as the component's
-/// `mlxgate:policy/dataset-transform@0.3.2` interface.
+/// `mlxgate:policy/dataset-transform@0.3.3` interface.
 #[macro_export]
 macro_rules! export_dataset_transform {
     ($ty:ty) => {

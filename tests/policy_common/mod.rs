@@ -76,6 +76,7 @@ pub fn facts(model: &str) -> RequestFacts<'_> {
         prompt_tokens: 100,
         max_tokens: Some(64),
         streaming: false,
+        quota: Default::default(),
     }
 }
 

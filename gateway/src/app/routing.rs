@@ -81,6 +81,12 @@ impl App {
         matches!(self.policy_host().await, Ok(Some(h)) if h.router_reads_prompt_tokens())
     }
 
+    /// Whether the bound router (if any) may read its caller's quota, so
+    /// the request must look it up before routing.
+    pub async fn router_reads_quota(&self) -> bool {
+        matches!(self.policy_host().await, Ok(Some(h)) if h.router_reads_quota())
+    }
+
     /// Decides where a request for `model` goes. No router bound: the
     /// default route; the facts and backend states are only gathered when a
     /// router is bound.

@@ -35,6 +35,24 @@ impl QuotaSlot {
     }
 }
 
+/// What is left of `caller`'s limits for `model`, as a router sees it
+/// (`caller-quota`): looked up only when the bound router may read it.
+pub async fn peek(state: &AppState, caller: Option<&Caller>, model: &str) -> crate::policy::Quota {
+    let limits = &state.app.limits;
+    let Some(plan) = caller.and_then(|c| limits.plan(&c.key_id, model)) else {
+        return crate::policy::Quota::default();
+    };
+    if !state.app.router_reads_quota().await {
+        return crate::policy::Quota::default();
+    }
+    let q = limits.peek(plan).await;
+    crate::policy::Quota {
+        requests_per_minute: q.requests.map(|h| h.remaining),
+        tokens_per_minute: q.tokens.map(|h| h.remaining),
+        daily_tokens: q.daily_tokens.map(|h| h.remaining),
+    }
+}
+
 /// Checks the limits of `caller`'s requests for `model` and takes this
 /// request from them: the plan its tokens are charged to (`None`: no
 /// limits apply), or 429/503. The quota left is put in `slot` either way.

@@ -100,6 +100,7 @@ pub fn request_facts<'a>(
         prompt_tokens,
         max_tokens,
         streaming,
+        quota: Default::default(),
     }
 }
 
@@ -178,8 +179,7 @@ pub async fn dispatch(
     let picked = body::pick_json_fields(&bytes, &validate::ROUTING_FIELDS)?;
     let fields = validate::picked_routing_fields(&picked, endpoint)?;
     let caller = head.extensions.get::<Caller>();
-    let slot = head.extensions.get::<QuotaSlot>();
-    let plan = metering::admit(&cx.state, caller, fields.model, slot).await?;
+    let quota = metering::peek(&cx.state, caller, fields.model).await;
     let (prompt_tokens, counted) = if cx.state.app.router_reads_prompt_tokens().await {
         counting::prompt_tokens(cx, endpoint, &bytes, &head, fields.model).await
     } else {
@@ -188,8 +188,9 @@ pub async fn dispatch(
     let destination = cx
         .state
         .app
-        .route(fields.model, || {
-            routing_facts(&head, &fields, prompt_tokens)
+        .route(fields.model, || RequestFacts {
+            quota,
+            ..routing_facts(&head, &fields, prompt_tokens)
         })
         .await?;
     let rewrite = match &destination {
@@ -199,6 +200,8 @@ pub async fn dispatch(
         } => (model != fields.model).then(|| model.clone()),
         Destination::Upstream { model: None, .. } => None,
     };
+    // Limits are taken for the model the request is served as: a router
+    // may send a caller over one model's budget to another.
     let (model, backend) = match &destination {
         Destination::Local { model, .. } => (model.as_str(), "local"),
         Destination::Upstream { order, model } => (
@@ -206,6 +209,8 @@ pub async fn dispatch(
             order[0].name.as_str(),
         ),
     };
+    let slot = head.extensions.get::<QuotaSlot>();
+    let plan = metering::admit(&cx.state, caller, model, slot).await?;
     let meter = Meter::new(&cx.state, caller, (model, backend), plan, started);
     let whole = |rewrite: Option<String>| -> Result<Value, ApiError> {
         let mut json = body::parse_json(&bytes)?;

@@ -30,6 +30,13 @@ impl MemoryStore {
         Ok(Quota::of(plan, &mine, now))
     }
 
+    pub fn peek(&self, plan: &Plan) -> Quota {
+        let now = now_us();
+        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let mine: Vec<State> = plan.counters.iter().map(|c| states[c.slot]).collect();
+        Quota::of(plan, &mine, now)
+    }
+
     pub fn charge(&self, plan: &Plan, tokens: u64) {
         let now = now_us();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());

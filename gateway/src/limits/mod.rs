@@ -503,6 +503,15 @@ impl Limiter {
         }
     }
 
+    /// What is left of `plan`'s limits, taking nothing; nothing is known
+    /// (all `None`) when the shared store cannot be reached.
+    pub async fn peek(&self, plan: &Plan) -> Quota {
+        match &self.store {
+            Store::Memory(m) => m.peek(plan),
+            Store::Redis(r) => r.peek(plan).await,
+        }
+    }
+
     /// Charges `tokens` read or produced to every counter of `plan` that
     /// counts tokens. With Redis the call is sent on its own task.
     pub fn charge(&self, plan: &Arc<Plan>, tokens: u64) {

@@ -25,9 +25,10 @@ use super::gcra::{self, State};
 use super::{LimitError, LimitsConfig, OnRedisError, Plan, Quota, decide};
 
 /// Checks every counter (KEYS) for one more request and takes it from all
-/// of them or none. ARGV: the time scale's origin, then per counter its
-/// requests per minute, tokens per minute and daily tokens (0: none).
-/// Returns now, 1 or 0 (taken or not), then each counter's state as read.
+/// of them or none. ARGV: the time scale's origin, 1 to take (0 only to
+/// read), then per counter its requests per minute, tokens per minute and
+/// daily tokens (0: none). Returns now, 1 or 0 (taken or not), then each
+/// counter's state as read.
 const ADMIT: &str = r"
 local t = redis.call('TIME')
 local now = (tonumber(t[1]) - tonumber(ARGV[1])) * 1e6 + tonumber(t[2])
@@ -37,7 +38,7 @@ local out = {string.format('%.17g', now), 1}
 local pass = true
 local new_rt = {}
 for i, key in ipairs(KEYS) do
-  local rpm, tpm, daily = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local rpm, tpm, daily = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   local h = redis.call('HMGET', key, 'rt', 'tt', 'day', 'used')
   local rt, tt = tonumber(h[1]) or 0, tonumber(h[2]) or 0
   local day, used = tonumber(h[3]) or 0, tonumber(h[4]) or 0
@@ -50,7 +51,7 @@ for i, key in ipairs(KEYS) do
     if new_rt[i] - now > P + SLACK then pass = false end
   end
 end
-if pass then
+if pass and ARGV[2] == '1' then
   for i, key in ipairs(KEYS) do
     redis.call('HSET', key, 'rt', string.format('%.17g', new_rt[i]))
     redis.call('PEXPIRE', key, 172800000)
@@ -148,33 +149,22 @@ impl RedisStore {
         format!("{}{id}", self.prefix)
     }
 
-    pub async fn admit(&self, plan: &Plan) -> Result<Quota, LimitError> {
+    /// Runs the admit script on `plan`'s counters, taking the request when
+    /// `take`: now, whether it passed, and the counters' states as read.
+    async fn read(&self, plan: &Plan, take: bool) -> Result<(f64, bool, Vec<State>), String> {
         let mut call = ADMIT_SCRIPT.prepare_invoke();
-        call.arg(gcra::EPOCH_SECS);
+        call.arg(gcra::EPOCH_SECS).arg(u8::from(take));
         for c in &plan.counters {
             call.key(self.key(&c.id));
             call.arg(c.rates.requests_per_minute.unwrap_or(0));
             call.arg(c.rates.tokens_per_minute.unwrap_or(0));
             call.arg(c.rates.daily_tokens.unwrap_or(0));
         }
-        let answer: Vec<String> = match self.invoke(&call).await {
-            Ok(a) => a,
-            Err(e) => {
-                return match self.on_error {
-                    OnRedisError::Allow => {
-                        debug!(error = %e, "rate limits not checked: Redis unreachable (on_redis_error = allow)");
-                        Ok(Quota::default())
-                    }
-                    OnRedisError::Refuse => Err(LimitError::Unavailable),
-                };
-            }
-        };
+        let answer: Vec<String> = self.invoke(&call).await?;
         let numbers: Vec<f64> = answer.iter().map(|s| s.parse().unwrap_or(0.0)).collect();
-        let (now, taken) = (
-            numbers.first().copied().unwrap_or(0.0),
-            numbers.get(1) == Some(&1.0),
-        );
-        let states: Vec<State> = numbers
+        let now = numbers.first().copied().unwrap_or(0.0);
+        let passed = numbers.get(1) == Some(&1.0);
+        let states = numbers
             .get(2..)
             .unwrap_or_default()
             .chunks_exact(4)
@@ -185,6 +175,29 @@ impl RedisStore {
                 day_tokens: s[3] as u64,
             })
             .collect();
+        Ok((now, passed, states))
+    }
+
+    pub async fn peek(&self, plan: &Plan) -> Quota {
+        match self.read(plan, false).await {
+            Ok((now, _, states)) => Quota::of(plan, &states, now),
+            Err(_) => Quota::default(),
+        }
+    }
+
+    pub async fn admit(&self, plan: &Plan) -> Result<Quota, LimitError> {
+        let (now, taken, states) = match self.read(plan, true).await {
+            Ok(read) => read,
+            Err(e) => {
+                return match self.on_error {
+                    OnRedisError::Allow => {
+                        debug!(error = %e, "rate limits not checked: Redis unreachable (on_redis_error = allow)");
+                        Ok(Quota::default())
+                    }
+                    OnRedisError::Refuse => Err(LimitError::Unavailable),
+                };
+            }
+        };
         match decide(plan, &states, now) {
             Ok(tats) if taken => {
                 let after: Vec<State> = states

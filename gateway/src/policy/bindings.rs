@@ -51,6 +51,8 @@ pub(crate) struct Packed<T> {
     /// A router's backends and their latency, which it may ask for during
     /// the call (`backend-stats.latency-ms`); empty for other kinds.
     pub(crate) latencies: Latencies,
+    /// What `caller-quota.remaining` answers during a router call.
+    pub(crate) quota: super::types::Quota,
 }
 
 impl Packed<wit::BackendState> {
@@ -110,6 +112,7 @@ impl<T> Packed<T> {
             facts,
             items,
             latencies: Latencies::default(),
+            quota: f.quota,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The Wasm policy host: one engine, linker and instance pools for all guests.
 //!
 //! Operators upload WebAssembly components implementing one of the worlds in
-//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.3.2`): a router, an
+//! `guest-sdk/wit/policy.wit` (package `mlxgate:policy@0.3.3`): a router, an
 //! adapter selector or a dataset transform. [`PolicyHost`] validates and
 //! precompiles them, stores them durably under the data dir, and calls them
 //! under strict limits (deadline, fuel, memory, stack; no capabilities: the
@@ -28,5 +28,5 @@ pub use metrics::{LATENCY_BUCKETS_S, PolicyMetrics, render_prometheus};
 pub use pool::PolicyCall;
 pub use types::{
     AdapterInfo, BackendKind, BackendState, Limits, LoadOrigin, OnError, PolicyInfo, PolicyKind,
-    PolicyOptions, RecordOutcome, RequestFacts, RouteDecision,
+    PolicyOptions, Quota, RecordOutcome, RequestFacts, RouteDecision,
 };

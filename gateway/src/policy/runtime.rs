@@ -39,6 +39,18 @@ pub(crate) struct HostState {
     /// The priority class the running router call set
     /// (`request-control.set-priority`; 0 unless it did).
     pub(crate) priority: i8,
+    /// The running router call's caller quota (`caller-quota.remaining`).
+    pub(crate) quota: super::types::Quota,
+}
+
+impl router::mlxgate::policy::caller_quota::Host for HostState {
+    fn remaining(&mut self) -> router::mlxgate::policy::caller_quota::Quota {
+        router::mlxgate::policy::caller_quota::Quota {
+            requests_per_minute: self.quota.requests_per_minute,
+            tokens_per_minute: self.quota.tokens_per_minute,
+            daily_tokens: self.quota.daily_tokens,
+        }
+    }
 }
 
 impl router::mlxgate::policy::request_control::Host for HostState {
@@ -285,6 +297,7 @@ impl LoadedPolicy {
             },
             deadline: far_off(INIT_DEADLINE),
             latencies: Latencies::default(),
+            quota: Default::default(),
             priority: 0,
         };
         let _running = self.watchdog.enter(state.deadline);

@@ -152,7 +152,7 @@ pub struct PolicyInfo {
     /// sha256 of the component bytes, hex.
     pub sha256: String,
     pub size_bytes: u64,
-    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.2`.
+    /// The exported interface, with version, e.g. `mlxgate:policy/router@0.3.3`.
     pub interface: String,
     pub limits: Limits,
     pub on_error: OnError,
@@ -193,6 +193,17 @@ pub struct RequestFacts<'a> {
     pub prompt_tokens: u32,
     pub max_tokens: Option<u32>,
     pub streaming: bool,
+    /// What is left of the caller's limits (`caller-quota.remaining`).
+    pub quota: Quota,
+}
+
+/// What is left of a caller's limits before its request is taken: for each
+/// kind, the least left across its counters; `None` where none applies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Quota {
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+    pub daily_tokens: Option<u64>,
 }
 
 /// Load and health of one backend at decision time.

@@ -42,6 +42,14 @@ impl PolicyHost {
             .is_ok_and(|p| p.decisions.as_ref().is_none_or(|t| t.reads_prompt_tokens()))
     }
 
+    /// Whether the bound router (if any) may read its caller's quota: it
+    /// declared no `decision-inputs` (a router that did cannot depend on it).
+    pub fn router_reads_quota(&self) -> bool {
+        let snap = self.snap();
+        snap.bound_arc(PolicyKind::Router)
+            .is_ok_and(|p| p.decisions.is_none())
+    }
+
     /// [`PolicyHost::route`] for the request path, to be awaited: the facts
     /// are only gathered when a router is bound (else `Err(NotBound)`, which
     /// is fail-open), and the backend states only when the guest is called.
@@ -261,6 +269,7 @@ fn route_packed(
         .call(Budget::of(&p.info.limits, 1), |store, b| match b {
             Bound::Router(r) => {
                 store.data_mut().latencies = std::sync::Arc::clone(&args.latencies);
+                store.data_mut().quota = args.quota;
                 store.data_mut().priority = 0;
                 let decision =
                     r.mlxgate_policy_router()

@@ -101,7 +101,8 @@ impl PolicyHost {
         let engine = PolicyEngine::new(&cfg)?;
         let mut linker = Linker::new(&engine.engine);
         // The host functions a guest may import: routers' backend-stats
-        // (since 0.3.1) and request-control (since 0.3.2).
+        // (since 0.3.1), request-control (since 0.3.2) and caller-quota
+        // (since 0.3.3).
         crate::policy::bindings::router::mlxgate::policy::backend_stats::add_to_linker::<
             _,
             wasmtime::component::HasSelf<_>,
@@ -112,6 +113,11 @@ impl PolicyHost {
             wasmtime::component::HasSelf<_>,
         >(&mut linker, |state| state)
         .map_err(|e| PolicyError::Engine(format!("cannot link request-control: {e}")))?;
+        crate::policy::bindings::router::mlxgate::policy::caller_quota::add_to_linker::<
+            _,
+            wasmtime::component::HasSelf<_>,
+        >(&mut linker, |state| state)
+        .map_err(|e| PolicyError::Engine(format!("cannot link caller-quota: {e}")))?;
         let storage = Storage::open(&cfg.data_dir)?;
         let calls = CallPool::new(cfg.call_threads, cfg.call_queue)?;
         let mut host = PolicyHost {

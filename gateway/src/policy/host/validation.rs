@@ -101,6 +101,7 @@ pub fn probe_facts() -> RequestFacts<'static> {
         prompt_tokens: 16,
         max_tokens: Some(16),
         streaming: false,
+        quota: Default::default(),
     }
 }
 
