@@ -18,6 +18,13 @@
 //! `PROXY_THROUGHPUT_TLS=1` puts the upstream behind TLS (HTTP/1.1, a CA
 //! made for the run): the gateway and nginx both verify it and keep their
 //! TLS connections alive.
+//!
+//! `PROXY_THROUGHPUT_LIMITS=1` measures `[limits]` instead: the gateway
+//! without limits, with limits kept in memory, and with limits kept in a
+//! `redis-server` started for the run (when installed), each its own
+//! process, in interleaved rounds; every request is checked against a key's
+//! and a tenant's counters and its tokens charged (limits high enough that
+//! nothing is refused).
 
 #[path = "common/mod.rs"]
 mod common;
@@ -54,7 +61,10 @@ fn main() {
     let tls = std::env::var("PROXY_THROUGHPUT_TLS").is_ok_and(|v| v == "1");
     let pki = tls.then(|| make_pki(dir.path()));
     let upstream = start_upstream(pki.as_ref());
-    let gateway = Gateway::start(dir.path(), upstream, pki.as_ref());
+    if std::env::var("PROXY_THROUGHPUT_LIMITS").is_ok_and(|v| v == "1") {
+        return limits_rounds(&wrk, dir.path(), upstream);
+    }
+    let gateway = Gateway::start(dir.path(), upstream, pki.as_ref(), "");
     let nginx = Nginx::start(&nginx, dir.path(), upstream, pki.as_ref());
     if tls {
         println!("upstream over TLS (HTTP/1.1), verified by both proxies");
@@ -186,6 +196,118 @@ fn main() {
     );
     drop(gateway);
     drop(nginx);
+}
+
+/// Limits in force on every request of the bench's key, never refusing.
+const LIMITS: &str = "[limits.keys.bench]\nrequests_per_minute = 1000000000\n\
+    [limits.tenants.bench]\nrequests_per_minute = 1000000000\ntokens_per_minute = 1000000000000\n\
+    daily_tokens = 1000000000000\n";
+
+/// `PROXY_THROUGHPUT_LIMITS=1`: the gateway without limits, with limits in
+/// memory and with limits in Redis, in interleaved rounds.
+fn limits_rounds(wrk: &Path, dir: &Path, upstream: SocketAddr) {
+    let mut targets = vec![
+        (
+            "no limits",
+            Gateway::start(&dir.join("off"), upstream, None, ""),
+        ),
+        (
+            "limits in memory",
+            Gateway::start(&dir.join("memory"), upstream, None, LIMITS),
+        ),
+    ];
+    let redis = find_tool("redis-server").map(|bin| {
+        let port = common::free_port();
+        let child = Command::new(bin)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        common::wait_listening(SocketAddr::from(([127, 0, 0, 1], port)), "redis-server");
+        (child, port)
+    });
+    match &redis {
+        Some((_, port)) => {
+            let config = format!(
+                "[limits]\nbackend = \"redis\"\nredis_url = \"redis://127.0.0.1:{port}\"\n{LIMITS}"
+            );
+            targets.push((
+                "limits in Redis",
+                Gateway::start(&dir.join("redis"), upstream, None, &config),
+            ));
+        }
+        None => println!("redis-server not installed: the Redis target is left out"),
+    }
+    let script = dir.join("post.lua");
+    std::fs::write(
+        &script,
+        format!(
+            "wrk.method = \"POST\"\nwrk.body = '{REQUEST}'\n\
+             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+             wrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
+        ),
+    )
+    .expect("write wrk script");
+    let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
+    for (_, g) in &targets {
+        load(wrk, &script, &url(g.addr), 1);
+    }
+    let rounds = std::env::var("PROXY_THROUGHPUT_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|r| *r > 0)
+        .unwrap_or(ROUNDS);
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
+    for round in 1..=rounds {
+        let n = targets.len();
+        for t in (0..n).map(|i| (i + round - 1) % n) {
+            let g = &targets[t].1;
+            samples[t].push(measure(wrk, &script, &url(g.addr), &|| vec![g.child.id()]));
+        }
+        let line: Vec<String> = targets
+            .iter()
+            .zip(&samples)
+            .map(|((name, _), s)| format!("{name} {}", s[round - 1]))
+            .collect();
+        println!("round {round}: {}", line.join("; "));
+    }
+    println!(
+        "\n{rounds} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
+    );
+    println!("| target | requests/s | vs no limits | per-round ratio, median (range) |");
+    println!("| --- | --- | --- | --- |");
+    let rps = |v: &[Sample]| median(&mut v.iter().map(|s| s.rps).collect::<Vec<_>>());
+    let base = rps(&samples[0]);
+    for ((name, _), s) in targets.iter().zip(&samples) {
+        let mut r: Vec<f64> = s
+            .iter()
+            .zip(&samples[0])
+            .map(|(a, b)| a.rps / b.rps)
+            .collect();
+        let m = median(&mut r);
+        println!(
+            "| {name} | {:.0} | {:.2}x | {m:.3} ({:.3}-{:.3}) |",
+            rps(s),
+            rps(s) / base,
+            r[0],
+            r[r.len() - 1]
+        );
+    }
+    println!("\ntarget: limits in memory >= 0.95x of no limits");
+    drop(targets);
+    if let Some((mut child, _)) = redis {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 /// One load run: throughput, and the proxy's own CPU time per request
@@ -423,7 +545,10 @@ struct Gateway {
 }
 
 impl Gateway {
-    fn start(dir: &Path, upstream: SocketAddr, pki: Option<&Pki>) -> Gateway {
+    /// A gateway in `dir` routing the bench's model to `upstream`, with
+    /// `extra` appended to its config.
+    fn start(dir: &Path, upstream: SocketAddr, pki: Option<&Pki>, extra: &str) -> Gateway {
+        std::fs::create_dir_all(dir).expect("gateway dir");
         let port = common::free_port();
         let target = match pki {
             None => format!("base_url = \"http://{upstream}/v1\"\n"),
@@ -445,7 +570,7 @@ impl Gateway {
             &config,
             format!(
                 "[[keys]]\nid = \"bench\"\ntenant = \"bench\"\nscopes = [\"infer\"]\nsha256 = \"{hash}\"\n\
-                 [[upstreams]]\nname = \"up\"\n{target}models = [\"bench-model\"]\n"
+                 [[upstreams]]\nname = \"up\"\n{target}models = [\"bench-model\"]\n{extra}"
             ),
         )
         .expect("write config");

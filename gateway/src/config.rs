@@ -70,6 +70,60 @@ pub struct FileConfig {
     pub scheduler: SchedulerConfig,
     #[serde(default)]
     pub limits: LimitsConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// The `[telemetry]` section: OpenTelemetry traces over OTLP/HTTP.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// An OTLP/HTTP collector's base URL (`http://127.0.0.1:4318`): spans
+    /// go to `<endpoint>/v1/traces` as protobuf. Unset (the default): no
+    /// traces, and nothing is recorded for them.
+    pub otlp_endpoint: Option<String>,
+    /// The spans' `service.name` (default `mlxgate`).
+    pub service_name: String,
+    /// Longest a finished span waits to be exported, in milliseconds
+    /// (default 1000).
+    pub export_delay_ms: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            service_name: "mlxgate".into(),
+            export_delay_ms: 1000,
+        }
+    }
+}
+
+impl TelemetryConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let Some(endpoint) = &self.otlp_endpoint else {
+            return Ok(());
+        };
+        let bad = |why: &str| {
+            Err(ConfigError::Telemetry(format!(
+                "otlp_endpoint `{endpoint}`: {why}"
+            )))
+        };
+        if endpoint.starts_with("https://") {
+            return bad(
+                "https is not supported yet; export to a collector on this host or network over http://",
+            );
+        }
+        match endpoint.strip_prefix("http://") {
+            Some(rest)
+                if !rest.split('/').next().unwrap_or_default().is_empty()
+                    && !rest.contains(char::is_whitespace) =>
+            {
+                Ok(())
+            }
+            _ => bad("expected an http:// URL such as http://127.0.0.1:4318"),
+        }
+    }
 }
 
 /// The `[scheduler]` section: how each local model shares its engine
@@ -460,6 +514,8 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     /// The `[limits]` section: rate limits and quotas per key and tenant.
     pub limits: LimitsConfig,
+    /// The `[telemetry]` section: OpenTelemetry traces.
+    pub telemetry: TelemetryConfig,
 }
 
 impl Config {
@@ -513,6 +569,8 @@ pub enum ConfigError {
     Upstream(String),
     #[error("[limits] {0}")]
     Limits(String),
+    #[error("[telemetry] {0}")]
+    Telemetry(String),
     #[error("[server] TLS: {0}")]
     Tls(String),
     #[error("[scheduler] {0}")]
@@ -628,6 +686,7 @@ impl Config {
             proxy: file.proxy,
             scheduler: file.scheduler,
             limits: file.limits,
+            telemetry: file.telemetry,
         }
     }
 
@@ -665,6 +724,7 @@ impl Config {
                 return Err(ConfigError::NoScopes(k.id.clone()));
             }
         }
+        self.telemetry.validate()?;
         self.limits
             .validate(self.keys.iter().map(|k| (k.id.as_str(), k.tenant.as_str())))
             .map_err(ConfigError::Limits)?;

@@ -128,6 +128,17 @@ Example config file:
   [metrics]                     # GET /metrics: loopback, admin keys, or this token
   token_sha256 = \"<output of `mlxgate keys hash <TOKEN>`>\"
 
+  [limits]                      # rates and budgets; over them: 429 with Retry-After
+  backend = \"memory\"            # or \"redis\" (redis_url = ...): shared by every replica
+  [limits.tenants.acme]         # all of a tenant's keys together ([limits.keys.ID]: one key)
+  requests_per_minute = 600
+  tokens_per_minute = 200000    # prompt + completion, as they are produced
+  daily_tokens = 5000000        # per UTC day: 429 insufficient_quota past it
+  max_concurrent_requests = 16
+
+  [telemetry]                   # OpenTelemetry traces over OTLP/HTTP
+  otlp_endpoint = \"http://127.0.0.1:4318\"
+
   [[keys]]
   id = \"web\"                    # shown in logs; not secret
   tenant = \"acme\"
@@ -224,19 +235,57 @@ impl ConfigArgs {
 }
 
 fn init_tracing(format: LogFormat) {
+    init_logging(
+        format,
+        None::<mlxgate::http::telemetry::Layer<tracing_subscriber::Registry>>,
+    );
+}
+
+/// Logging, and traces when `[telemetry]` asks for them (their exports are
+/// sent from `runtime`).
+fn init_tracing_with(
+    format: LogFormat,
+    config: &mlxgate::config::Config,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<Option<mlxgate::http::telemetry::Telemetry>> {
+    use mlxgate::http::telemetry::Telemetry;
+    let started =
+        Telemetry::start(&config.telemetry, runtime.clone()).map_err(anyhow::Error::msg)?;
+    let (telemetry, layer) = started.unzip();
+    // Traces take the gateway's own request-path spans only, whatever RUST_LOG says.
+    let layer = layer.map(|l| {
+        use tracing_subscriber::Layer as _;
+        l.with_filter(
+            tracing_subscriber::filter::Targets::new().with_target("mlxgate", tracing::Level::INFO),
+        )
+    });
+    init_logging(format, layer);
+    if let Some(endpoint) = &config.telemetry.otlp_endpoint {
+        tracing::info!(%endpoint, "exporting traces over OTLP/HTTP");
+    }
+    Ok(telemetry)
+}
+
+/// Logs to stderr as text or JSON lines, filtered by `RUST_LOG` (default
+/// `info`), with `extra` beside them.
+fn init_logging<L>(format: LogFormat, extra: Option<L>)
+where
+    L: tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync,
+{
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_span_list(false)
-            .init(),
-    }
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match format {
+        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        LogFormat::Json => fmt.json().flatten_event(true).with_span_list(false).boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(extra)
+        .with(fmt.with_filter(filter))
+        .init();
     // Panics go through the log too, so JSON logs stay one object per line.
     // Handler panics are also caught and answered with a 500.
     std::panic::set_hook(Box::new(|info| {
@@ -283,14 +332,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let config = args.resolve()?;
-            init_tracing(cli.log_format);
-            std::fs::create_dir_all(&config.data_dir)
-                .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
                 .context("cannot start the async runtime")?;
+            let telemetry = init_tracing_with(cli.log_format, &config, runtime.handle())?;
+            std::fs::create_dir_all(&config.data_dir)
+                .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
             runtime.block_on(mlxgate::http::serve(config, Box::new(load_model)))?;
+            if let Some(t) = telemetry {
+                t.shutdown();
+            }
             // Don't wait for the model loader or idle blocking tasks.
             runtime.shutdown_background();
             Ok(())

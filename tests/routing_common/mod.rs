@@ -26,7 +26,7 @@ pub const LAST_EVENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"last
 
 /// An upstream answering `POST /v1/chat/completions` and `/v1/completions`:
 /// JSON echoing what it received (model, path, query, authorization,
-/// request id, the names of all request headers),
+/// request id, traceparent, the names of all request headers),
 /// or, with `"stream": true`, an SSE stream whose first event is sent at
 /// once and the rest only after [`FakeUpstream::release`]. Model
 /// `echo-body` answers with the body it received as its text; model
@@ -107,6 +107,7 @@ async fn answer(
             .map(str::to_owned)
     };
     let (auth, request_id) = (header("authorization"), header("x-request-id"));
+    let traceparent = header("traceparent");
     let body = req
         .into_body()
         .collect()
@@ -159,6 +160,7 @@ async fn answer(
             "headers": names,
             "authorization": auth,
             "x_request_id": request_id,
+            "traceparent": traceparent,
             "body": v,
             // Model `echo-body`: the body received, as the answer's text.
             "choices": [{"index": 0, "message": {"role": "assistant", "content":

@@ -301,6 +301,53 @@ impl<'de> Visitor<'de> for UniqueKeys {
     }
 }
 
+/// Decodes `application/x-www-form-urlencoded` text (`+` is a space).
+fn percent_decode(s: &str) -> Result<String, String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| format!("bad percent escape at byte {i}"))?;
+                out.push(hex);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).map_err(|_| "not UTF-8 after decoding".to_string())
+}
+
+/// The query string's `key=value` pairs, percent-decoded; a bad escape
+/// is a 400 naming its key.
+pub fn query_params(req: &Request<ReqBody>) -> Result<HashMap<String, String>, ApiError> {
+    let mut map = HashMap::new();
+    for pair in req.uri().query().unwrap_or("").split('&') {
+        if pair.is_empty() {
+            continue;
+        }
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let k = percent_decode(k).map_err(|e| bad_query(k, e))?;
+        let v = percent_decode(v).map_err(|e| bad_query(&k, e))?;
+        map.insert(k, v);
+    }
+    Ok(map)
+}
+
+fn bad_query(param: &str, message: String) -> ApiError {
+    ApiError::InvalidRequest {
+        message,
+        param: Some(param.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,52 +393,5 @@ mod tests {
         assert!(pick_json_fields(br#"{"a": [1, "#, &["c"]).is_err());
         assert!(parse_json(b"{} x").is_err(), "trailing characters");
         assert!(parse_json(b"{\"a\": 1").is_err());
-    }
-}
-
-/// Decodes `application/x-www-form-urlencoded` text (`+` is a space).
-fn percent_decode(s: &str) -> Result<String, String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = bytes
-                    .get(i + 1..i + 3)
-                    .and_then(|h| std::str::from_utf8(h).ok())
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| format!("bad percent escape at byte {i}"))?;
-                out.push(hex);
-                i += 2;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).map_err(|_| "not UTF-8 after decoding".to_string())
-}
-
-/// The query string's `key=value` pairs, percent-decoded; a bad escape
-/// is a 400 naming its key.
-pub fn query_params(req: &Request<ReqBody>) -> Result<HashMap<String, String>, ApiError> {
-    let mut map = HashMap::new();
-    for pair in req.uri().query().unwrap_or("").split('&') {
-        if pair.is_empty() {
-            continue;
-        }
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let k = percent_decode(k).map_err(|e| bad_query(k, e))?;
-        let v = percent_decode(v).map_err(|e| bad_query(&k, e))?;
-        map.insert(k, v);
-    }
-    Ok(map)
-}
-
-fn bad_query(param: &str, message: String) -> ApiError {
-    ApiError::InvalidRequest {
-        message,
-        param: Some(param.to_string()),
     }
 }

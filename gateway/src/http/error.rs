@@ -145,8 +145,10 @@ pub enum ApiError {
 
     /// Over a `[limits]` rate or budget (429), or the shared limits' store
     /// is unreachable and the config says to refuse (503).
+    /// (Boxed: it carries the quota, and every `Result` of the handlers
+    /// carries an `ApiError`.)
     #[error(transparent)]
-    RateLimited(#[from] LimitError),
+    RateLimited(Box<LimitError>),
 
     /// A router policy's refusal, a `fail_closed` policy failure, or an
     /// upstream failure; carries its own status and code.
@@ -289,8 +291,10 @@ impl ApiError {
             }
             NotReady(_) | EngineUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            RateLimited(LimitError::Refused { .. }) => StatusCode::TOO_MANY_REQUESTS,
-            RateLimited(LimitError::Unavailable) => StatusCode::SERVICE_UNAVAILABLE,
+            RateLimited(e) if matches!(**e, LimitError::Refused { .. }) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            RateLimited(_) => StatusCode::SERVICE_UNAVAILABLE,
             Route(e) => route_status(e),
             Policy(e) => policy_status(e),
         }
@@ -318,12 +322,14 @@ impl ApiError {
             InsufficientScope { .. } | ZoneClosed { .. } | Forbidden { .. } => "permission_error",
             NotReady(_) | EngineUnavailable(_) | Internal(_) => "server_error",
             // OpenAI's own: the kind of limit, or the quota.
-            RateLimited(LimitError::Refused { refusal, .. }) => match refusal.kind {
-                LimitKind::RequestsPerMinute => "requests",
-                LimitKind::TokensPerMinute => "tokens",
-                LimitKind::DailyTokens => "insufficient_quota",
+            RateLimited(e) => match &**e {
+                LimitError::Refused { refusal, .. } => match refusal.kind {
+                    LimitKind::RequestsPerMinute => "requests",
+                    LimitKind::TokensPerMinute => "tokens",
+                    LimitKind::DailyTokens => "insufficient_quota",
+                },
+                LimitError::Unavailable => "server_error",
             },
-            RateLimited(LimitError::Unavailable) => "server_error",
             Route(e) => type_for_status(route_status(e)),
             Policy(e) => type_for_status(policy_status(e)),
         }
@@ -357,11 +363,13 @@ impl ApiError {
             NotReady(_) => "model_not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Internal(_) => "internal_error",
-            RateLimited(LimitError::Refused { refusal, .. }) => match refusal.kind {
-                LimitKind::DailyTokens => "insufficient_quota",
-                _ => "rate_limit_exceeded",
+            RateLimited(e) => match &**e {
+                LimitError::Refused { refusal, .. } => match refusal.kind {
+                    LimitKind::DailyTokens => "insufficient_quota",
+                    _ => "rate_limit_exceeded",
+                },
+                LimitError::Unavailable => "rate_limiter_unavailable",
             },
-            RateLimited(LimitError::Unavailable) => "rate_limiter_unavailable",
             Route(e) => route_code(e),
             Policy(e) => e.code(),
         }
@@ -544,6 +552,12 @@ fn capitalized(s: &str) -> String {
     chars
         .next()
         .map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
+}
+
+impl From<LimitError> for ApiError {
+    fn from(e: LimitError) -> Self {
+        ApiError::RateLimited(Box::new(e))
+    }
 }
 
 impl From<UpstreamError> for ApiError {

@@ -74,7 +74,7 @@ pub async fn admit(
     if let (Some(slot), Some(q)) = (slot, quota) {
         let _ = slot.0.set(*q);
     }
-    result.map_err(ApiError::RateLimited)?;
+    result?;
     Ok(Some(Arc::clone(plan)))
 }
 
@@ -211,6 +211,8 @@ struct Inner {
     model: String,
     started: Instant,
     tally: Mutex<Tally>,
+    /// The request's span, kept open until the answer ends (traces on).
+    span: tracing::Span,
 }
 
 #[derive(Default)]
@@ -223,7 +225,10 @@ struct Tally {
     /// Tokens counted but not yet charged to the limits (batched).
     uncharged: u64,
     first_token: Option<Instant>,
+    last_token: Option<Instant>,
     inter_token: Histogram,
+    /// When a local answer was queued, and how long it waited.
+    queued_at: Option<Instant>,
     queue_wait: Option<Duration>,
 }
 
@@ -249,6 +254,10 @@ impl Meter {
                 backend: backend.to_owned(),
                 ..Tally::default()
             }),
+            span: match super::telemetry::enabled() {
+                true => tracing::Span::current(),
+                false => tracing::Span::none(),
+            },
         }))
     }
 
@@ -281,6 +290,7 @@ impl Meter {
     pub fn watch(&self, streams: &mut [GenerationStream]) {
         if let Some(first) = streams.first() {
             self.prompt(first.prompt_tokens() as u64);
+            self.tally().queued_at = Some(Instant::now());
         }
         for (i, stream) in streams.iter_mut().enumerate() {
             let meter = self.clone();
@@ -296,6 +306,7 @@ impl Meter {
                     meter.count(n, |t| {
                         t.completion += n;
                         t.first_token.get_or_insert(now);
+                        t.last_token = Some(now);
                         if i == 0 && t.queue_wait.is_none() {
                             t.queue_wait = queue_wait;
                         }
@@ -366,6 +377,17 @@ impl Drop for Inner {
         };
         self.state.metrics.record_request(&usage, &timings);
         app.usage.record(&usage);
+        if let (Some(queued), Some(wait), Some(first)) = (t.queued_at, t.queue_wait, t.first_token)
+        {
+            let started = queued + wait;
+            let last = t.last_token.unwrap_or(first);
+            let phases = [
+                ("queue", queued, started),
+                ("prefill", started, first),
+                ("decode", first, last),
+            ];
+            super::telemetry::record_phases(&self.span, &phases);
+        }
     }
 }
 

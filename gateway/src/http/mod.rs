@@ -39,6 +39,7 @@ pub mod prompt_caches;
 pub mod responses;
 pub mod routing;
 pub mod serving;
+pub mod telemetry;
 pub mod upstream_usage;
 
 use std::convert::Infallible;
@@ -292,6 +293,7 @@ fn admit<'s>(
     let path = req.uri().path();
     let zone = Zone::of_path(path);
     if let Zone::Scoped(scope) = zone {
+        let _auth = telemetry::span(telemetry::Step::Auth).entered();
         outcome.caller = Some(state.keys.authorize(req.headers(), scope, keys)?);
     }
     let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
@@ -441,8 +443,15 @@ async fn handle(
     let _in_flight = state.metrics.start();
     let id = request_id(&req);
     let method = req.method().clone();
-    let span =
-        info_span!("request", id = %id, method = %method, path = %req.uri().path(), peer = %peer);
+    let span = info_span!(
+        "request",
+        id = %id,
+        method = %method,
+        path = %req.uri().path(),
+        peer = %peer,
+        status = tracing::field::Empty
+    );
+    telemetry::adopt_parent(&span, req.headers());
     let timeout = state.app.config.server.request_timeout();
     let expired = &conn.body_expired;
     expired.store(false, Ordering::Relaxed);
@@ -469,6 +478,9 @@ async fn handle(
         resp
     };
     let status = resp.status().as_u16();
+    if telemetry::enabled() {
+        span.record("status", status);
+    }
     let elapsed = started.elapsed();
     state.metrics.observe(&method, out.route, status, elapsed);
     if let Ok(v) = HeaderValue::from_str(&id) {

@@ -26,11 +26,13 @@ use super::body::{self, Body, BodyLimit, ReqBody};
 use super::counting::{self, Counted};
 use super::metering::{self, Meter, QuotaSlot};
 use super::openai::validate::{self, Endpoint, RoutingFields};
+use super::telemetry;
 use super::upstream_usage::{self, UsageTap};
 use super::{ApiError, Caller, Ctx, Route};
 use crate::app::Destination;
 use crate::policy::RequestFacts;
 use crate::upstream::{self, Outgoing, Upstream};
+use tracing::Instrument;
 
 /// `GET /admin/upstreams`: each configured upstream's health, last error
 /// and in-flight count, as the router sees them.
@@ -192,6 +194,7 @@ pub async fn dispatch(
             quota,
             ..routing_facts(&head, &fields, prompt_tokens)
         })
+        .instrument(telemetry::span(telemetry::Step::Route))
         .await?;
     let rewrite = match &destination {
         Destination::Local { model, .. } => (model != fields.model).then(|| model.clone()),
@@ -310,8 +313,24 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         body: asked.unwrap_or(bytes),
         request_id: &cx.request_id,
         protocol,
+        traceparent: None,
     };
-    let resp = upstream::proxy_in_order(order, out, max_attempts).await?;
+    let span = telemetry::span(telemetry::Step::Upstream);
+    let traceparent = telemetry::traceparent(&span);
+    let out = Outgoing {
+        traceparent: traceparent.as_deref(),
+        ..out
+    };
+    let resp = upstream::proxy_in_order(order, out, max_attempts)
+        .instrument(span.clone())
+        .await?;
+    if let Some(name) = resp
+        .headers()
+        .get(&upstream::UPSTREAM_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
+        span.record("upstream", name);
+    }
     Ok(count_usage(resp, strip, meter))
 }
 

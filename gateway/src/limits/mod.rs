@@ -376,7 +376,7 @@ fn decide(plan: &Plan, states: &[gcra::State], now: f64) -> Result<Vec<f64>, Lim
         Some((c, refusal)) => Err(LimitError::Refused {
             who: c.who.clone(),
             refusal,
-            quota: Quota::of(plan, states, now),
+            quota: Box::new(Quota::of(plan, states, now)),
         }),
     }
 }
@@ -389,7 +389,7 @@ pub enum LimitError {
         /// The counter that refused, as a phrase.
         who: String,
         refusal: gcra::Refusal,
-        quota: Quota,
+        quota: Box<Quota>,
     },
     /// The Redis backend cannot be reached and `on_redis_error = "refuse"`.
     #[error(
@@ -431,7 +431,7 @@ impl LimitError {
 
     pub fn quota(&self) -> Option<&Quota> {
         match self {
-            LimitError::Refused { quota, .. } => Some(quota),
+            LimitError::Refused { quota, .. } => Some(&**quota),
             LimitError::Unavailable => None,
         }
     }
@@ -439,7 +439,7 @@ impl LimitError {
 
 enum Store {
     Memory(memory::MemoryStore),
-    Redis(redis_store::RedisStore),
+    Redis(Box<redis_store::RedisStore>),
 }
 
 /// Every caller's limits and where their counters are kept.
@@ -470,7 +470,7 @@ impl Limiter {
         let anonymous = builder.caller(ANONYMOUS, ANONYMOUS);
         let store = match config.backend {
             Backend::Memory => Store::Memory(memory::MemoryStore::new(builder.counters.len())),
-            Backend::Redis => Store::Redis(redis_store::RedisStore::new(config)),
+            Backend::Redis => Store::Redis(Box::new(redis_store::RedisStore::new(config))),
         };
         let unlimited = |p: &CallerPlans| p.base.is_none() && p.by_model.is_empty();
         let empty = unlimited(&anonymous) && by_key.values().all(unlimited);

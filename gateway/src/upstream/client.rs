@@ -586,6 +586,7 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 ];
 
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// Names the upstream that answered, on every proxied answer.
 pub static UPSTREAM_HEADER: HeaderName = HeaderName::from_static("x-mlxgate-upstream");
@@ -606,6 +607,8 @@ pub struct Outgoing<'a> {
     pub request_id: &'a str,
     /// The API of the request; the upstream must speak it.
     pub protocol: Protocol,
+    /// W3C trace context of the call, sent as `traceparent` (traces on).
+    pub traceparent: Option<&'a str>,
 }
 
 /// Forwards `out` to `upstream` and returns its answer, streamed. Fails only
@@ -624,6 +627,7 @@ pub async fn proxy(
     let target = upstream.target(out.path_and_query)?;
     upstream.admit()?;
     let request_id = HeaderValue::from_str(out.request_id).ok();
+    let traceparent = out.traceparent.and_then(|t| HeaderValue::from_str(t).ok());
     let request = || {
         let mut req = Request::new(out.body.clone());
         *req.method_mut() = out.method.clone();
@@ -639,6 +643,9 @@ pub async fn proxy(
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Some(v) = &request_id {
             h.insert(X_REQUEST_ID.clone(), v.clone());
+        }
+        if let Some(v) = &traceparent {
+            h.insert(TRACEPARENT.clone(), v.clone());
         }
         match out.protocol {
             Protocol::Openai => {
@@ -984,6 +991,7 @@ mod tests {
             body: Bytes::from_static(br#"{"model":"m"}"#),
             request_id: "req-1",
             protocol: Protocol::Openai,
+            traceparent: None,
         }
     }
 

@@ -53,6 +53,7 @@ pub async fn via_openai(
             body: Bytes::from(chat),
             request_id,
             protocol: Protocol::Openai,
+            traceparent: None,
         },
         max_attempts,
     )
