@@ -69,16 +69,7 @@ fn main() {
     if tls {
         println!("upstream over TLS (HTTP/1.1), verified by both proxies");
     }
-    let script = dir.path().join("post.lua");
-    std::fs::write(
-        &script,
-        format!(
-            "wrk.method = \"POST\"\nwrk.body = '{REQUEST}'\n\
-             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
-             wrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
-        ),
-    )
-    .expect("write wrk script");
+    let script = wrk_script(dir.path());
     let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
 
     // Warm-up: connections, pools, warm policy instances.
@@ -198,6 +189,21 @@ fn main() {
     drop(nginx);
 }
 
+/// The wrk script of the bench's request (in `dir`).
+fn wrk_script(dir: &Path) -> PathBuf {
+    let script = dir.join("post.lua");
+    std::fs::write(
+        &script,
+        format!(
+            "wrk.method = \"POST\"\nwrk.body = '{REQUEST}'\n\
+             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+             wrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
+        ),
+    )
+    .expect("write wrk script");
+    script
+}
+
 /// Limits in force on every request of the bench's key, never refusing.
 const LIMITS: &str = "[limits.keys.bench]\nrequests_per_minute = 1000000000\n\
     [limits.tenants.bench]\nrequests_per_minute = 1000000000\ntokens_per_minute = 1000000000000\n\
@@ -247,16 +253,7 @@ fn limits_rounds(wrk: &Path, dir: &Path, upstream: SocketAddr) {
         }
         None => println!("redis-server not installed: the Redis target is left out"),
     }
-    let script = dir.join("post.lua");
-    std::fs::write(
-        &script,
-        format!(
-            "wrk.method = \"POST\"\nwrk.body = '{REQUEST}'\n\
-             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
-             wrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n"
-        ),
-    )
-    .expect("write wrk script");
+    let script = wrk_script(dir);
     let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
     for (_, g) in &targets {
         load(wrk, &script, &url(g.addr), 1);

@@ -195,6 +195,10 @@ fn routers_send_messages_and_responses_upstream_as_sent() {
         "{\"city\":\"Paris\"}"
     );
     assert_eq!(chat["messages"][3]["tool_call_id"], "toolu_1");
+    // The translated answer's usage is counted under the upstream that gave it.
+    let scrape = s.get("/metrics").text();
+    let counted = "mlxgate_tokens_total{tenant=\"globex\",model=\"echo-body\",backend=\"oa\",kind=\"prompt\"} 7";
+    assert!(scrape.contains(counted), "{scrape}");
     // Streamed: the upstream's chunks as Anthropic's events.
     up.release();
     let mut streamed = sent.clone();

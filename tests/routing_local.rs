@@ -47,6 +47,24 @@ fn bind_router(s: &Server, name: &str, crate_name: &str, on_error: &str, config:
     assert_eq!(r.status, 200, "bind: {}", r.text());
 }
 
+/// Waits until `/v1/models` lists the model `id` (it loads in the background).
+fn wait_for_model(s: &Server, id: &str) {
+    let deadline = Instant::now() + LOAD_TIMEOUT;
+    let listed = format!("\"{id}\"");
+    while !s
+        .get_with("/v1/models", &[("authorization", &auth())])
+        .text()
+        .contains(&listed)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "model did not load; log:\n{}",
+            s.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn chat(s: &Server, model: &str) -> Response {
     let body = json!({"model": model, "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "Say hi"}]})
@@ -88,19 +106,7 @@ fn fail_open_and_local_decisions_are_served_by_the_engine() {
         ))
         .env("MLXGATE_ADMIN_KEY", ADMIN)
         .start();
-    let deadline = Instant::now() + LOAD_TIMEOUT;
-    while !s
-        .get_with("/v1/models", &[("authorization", &auth())])
-        .text()
-        .contains("\"panic\"")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "model did not load; log:\n{}",
-            s.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_for_model(&s, "panic");
 
     bind_router(&s, "open", "hostile-router", "fail_open", "");
     served_locally_as(&chat(&s, "panic"), "panic");
@@ -139,19 +145,7 @@ fn a_router_sends_a_caller_over_its_local_budget_upstream() {
         .config(&config)
         .env("MLXGATE_ADMIN_KEY", ADMIN)
         .start();
-    let deadline = Instant::now() + LOAD_TIMEOUT;
-    while !s
-        .get_with("/v1/models", &[("authorization", &auth())])
-        .text()
-        .contains("\"smol\"")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "model did not load; log:\n{}",
-            s.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_for_model(&s, "smol");
     bind_router(
         &s,
         "spill",

@@ -162,6 +162,21 @@ impl Receiver {
     }
 }
 
+/// A short chat completion for `model` with `headers`.
+fn chat(s: &support::Server, headers: &[(&str, &str)], model: &str) -> support::Response {
+    let body =
+        json!({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+            .to_string();
+    let mut headers = headers.to_vec();
+    headers.push(("content-type", "application/json"));
+    s.request(
+        "POST",
+        "/v1/chat/completions",
+        &headers,
+        Some(body.as_bytes()),
+    )
+}
+
 #[test]
 fn each_request_is_one_trace_with_its_steps_and_the_upstream_sees_it() {
     let receiver = Receiver::start();
@@ -185,18 +200,10 @@ fn each_request_is_one_trace_with_its_steps_and_the_upstream_sees_it() {
     // A local request under the client's trace.
     let (client_trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let traceparent = format!("00-{client_trace}-{client_span}-01");
-    let body =
-        json!({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
-            .to_string();
-    let r = s.request(
-        "POST",
-        "/v1/chat/completions",
-        &[
-            ("authorization", &auth),
-            ("content-type", "application/json"),
-            ("traceparent", &traceparent),
-        ],
-        Some(body.as_bytes()),
+    let r = chat(
+        &s,
+        &[("authorization", &auth), ("traceparent", &traceparent)],
+        &model,
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let spans = receiver.trace(
@@ -232,17 +239,7 @@ fn each_request_is_one_trace_with_its_steps_and_the_upstream_sees_it() {
     );
 
     // A proxied request: its own trace, and the upstream call's context sent on.
-    let body = json!({"model": "static-model", "messages": [{"role": "user", "content": "Hi"}]})
-        .to_string();
-    let r = s.request(
-        "POST",
-        "/v1/chat/completions",
-        &[
-            ("authorization", &auth),
-            ("content-type", "application/json"),
-        ],
-        Some(body.as_bytes()),
-    );
+    let r = chat(&s, &[("authorization", &auth)], "static-model");
     assert_eq!(r.status, 200, "{}", r.text());
     let sent = r.json()["traceparent"]
         .as_str()

@@ -239,6 +239,22 @@ fn a_tenant_concurrency_cap_holds_under_fifty_parallel_requests() {
             })
         })
         .collect();
+    // While the admitted four generate, the engine's gauges show them.
+    let running = format!("mlxgate_model_sequences_running{{model=\"{model}\"}}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let scrape = loop {
+        let scrape = s.get("/metrics").text();
+        if series(&scrape, &running) == Some(4.0) {
+            break scrape;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never 4 running: {scrape}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let kv = format!("mlxgate_model_kv_cache_bytes{{model=\"{model}\"}}");
+    assert!(series(&scrape, &kv).unwrap() > 0.0, "{scrape}");
     let answers: Vec<Response> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     let served = answers.iter().filter(|r| r.status == 200).count();
     for r in answers.iter().filter(|r| r.status != 200) {
@@ -270,7 +286,10 @@ fn series(scrape: &str, name_and_labels: &str) -> Option<f64> {
 #[test]
 fn tokens_and_latencies_reach_metrics_and_usage_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let config = keys(&[("u1", "u"), ("v1", "v")]);
+    let config = format!(
+        "{}\n[limits.tenants.v]\ndaily_tokens = 1000\n",
+        keys(&[("u1", "u"), ("v1", "v")])
+    );
     let (mut s, model) = server(&config, Some(dir.path()));
     let chat = json!({
         "model": model, "messages": [{"role": "user", "content": "Count to five."}],
@@ -350,7 +369,7 @@ fn tokens_and_latencies_reach_metrics_and_usage_survives_a_restart() {
     assert_eq!(before["data"][0]["backend"], "local");
     s.sigterm();
     s.wait_exit(Duration::from_secs(20));
-    let (s, _) = server(&config, Some(dir.path()));
+    let (s, model) = server(&config, Some(dir.path()));
     assert_eq!(report(&s, "?tenant=u")["totals"], before["totals"]);
     assert_eq!(report(&s, "")["totals"]["requests"], 2, "both tenants");
     assert_eq!(
@@ -362,4 +381,15 @@ fn tokens_and_latencies_reach_metrics_and_usage_survives_a_restart() {
     // Inference keys do not read usage.
     let r = support::keyed_call(s.addr, "GET", "/admin/usage", &secret("u1"), None);
     assert_eq!(r.status, 403);
+    // The daily budget goes on from what the ledger says was used today.
+    let r = call(
+        s.addr,
+        "v1",
+        "/v1/completions",
+        &fifteen_tokens(&model, false),
+    );
+    assert_eq!(
+        header_u64(&r, "x-ratelimit-remaining-tokens-day"),
+        1000 - 15
+    );
 }

@@ -90,11 +90,34 @@ impl App {
     /// in the background, each with its configured adapters.
     pub fn start(&self, load: ModelLoader, shutdown: impl Future<Output = ()> + Send + 'static) {
         self.start_jobs(shutdown);
+        self.restore_daily_usage();
         self.start_usage_flushes();
         self.upstreams.start_health_checks();
         let mounts = adapters::startup_mounts(&self.config);
         self.models
             .load_in_background(load, self.engine_options(), mounts);
+    }
+
+    /// Daily budgets kept in this process start from what the usage ledger
+    /// says was used today, so a restart does not renew them.
+    fn restore_daily_usage(&self) {
+        if !self.limits.has_daily_budgets() {
+            return;
+        }
+        let today = crate::util::time::Date::today().iso();
+        let rows = match self.usage.report(None, &today, &today) {
+            Ok(rows) => rows,
+            Err(e) => {
+                error!(error = %e, "daily budgets start from zero: the usage ledger cannot be read");
+                return;
+            }
+        };
+        self.limits.restore_daily_usage(|counter| {
+            rows.iter()
+                .filter(|r| counter.scope.covers(&r.key_id, &r.tenant, &r.model))
+                .map(|r| r.prompt_tokens + r.completion_tokens)
+                .sum()
+        });
     }
 
     /// Folds the usage of finished requests into its database every few

@@ -73,6 +73,8 @@ pub struct Admission {
     max_queued: usize,
     tenant_cap: usize,
     max_batch: usize,
+    /// The KV memory running sequences may hold (for the gauges).
+    kv_limit: u64,
     waiting: Mutex<Waiting>,
     /// Recent time a request spent in the engine, admission to its end
     /// (an exponential moving average, microseconds; 0 before the first).
@@ -92,6 +94,10 @@ pub struct AdmissionCounters {
     pub rejected_overloaded: AtomicU64,
     pub rejected_tenant_share: AtomicU64,
     pub preempted: AtomicU64,
+    /// Sequences running (decoding or prefilling) after the last step.
+    pub running: AtomicU64,
+    /// KV cache bytes those hold.
+    pub kv_bytes: AtomicU64,
 }
 
 /// A snapshot of [`Admission`] for metrics and routers.
@@ -102,6 +108,10 @@ pub struct QueueStats {
     pub rejected_overloaded: u64,
     pub rejected_tenant_share: u64,
     pub preempted: u64,
+    pub running: u64,
+    pub kv_bytes: u64,
+    /// `[scheduler] kv_cache_mb`, in bytes.
+    pub kv_limit: u64,
 }
 
 impl Admission {
@@ -110,6 +120,7 @@ impl Admission {
             max_queued: options.max_queued,
             tenant_cap: options.tenant_cap(),
             max_batch: options.max_batch.max(1),
+            kv_limit: options.kv_cache_bytes as u64,
             waiting: Mutex::default(),
             service_micros: AtomicU64::new(0),
             counters: AdmissionCounters::default(),
@@ -164,7 +175,17 @@ impl Admission {
             rejected_overloaded: c.rejected_overloaded.load(Ordering::Relaxed),
             rejected_tenant_share: c.rejected_tenant_share.load(Ordering::Relaxed),
             preempted: c.preempted.load(Ordering::Relaxed),
+            running: c.running.load(Ordering::Relaxed),
+            kv_bytes: c.kv_bytes.load(Ordering::Relaxed),
+            kv_limit: self.kv_limit,
         }
+    }
+
+    /// What the engine holds after a step, for the gauges.
+    pub(super) fn publish_load(&self, running: usize, kv_bytes: usize) {
+        let c = &self.counters;
+        c.running.store(running as u64, Ordering::Relaxed);
+        c.kv_bytes.store(kv_bytes as u64, Ordering::Relaxed);
     }
 
     /// Records how long a finished request took in the engine.

@@ -424,6 +424,9 @@ impl Scheduler {
             if !running.is_empty() {
                 self.step_isolated(&mut running);
             }
+            let sequences = running.len() + usize::from(prefilling.is_some());
+            self.admission
+                .publish_load(sequences, Scheduler::kv_in_use(&running));
         }
     }
 

@@ -341,9 +341,10 @@ impl Metrics {
     }
 }
 
-/// Each local model's queue: depth, bound, refusals and preemptions.
+/// Each local model's queue and load: depth, bound, refusals, preemptions,
+/// running sequences and their KV memory.
 pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
-    const FAMILIES: [(&str, &str, &str); 5] = [
+    const FAMILIES: [(&str, &str, &str); 8] = [
         (
             "mlxgate_model_queue_waiting",
             "gauge",
@@ -368,6 +369,21 @@ pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
             "mlxgate_model_preemptions_total",
             "counter",
             "Sequences preempted for KV memory and recomputed later.",
+        ),
+        (
+            "mlxgate_model_sequences_running",
+            "gauge",
+            "Sequences decoding or prefilling after the engine's last step, by model.",
+        ),
+        (
+            "mlxgate_model_kv_cache_bytes",
+            "gauge",
+            "KV cache memory the running sequences hold, by model.",
+        ),
+        (
+            "mlxgate_model_kv_cache_limit_bytes",
+            "gauge",
+            "The KV memory running sequences may hold ([scheduler] kv_cache_mb).",
         ),
     ];
     let mut out = String::new();
@@ -408,6 +424,13 @@ pub fn render_model_queues(models: &[crate::app::LoadedModel]) -> String {
                 "mlxgate_model_preemptions_total",
                 String::new(),
                 q.preempted,
+            ),
+            ("mlxgate_model_sequences_running", String::new(), q.running),
+            ("mlxgate_model_kv_cache_bytes", String::new(), q.kv_bytes),
+            (
+                "mlxgate_model_kv_cache_limit_bytes",
+                String::new(),
+                q.kv_limit,
             ),
         ];
         for (name, more, value) in series {

@@ -244,6 +244,16 @@ pub async fn dispatch(
     }
 }
 
+/// A call to upstreams: the order to try them in, how many at most, the
+/// request's id and trace context, and the meter its usage goes to.
+pub struct Call<'a> {
+    pub order: &'a [Arc<Upstream>],
+    pub max_attempts: usize,
+    pub request_id: &'a str,
+    pub traceparent: Option<String>,
+    pub meter: Meter,
+}
+
 /// A body on its way upstream: as received, or re-encoded with the model
 /// the decision named.
 struct Forward<'a, F: Fn(Option<String>) -> Result<Value, ApiError>> {
@@ -278,13 +288,16 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         && first.speaks(upstream::Protocol::Openai)
     {
         let json = (body.json)(body.rewrite)?;
-        let via = crate::http::anthropic::translate::via_openai(
-            (order, max_attempts),
-            head,
-            &cx.request_id,
-            json,
-        );
-        return via.await;
+        let span = telemetry::span(telemetry::Step::Upstream);
+        let call = Call {
+            order,
+            max_attempts,
+            request_id: &cx.request_id,
+            traceparent: telemetry::traceparent(&span),
+            meter,
+        };
+        let via = crate::http::anthropic::translate::via_openai(call, head, json);
+        return via.instrument(span).await;
     }
     let bytes = match body.rewrite {
         Some(model) => serde_json::to_vec(&(body.json)(Some(model))?)

@@ -37,6 +37,14 @@ impl MemoryStore {
         Quota::of(plan, &mine, now)
     }
 
+    /// Sets `counter`'s tokens of the day of `now` to `used`.
+    pub fn restore_day(&self, counter: &super::Counter, used: u64, now: f64) {
+        let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &mut states[counter.slot];
+        s.day = gcra::day_of(now);
+        s.day_tokens = used;
+    }
+
     pub fn charge(&self, plan: &Plan, tokens: u64) {
         let now = now_us();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());

@@ -226,11 +226,56 @@ pub struct Counter {
     /// Stable name, the counter's key in a store: `key:ID`, `tenant:NAME`,
     /// either followed by `:model:MODEL`.
     pub id: Arc<str>,
+    /// Whose requests it counts.
+    pub scope: Scope,
     /// Who it limits, for messages: "API key 'a'", "tenant 't' on model 'm'".
     pub who: String,
     pub rates: Rates,
     /// Its slot in the in-process store.
     slot: usize,
+}
+
+/// Whose requests a counter counts: one key's or one tenant's, for one
+/// model or all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    Key { id: String, model: Option<String> },
+    Tenant { name: String, model: Option<String> },
+}
+
+impl Scope {
+    /// Whether a request of `key` (of `tenant`) for `model` counts here.
+    pub fn covers(&self, key: &str, tenant: &str, model: &str) -> bool {
+        let (who, wanted, m) = match self {
+            Scope::Key { id, model } => (key, id, model),
+            Scope::Tenant { name, model } => (tenant, name, model),
+        };
+        who == wanted && m.as_deref().is_none_or(|m| m == model)
+    }
+
+    fn id(&self) -> String {
+        match self {
+            Scope::Key { id, model: None } => format!("key:{id}"),
+            Scope::Key { id, model: Some(m) } => format!("key:{id}:model:{m}"),
+            Scope::Tenant { name, model: None } => format!("tenant:{name}"),
+            Scope::Tenant {
+                name,
+                model: Some(m),
+            } => format!("tenant:{name}:model:{m}"),
+        }
+    }
+
+    fn who(&self) -> String {
+        match self {
+            Scope::Key { id, model: None } => format!("API key '{id}'"),
+            Scope::Key { id, model: Some(m) } => format!("API key '{id}' on model '{m}'"),
+            Scope::Tenant { name, model: None } => format!("tenant '{name}'"),
+            Scope::Tenant {
+                name,
+                model: Some(m),
+            } => format!("tenant '{name}' on model '{m}'"),
+        }
+    }
 }
 
 /// The counters one caller's requests for one model are checked against.
@@ -254,16 +299,17 @@ struct PlanBuilder<'c> {
 }
 
 impl PlanBuilder<'_> {
-    fn counter(&mut self, id: String, who: String, rates: Rates) -> Option<Arc<Counter>> {
+    fn counter(&mut self, scope: Scope, rates: Rates) -> Option<Arc<Counter>> {
         if rates.is_empty() {
             return None;
         }
         let slot = self.counters.len();
-        let id: Arc<str> = id.into();
+        let id: Arc<str> = scope.id().into();
         let entry = self.counters.entry(Arc::clone(&id)).or_insert_with(|| {
             Arc::new(Counter {
                 id,
-                who,
+                who: scope.who(),
+                scope,
                 rates,
                 slot,
             })
@@ -278,15 +324,19 @@ impl PlanBuilder<'_> {
         let mut base = Vec::new();
         if let Some(spec) = key {
             base.extend(self.counter(
-                format!("key:{key_id}"),
-                format!("API key '{key_id}'"),
+                Scope::Key {
+                    id: key_id.to_owned(),
+                    model: None,
+                },
                 spec.rates(),
             ));
         }
         if let Some(spec) = tenant_spec {
             base.extend(self.counter(
-                format!("tenant:{tenant}"),
-                format!("tenant '{tenant}'"),
+                Scope::Tenant {
+                    name: tenant.to_owned(),
+                    model: None,
+                },
                 spec.rates(),
             ));
         }
@@ -302,15 +352,19 @@ impl PlanBuilder<'_> {
             let mut counters = base.clone();
             if let Some(m) = key.and_then(|s| s.models.get(model)) {
                 counters.extend(self.counter(
-                    format!("key:{key_id}:model:{model}"),
-                    format!("API key '{key_id}' on model '{model}'"),
+                    Scope::Key {
+                        id: key_id.to_owned(),
+                        model: Some(model.clone()),
+                    },
                     m.rates(),
                 ));
             }
             if let Some(m) = tenant_spec.and_then(|s| s.models.get(model)) {
                 counters.extend(self.counter(
-                    format!("tenant:{tenant}:model:{model}"),
-                    format!("tenant '{tenant}' on model '{model}'"),
+                    Scope::Tenant {
+                        name: tenant.to_owned(),
+                        model: Some(model.clone()),
+                    },
                     m.rates(),
                 ));
             }
@@ -450,6 +504,8 @@ pub struct Limiter {
     anonymous: CallerPlans,
     /// No caller has any rate or budget.
     empty: bool,
+    /// Every counter, once.
+    counters: Vec<Arc<Counter>>,
 }
 
 impl Limiter {
@@ -479,6 +535,7 @@ impl Limiter {
             by_key,
             anonymous,
             empty,
+            counters: builder.counters.into_values().collect(),
         }
     }
 
@@ -522,6 +579,26 @@ impl Limiter {
             Store::Memory(m) => m.charge(plan, tokens),
             Store::Redis(r) => r.charge(plan, tokens),
         }
+    }
+
+    /// Sets what each daily budget kept in this process has used today,
+    /// from `used_today(counter)` (the usage ledger, which outlives a
+    /// restart); Redis keeps its own across restarts.
+    pub fn restore_daily_usage(&self, used_today: impl Fn(&Counter) -> u64) {
+        if let Store::Memory(m) = &self.store {
+            for c in self
+                .counters
+                .iter()
+                .filter(|c| c.rates.daily_tokens.is_some())
+            {
+                m.restore_day(c, used_today(c), now_us());
+            }
+        }
+    }
+
+    /// Whether any counter has a daily budget.
+    pub fn has_daily_budgets(&self) -> bool {
+        self.counters.iter().any(|c| c.rates.daily_tokens.is_some())
     }
 
     /// Tokens worth batching before a charge: every token in this

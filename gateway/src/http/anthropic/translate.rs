@@ -23,8 +23,10 @@ use super::validate::{MessagesRequest, messages_request};
 use crate::engine::{Grammar, ToolChoice};
 use crate::http::body;
 use crate::http::openai::sse::stream_response;
+use crate::http::routing::Call;
+use crate::http::upstream_usage::UsageTap;
 use crate::http::{ApiError, Body};
-use crate::upstream::{self, Outgoing, Protocol, Upstream};
+use crate::upstream::{self, Outgoing, Protocol};
 
 /// Largest whole answer read back for translation.
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
@@ -34,9 +36,8 @@ const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 /// request, at most `max_attempts` asked; one that does not speak OpenAI's
 /// API is passed over) and answers in Anthropic's shape.
 pub async fn via_openai(
-    (order, max_attempts): (&[std::sync::Arc<Upstream>], usize),
+    call: Call<'_>,
     head: &http::request::Parts,
-    request_id: &str,
     body: Value,
 ) -> Result<Response<Body>, ApiError> {
     let request = messages_request(&body, false)?;
@@ -45,22 +46,33 @@ pub async fn via_openai(
     let chat = serde_json::to_vec(&chat_body(&body, &request))
         .map_err(|e| ApiError::Internal(format!("encoding the chat request: {e}")))?;
     let resp = upstream::proxy_in_order(
-        order,
+        call.order,
         Outgoing {
             method: http::Method::POST,
             path_and_query: "/v1/chat/completions",
             headers: &head.headers,
             body: Bytes::from(chat),
-            request_id,
+            request_id: call.request_id,
             protocol: Protocol::Openai,
-            traceparent: None,
+            traceparent: call.traceparent.as_deref(),
         },
-        max_attempts,
+        call.max_attempts,
     )
     .await
     .map_err(crate::app::RouteError::Upstream)?;
     let (mut parts, incoming) = resp.into_parts();
     parts.headers.remove(http::header::CONTENT_LENGTH);
+    if let Some(name) = parts
+        .headers
+        .get(&upstream::UPSTREAM_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
+        call.meter.answered_by(name);
+    }
+    // The chat answer's usage, read on its way to translation.
+    let meter = call.meter;
+    let sink = Box::new(move |prompt, completion| meter.upstream_usage(prompt, completion));
+    let incoming = UsageTap::new(incoming, stream, false, sink);
     if !parts.status.is_success() {
         let text = read(incoming).await;
         let message = serde_json::from_slice::<Value>(&text)
@@ -102,7 +114,11 @@ fn copy_upstream_name(from: &http::HeaderMap, to: &mut http::HeaderMap) {
     }
 }
 
-async fn read(incoming: upstream::ProxyBody) -> Bytes {
+async fn read<B>(incoming: B) -> Bytes
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<crate::http::BoxError>,
+{
     match http_body_util::Limited::new(incoming, MAX_ANSWER_BYTES)
         .collect()
         .await
