@@ -371,6 +371,15 @@ fn tokens_and_latencies_reach_metrics_and_usage_survives_a_restart() {
     s.wait_exit(Duration::from_secs(20));
     let (s, model) = server(&config, Some(dir.path()));
     assert_eq!(report(&s, "?tenant=u")["totals"], before["totals"]);
+    // The same report from the command line.
+    let url = format!("http://{}", s.addr);
+    let (status, out, err) = support::run_cli(
+        &["usage", "--tenant", "u", "--url", &url],
+        &[("MLXGATE_ADMIN_KEY", ADMIN)],
+    );
+    assert!(status.success(), "{err}");
+    let printed: Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(printed["totals"], before["totals"]);
     assert_eq!(report(&s, "")["totals"]["requests"], 2, "both tenants");
     assert_eq!(
         report(&s, "?from=2000-01-01&to=2000-01-31")["totals"]["requests"],

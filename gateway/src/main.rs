@@ -74,6 +74,9 @@ enum Command {
     /// LoRA adapters on a running gateway: list, available, mount, unmount.
     #[command(subcommand)]
     Adapters(mlxgate::cli::adapters::AdaptersCommand),
+    /// Token usage per day, tenant, key, model and backend, from a running
+    /// gateway's ledger (needs an admin key in MLXGATE_ADMIN_KEY).
+    Usage(mlxgate::cli::usage::UsageArgs),
     /// Convert a GGUF model into an mlx-community style directory
     /// (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
     /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
@@ -366,6 +369,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs(cmd) => mlxgate::cli::jobs::run(cmd),
         Command::Cache(cmd) => mlxgate::cli::cache::run(cmd),
         Command::Adapters(cmd) => mlxgate::cli::adapters::run(cmd),
+        Command::Usage(args) => mlxgate::cli::usage::run(args),
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {

@@ -1,5 +1,6 @@
 //! The `mlxgate` subcommands that are not the server: clients of a running
-//! gateway (`policy`, `jobs`, `cache`, `adapters`, all through [`remote`])
+//! gateway (`policy`, `jobs`, `cache`, `adapters`, `usage`, all through
+//! [`remote`])
 //! and offline tools (`dataset transform`, `cache inspect`, `policy
 //! --data-dir`). The top of the command line (`serve`, `keys`, `doctor`,
 //! `convert`) is `main.rs`.
@@ -9,3 +10,4 @@ pub mod cache;
 pub mod jobs;
 pub mod policy;
 pub mod remote;
+pub mod usage;

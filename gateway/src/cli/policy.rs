@@ -18,7 +18,7 @@ use clap::{Args, Subcommand};
 use http::Method;
 use serde_json::{Value, json};
 
-use super::remote::{Payload, Remote, call_blocking};
+use super::remote::{Payload, Remote, call_blocking, query_value};
 use crate::policy::jsonl::{Batch, JsonlBatches};
 use crate::policy::{
     HostConfig, Limits, OnError, PolicyHost, PolicyInfo, PolicyKind, PolicyOptions, RecordOutcome,
@@ -242,7 +242,7 @@ fn push(a: PushArgs) -> anyhow::Result<()> {
             };
             let mut q = format!("kind={}&on_error={on_error}", a.kind);
             if let Some(c) = &config {
-                q.push_str(&format!("&config={}", encode(c)));
+                q.push_str(&format!("&config={}", query_value(c)));
             }
             if let Some(v) = a.deadline_ms {
                 q.push_str(&format!("&deadline_ms={v}"));
@@ -307,19 +307,6 @@ fn print_list(infos: &[PolicyInfo]) {
             i.size_bytes
         );
     }
-}
-
-/// Percent-encodes a query value (RFC 3986 unreserved characters pass).
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }
 
 /// One admin API call on the running gateway.

@@ -174,6 +174,19 @@ pub fn print(v: &Value) {
     );
 }
 
+/// Percent-encodes a query value (RFC 3986 unreserved characters pass).
+pub fn query_value(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
