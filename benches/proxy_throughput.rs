@@ -206,8 +206,7 @@ fn wrk_script(dir: &Path) -> PathBuf {
 
 /// Limits in force on every request of the bench's key, never refusing.
 const LIMITS: &str = "[limits.keys.bench]\nrequests_per_minute = 1000000000\n\
-    [limits.tenants.bench]\nrequests_per_minute = 1000000000\ntokens_per_minute = 1000000000000\n\
-    daily_tokens = 1000000000000\n";
+    [limits.tenants.bench]\nrequests_per_minute = 1000000000\ntokens_per_minute = 1000000000\n";
 
 /// `PROXY_THROUGHPUT_LIMITS=1`: the gateway without limits, with limits in
 /// memory and with limits in Redis, in interleaved rounds.

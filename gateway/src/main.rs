@@ -269,6 +269,19 @@ fn init_tracing_with(
     Ok(telemetry)
 }
 
+/// The layer that writes log lines to stderr, as text or JSON.
+fn log_layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer as _;
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        LogFormat::Json => fmt.json().flatten_event(true).with_span_list(false).boxed(),
+    }
+}
+
 /// Logs to stderr as text or JSON lines, filtered by `RUST_LOG` (default
 /// `info`), with `extra` beside them.
 fn init_logging<L>(format: LogFormat, extra: Option<L>)
@@ -280,15 +293,18 @@ where
     use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let fmt = match format {
-        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).boxed(),
-        LogFormat::Json => fmt.json().flatten_event(true).with_span_list(false).boxed(),
-    };
-    tracing_subscriber::registry()
-        .with(extra)
-        .with(fmt.with_filter(filter))
-        .init();
+    match extra {
+        // Without traces, one global filter: tracing's fast path, spans the
+        // filter leaves out cost nothing.
+        None => tracing_subscriber::registry()
+            .with(filter)
+            .with(log_layer(format))
+            .init(),
+        Some(extra) => tracing_subscriber::registry()
+            .with(extra)
+            .with(log_layer(format).with_filter(filter))
+            .init(),
+    }
     // Panics go through the log too, so JSON logs stay one object per line.
     // Handler panics are also caught and answered with a 500.
     std::panic::set_hook(Box::new(|info| {

@@ -117,7 +117,9 @@ pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
         };
         headers.insert(limit.clone(), HeaderValue::from(l));
         headers.insert(remaining.clone(), HeaderValue::from(r));
-        if let Ok(v) = HeaderValue::from_str(&go_duration(reset_us)) {
+        // The text moves into the value, not copied.
+        let text = bytes::Bytes::from(go_duration(reset_us));
+        if let Ok(v) = HeaderValue::from_maybe_shared(text) {
             headers.insert(reset.clone(), v);
         }
     }

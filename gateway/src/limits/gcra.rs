@@ -20,7 +20,8 @@
 //! counters (key, tenant, model) all-or-nothing, which both stores here do.
 //!
 //! Times are microseconds since [`EPOCH_SECS`] as `f64`: small enough that
-//! a double keeps sub-microsecond precision (Lua's numbers are doubles).
+//! a double keeps sub-microsecond precision (Lua's numbers are doubles), so
+//! limits count exactly up to about a thousand million a minute.
 
 /// The period of the per-minute rates, in microseconds.
 pub const PERIOD_US: f64 = 60e6;
@@ -29,8 +30,12 @@ pub const PERIOD_US: f64 = 60e6;
 /// stay near 1e14 µs, where a double resolves nanoseconds.
 pub const EPOCH_SECS: u64 = 1_735_689_600;
 
-/// A microsecond a request may be early by (rounding of the float sums).
-const SLACK_US: f64 = 0.5;
+/// How early a request may be, for the rounding of the float sums: half a
+/// microsecond, or half an interval for limits over a hundred million a
+/// minute (doubles near 1e14 still resolve a few nanoseconds).
+fn slack(interval: f64) -> f64 {
+    (interval / 2.0).min(0.5)
+}
 
 /// Microseconds in a day (daily budgets reset at 00:00 UTC).
 pub const DAY_US: f64 = 86_400e6;
@@ -111,7 +116,7 @@ pub fn admit(state: &State, rates: &Rates, now: f64) -> Result<f64, Refusal> {
     if let Some(tpm) = rates.tokens_per_minute {
         let t = interval(tpm);
         let used = state.token_tat.max(now) - now;
-        if PERIOD_US - used < t - SLACK_US {
+        if PERIOD_US - used < t - slack(t) {
             refuse(Refusal {
                 kind: LimitKind::TokensPerMinute,
                 limit: tpm,
@@ -123,7 +128,7 @@ pub fn admit(state: &State, rates: &Rates, now: f64) -> Result<f64, Refusal> {
     if let Some(rpm) = rates.requests_per_minute {
         let t = interval(u64::from(rpm));
         let next = state.request_tat.max(now) + t;
-        if next - now > PERIOD_US + SLACK_US {
+        if next - now > PERIOD_US + slack(t) {
             refuse(Refusal {
                 kind: LimitKind::RequestsPerMinute,
                 limit: u64::from(rpm),
@@ -177,7 +182,7 @@ pub fn headroom(state: &State, rates: &Rates, now: f64) -> [Option<Headroom>; 3]
         let used = tat.max(now) - now;
         Headroom {
             limit,
-            remaining: ((PERIOD_US - used + SLACK_US) / t).floor().max(0.0) as u64,
+            remaining: (((PERIOD_US - used + slack(t)) / t).floor().max(0.0) as u64).min(limit),
             reset_us: used,
         }
     };
@@ -258,6 +263,27 @@ mod tests {
         assert!((r.retry_after_us - 5e6).abs() < 1.0);
         assert!(admit(&s, &rates, midnight).is_ok());
         assert_eq!(headroom(&s, &rates, midnight)[2].unwrap().remaining, 100);
+    }
+
+    #[test]
+    fn huge_limits_never_report_more_than_the_limit() {
+        let rates = Rates {
+            requests_per_minute: Some(1_000_000_000),
+            tokens_per_minute: Some(1_000_000_000),
+            daily_tokens: None,
+        };
+        let mut s = State::default();
+        s.request_tat = admit(&s, &rates, NOW).unwrap();
+        charge(&mut s, &rates, 2, NOW);
+        let [r, t, _] = headroom(&s, &rates, NOW);
+        assert_eq!(r.unwrap().remaining, 999_999_999);
+        assert_eq!(t.unwrap().remaining, 999_999_998);
+        // Fresh: the limit, not a few more for the rounding slack.
+        let [r, t, _] = headroom(&State::default(), &rates, NOW);
+        assert_eq!(
+            (r.unwrap().remaining, t.unwrap().remaining),
+            (1_000_000_000, 1_000_000_000)
+        );
     }
 
     #[test]

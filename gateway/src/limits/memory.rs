@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 
 use super::gcra::{self, State};
-use super::{LimitError, Plan, Quota, decide, now_us};
+use super::{LimitError, MAX_COUNTERS, Plan, Quota, decide, now_us};
 
 pub struct MemoryStore {
     states: Mutex<Vec<State>>,
@@ -20,21 +20,30 @@ impl MemoryStore {
 
     pub fn admit(&self, plan: &Plan) -> Result<Quota, LimitError> {
         let now = now_us();
+        let n = plan.counters.len();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let mut mine: Vec<State> = plan.counters.iter().map(|c| states[c.slot]).collect();
-        let tats = decide(plan, &mine, now)?;
-        for ((c, s), tat) in plan.counters.iter().zip(&mut mine).zip(tats) {
-            s.request_tat = tat;
+        let mut mine = [State::default(); MAX_COUNTERS];
+        for (m, c) in mine.iter_mut().zip(&plan.counters) {
+            *m = states[c.slot];
+        }
+        let tats = decide(plan, &mine[..n], now)?;
+        for ((c, m), tat) in plan.counters.iter().zip(&mut mine).zip(tats) {
+            m.request_tat = tat;
             states[c.slot].request_tat = tat;
         }
-        Ok(Quota::of(plan, &mine, now))
+        drop(states);
+        Ok(Quota::of(plan, &mine[..n], now))
     }
 
     pub fn peek(&self, plan: &Plan) -> Quota {
         let now = now_us();
         let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let mine: Vec<State> = plan.counters.iter().map(|c| states[c.slot]).collect();
-        Quota::of(plan, &mine, now)
+        let mut mine = [State::default(); MAX_COUNTERS];
+        for (m, c) in mine.iter_mut().zip(&plan.counters) {
+            *m = states[c.slot];
+        }
+        drop(states);
+        Quota::of(plan, &mine[..plan.counters.len()], now)
     }
 
     /// Sets `counter`'s tokens of the day of `now` to `used`.

@@ -19,6 +19,8 @@ mod memory;
 mod redis_store;
 
 use std::collections::{BTreeMap, HashMap};
+
+use crate::util::FnvBuild;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -289,7 +291,7 @@ pub struct Plan {
 #[derive(Debug, Default)]
 struct CallerPlans {
     base: Option<Arc<Plan>>,
-    by_model: HashMap<String, Arc<Plan>>,
+    by_model: HashMap<String, Arc<Plan>, FnvBuild>,
 }
 
 /// Builds every caller's plans, naming each counter once.
@@ -347,7 +349,7 @@ impl PlanBuilder<'_> {
             .collect();
         models.sort();
         models.dedup();
-        let mut by_model = HashMap::new();
+        let mut by_model = HashMap::default();
         for model in models {
             let mut counters = base.clone();
             if let Some(m) = key.and_then(|s| s.models.get(model)) {
@@ -368,6 +370,7 @@ impl PlanBuilder<'_> {
                     m.rates(),
                 ));
             }
+            debug_assert!(counters.len() <= MAX_COUNTERS);
             by_model.insert(model.clone(), Arc::new(Plan { counters }));
         }
         CallerPlans {
@@ -409,15 +412,24 @@ impl Quota {
     }
 }
 
+/// Most counters a plan has: its key's, its tenant's, and each one's entry
+/// for the model.
+pub const MAX_COUNTERS: usize = 4;
+
 /// Whether a request passes every counter of `plan` (in `states`, in
-/// the plan's order) at `now`: the counters' new request TATs, or the
-/// refusal that waits longest.
-fn decide(plan: &Plan, states: &[gcra::State], now: f64) -> Result<Vec<f64>, LimitError> {
+/// the plan's order) at `now`: the counters' new request TATs (the first
+/// `states.len()`), or the refusal that waits longest. Allocates nothing
+/// on the way that admits (every request's).
+fn decide(
+    plan: &Plan,
+    states: &[gcra::State],
+    now: f64,
+) -> Result<[f64; MAX_COUNTERS], LimitError> {
     let mut refused: Option<(&Counter, gcra::Refusal)> = None;
-    let mut tats = Vec::with_capacity(states.len());
-    for (c, s) in plan.counters.iter().zip(states) {
+    let mut tats = [0.0; MAX_COUNTERS];
+    for ((c, s), tat) in plan.counters.iter().zip(states).zip(&mut tats) {
         match gcra::admit(s, &c.rates, now) {
-            Ok(tat) => tats.push(tat),
+            Ok(t) => *tat = t,
             Err(r) => {
                 if refused.is_none_or(|(_, old)| r.retry_after_us > old.retry_after_us) {
                     refused = Some((c, r));
@@ -499,7 +511,7 @@ enum Store {
 /// Every caller's limits and where their counters are kept.
 pub struct Limiter {
     store: Store,
-    by_key: HashMap<String, CallerPlans>,
+    by_key: HashMap<String, CallerPlans, FnvBuild>,
     /// Plans of callers without a configured key (open inference).
     anonymous: CallerPlans,
     /// No caller has any rate or budget.
@@ -520,7 +532,7 @@ impl Limiter {
             config,
             counters: HashMap::new(),
         };
-        let by_key: HashMap<String, CallerPlans> = keys
+        let by_key: HashMap<String, CallerPlans, FnvBuild> = keys
             .map(|(id, tenant)| (id.to_owned(), builder.caller(id, tenant)))
             .collect();
         let anonymous = builder.caller(ANONYMOUS, ANONYMOUS);

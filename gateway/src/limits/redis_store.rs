@@ -32,7 +32,7 @@ use super::{LimitError, LimitsConfig, OnRedisError, Plan, Quota, decide};
 const ADMIT: &str = r"
 local t = redis.call('TIME')
 local now = (tonumber(t[1]) - tonumber(ARGV[1])) * 1e6 + tonumber(t[2])
-local P, DAY, SLACK = 60e6, 86400e6, 0.5
+local P, DAY = 60e6, 86400e6
 local today = math.floor(now / DAY)
 local out = {string.format('%.17g', now), 1}
 local pass = true
@@ -44,11 +44,15 @@ for i, key in ipairs(KEYS) do
   local day, used = tonumber(h[3]) or 0, tonumber(h[4]) or 0
   for _, v in ipairs({rt, tt, day, used}) do out[#out+1] = string.format('%.17g', v) end
   if daily > 0 and day == today and used >= daily then pass = false end
-  if tpm > 0 and P - (math.max(tt, now) - now) < P / tpm - SLACK then pass = false end
+  if tpm > 0 then
+    local iv = P / tpm
+    if P - (math.max(tt, now) - now) < iv - math.min(iv / 2, 0.5) then pass = false end
+  end
   new_rt[i] = rt
   if rpm > 0 then
-    new_rt[i] = math.max(rt, now) + P / rpm
-    if new_rt[i] - now > P + SLACK then pass = false end
+    local iv = P / rpm
+    new_rt[i] = math.max(rt, now) + iv
+    if new_rt[i] - now > P + math.min(iv / 2, 0.5) then pass = false end
   end
 end
 if pass and ARGV[2] == '1' then
