@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::Serialize;
@@ -20,18 +20,22 @@ const USAGE: TableDefinition<&str, (u64, u64, u64, u64)> = TableDefinition::new(
 
 const SEP: char = '\u{1f}';
 
-/// What one request used, and where it went.
-#[derive(Debug, Clone, Default)]
+/// What one request used, and where it went. The names are shared, not
+/// copied: a request's accounting allocates no strings.
+#[derive(Debug, Clone)]
 pub struct RequestUsage {
-    pub tenant: String,
-    pub key_id: String,
-    pub model: String,
+    pub tenant: Arc<str>,
+    pub key_id: Arc<str>,
+    pub model: Arc<str>,
     /// `local`, or the upstream that answered.
-    pub backend: String,
+    pub backend: Arc<str>,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub cached_tokens: u64,
 }
+
+/// A row's names: tenant, key, model, backend.
+type Names = [Arc<str>; 4];
 
 /// One row of a usage report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -56,8 +60,8 @@ fn add(a: Counts, b: Counts) -> Counts {
 pub struct UsageLedger {
     path: PathBuf,
     db: OnceLock<Result<Database, String>>,
-    /// Added since the last flush, by row key.
-    pending: Mutex<HashMap<String, Counts>>,
+    /// Added since the last flush, by UTC day (days since 1970) and names.
+    pending: Mutex<HashMap<(i64, Names), Counts, crate::util::FnvBuild>>,
 }
 
 impl UsageLedger {
@@ -65,7 +69,7 @@ impl UsageLedger {
         UsageLedger {
             path,
             db: OnceLock::new(),
-            pending: Mutex::default(),
+            pending: Mutex::new(HashMap::default()),
         }
     }
 
@@ -88,7 +92,13 @@ impl UsageLedger {
 
     /// Adds one finished request (to today, UTC).
     pub fn record(&self, u: &RequestUsage) {
-        let key = row_key(&Date::today().iso(), u);
+        let names = [
+            Arc::clone(&u.tenant),
+            Arc::clone(&u.key_id),
+            Arc::clone(&u.model),
+            Arc::clone(&u.backend),
+        ];
+        let key = (crate::util::time::unix_secs() as i64 / 86_400, names);
         let counts = (1, u.prompt_tokens, u.completion_tokens, u.cached_tokens);
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         let slot = pending.entry(key).or_default();
@@ -97,10 +107,14 @@ impl UsageLedger {
 
     /// Folds what was added since the last flush into the database.
     pub fn flush(&self) -> Result<(), String> {
-        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
-        if pending.is_empty() {
+        let taken = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        if taken.is_empty() {
             return Ok(());
         }
+        let pending: Vec<(String, Counts)> = taken
+            .iter()
+            .map(|((day, names), c)| (row_key(*day, names), *c))
+            .collect();
         let write = || -> Result<(), Box<dyn std::error::Error>> {
             let tx = self.db()?.begin_write()?;
             {
@@ -119,7 +133,7 @@ impl UsageLedger {
         write().map_err(|e| {
             // Kept for the next flush rather than lost.
             let mut again = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            for (key, counts) in pending {
+            for (key, counts) in taken {
                 let slot = again.entry(key).or_default();
                 *slot = add(*slot, counts);
             }
@@ -157,14 +171,15 @@ impl UsageLedger {
             Ok(())
         };
         read().map_err(|e| format!("cannot read usage from {}: {e}", self.path.display()))?;
-        for (key, counts) in self
+        for ((day, names), counts) in self
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
         {
-            if wanted(key) {
-                let slot = rows.entry(key.clone()).or_default();
+            let key = row_key(*day, names);
+            if wanted(&key) {
+                let slot = rows.entry(key).or_default();
                 *slot = add(*slot, *counts);
             }
         }
@@ -191,17 +206,16 @@ impl UsageLedger {
     }
 }
 
-fn row_key(day: &str, u: &RequestUsage) -> String {
+/// The database key of `names` on `day` (days since 1970).
+fn row_key(day: i64, names: &Names) -> String {
     // The separator cannot occur in a name: it is a control character,
     // which names from the config and models do not carry; strip it anyway.
-    let clean = |s: &str| s.replace(SEP, "");
-    format!(
-        "{day}{SEP}{}{SEP}{}{SEP}{}{SEP}{}",
-        clean(&u.tenant),
-        clean(&u.key_id),
-        clean(&u.model),
-        clean(&u.backend)
-    )
+    let mut key = Date::from_days(day).iso();
+    for name in names {
+        key.push(SEP);
+        key.extend(name.chars().filter(|&c| c != SEP));
+    }
+    key
 }
 
 #[cfg(test)]

@@ -126,19 +126,39 @@ pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
 }
 
 /// `us` microseconds as Go prints a duration, to the millisecond: `250ms`,
-/// `1.5s`, `6m0s`, `1h2m3s`.
+/// `1.5s`, `6m0s`, `1h2m3s`. Integer arithmetic only (a float's formatting
+/// costs more than the rest of a request's limits).
 fn go_duration(us: f64) -> String {
+    use std::fmt::Write;
     let ms = (us.max(0.0) / 1e3).round() as u64;
+    let mut out = String::with_capacity(16);
     if ms < 1000 {
-        return format!("{ms}ms");
+        let _ = write!(out, "{ms}ms");
+        return out;
     }
-    let (h, m) = (ms / 3_600_000, ms % 3_600_000 / 60_000);
-    let secs = (ms % 60_000) as f64 / 1e3;
-    match (h, m) {
-        (0, 0) => format!("{secs}s"),
-        (0, m) => format!("{m}m{secs}s"),
-        (h, m) => format!("{h}h{m}m{secs}s"),
+    let (h, m, s, frac) = (
+        ms / 3_600_000,
+        ms % 3_600_000 / 60_000,
+        ms % 60_000 / 1000,
+        ms % 1000,
+    );
+    if h > 0 {
+        let _ = write!(out, "{h}h");
     }
+    if h > 0 || m > 0 {
+        let _ = write!(out, "{m}m");
+    }
+    let _ = write!(out, "{s}");
+    if frac > 0 {
+        // Milliseconds without trailing zeros: .5, .25, .125.
+        let mut digits = format!("{frac:03}");
+        while digits.ends_with('0') {
+            digits.pop();
+        }
+        let _ = write!(out, ".{digits}");
+    }
+    out.push('s');
+    out
 }
 
 // ----------------------------------------------------------------- report
@@ -210,7 +230,7 @@ struct Inner {
     plan: Option<Arc<Plan>>,
     tenant: Arc<str>,
     key_id: Arc<str>,
-    model: String,
+    model: Arc<str>,
     started: Instant,
     tally: Mutex<Tally>,
     /// The request's span, kept open until the answer ends (traces on).
@@ -220,7 +240,7 @@ struct Inner {
 #[derive(Default)]
 struct Tally {
     /// `local`, or the upstream that answered.
-    backend: String,
+    backend: Option<Arc<str>>,
     prompt: u64,
     completion: u64,
     cached: u64,
@@ -244,16 +264,19 @@ impl Meter {
         plan: Option<Arc<Plan>>,
         started: Instant,
     ) -> Meter {
-        let anonymous: Arc<str> = Arc::from(Caller::ANONYMOUS);
+        let (tenant, key_id) = match caller {
+            Some(c) => (Arc::clone(&c.tenant), Arc::clone(&c.key_id)),
+            None => (Arc::from(Caller::ANONYMOUS), Arc::from(Caller::ANONYMOUS)),
+        };
         Meter(Arc::new(Inner {
             state: Arc::clone(state),
             plan,
-            tenant: caller.map_or_else(|| Arc::clone(&anonymous), |c| Arc::clone(&c.tenant)),
-            key_id: caller.map_or(anonymous, |c| Arc::clone(&c.key_id)),
-            model: model.to_owned(),
+            tenant,
+            key_id,
+            model: model.into(),
             started,
             tally: Mutex::new(Tally {
-                backend: backend.to_owned(),
+                backend: Some(backend_name(backend)),
                 ..Tally::default()
             }),
             span: match super::telemetry::enabled() {
@@ -340,7 +363,9 @@ impl Meter {
     /// first token as far as latency goes.
     pub fn answered_by(&self, upstream: &str) {
         let mut t = self.tally();
-        t.backend = upstream.to_owned();
+        if t.backend.as_deref() != Some(upstream) {
+            t.backend = Some(upstream.into());
+        }
         t.first_token.get_or_insert_with(Instant::now);
     }
 
@@ -353,6 +378,23 @@ impl Meter {
     }
 }
 
+/// A backend's name, shared: `local` and each upstream's name are made
+/// once and cloned after (a request's accounting copies no strings).
+fn backend_name(name: &str) -> Arc<str> {
+    static NAMES: std::sync::LazyLock<Mutex<Vec<Arc<str>>>> =
+        std::sync::LazyLock::new(Mutex::default);
+    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.iter().find(|n| &***n == name) {
+        return Arc::clone(n);
+    }
+    let n: Arc<str> = name.into();
+    // Upstream names come from the config: few. Past that, stop keeping.
+    if names.len() < 256 {
+        names.push(Arc::clone(&n));
+    }
+    n
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let t = std::mem::take(self.tally.get_mut().unwrap_or_else(|p| p.into_inner()));
@@ -361,10 +403,10 @@ impl Drop for Inner {
             app.limits.charge(plan, t.uncharged);
         }
         let usage = RequestUsage {
-            tenant: self.tenant.to_string(),
-            key_id: self.key_id.to_string(),
-            model: std::mem::take(&mut self.model),
-            backend: t.backend,
+            tenant: Arc::clone(&self.tenant),
+            key_id: Arc::clone(&self.key_id),
+            model: Arc::clone(&self.model),
+            backend: t.backend.unwrap_or_else(|| backend_name("local")),
             prompt_tokens: t.prompt,
             completion_tokens: t.completion,
             cached_tokens: t.cached,
@@ -405,5 +447,7 @@ mod tests {
         assert_eq!(go_duration(360e6), "6m0s");
         assert_eq!(go_duration(3723e6), "1h2m3s");
         assert_eq!(go_duration(-5.0), "0ms");
+        assert_eq!(go_duration(61_250e3), "1m1.25s");
+        assert_eq!(go_duration(66_185_991e3), "18h23m5.991s");
     }
 }

@@ -129,14 +129,9 @@ impl Histogram {
     }
 }
 
-/// Where a request's tokens went: its tenant, the model it named (or was
-/// routed to) and the backend that served it (`local` or an upstream).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct UsageKey {
-    tenant: String,
-    model: String,
-    backend: String,
-}
+/// Where a request's tokens went: its tenant, the model it was served as
+/// and the backend that served it (`local` or an upstream); shared names.
+type UsageKey = [std::sync::Arc<str>; 3];
 
 #[derive(Debug, Default)]
 struct UsageSeries {
@@ -169,7 +164,7 @@ pub struct Timings {
 pub struct Metrics {
     series: Mutex<BTreeMap<SeriesKey, Histogram>>,
     in_flight: AtomicI64,
-    usage: Mutex<BTreeMap<UsageKey, UsageSeries>>,
+    usage: Mutex<std::collections::HashMap<UsageKey, UsageSeries, crate::util::FnvBuild>>,
 }
 
 /// Keeps the in-flight gauge right even when a request future is dropped.
@@ -199,14 +194,15 @@ impl Metrics {
 
     /// Counts one finished inference request: its tokens and latencies.
     pub fn record_request(&self, u: &crate::app::usage::RequestUsage, t: &Timings) {
-        let mut key = UsageKey {
-            tenant: u.tenant.clone(),
-            model: u.model.clone(),
-            backend: u.backend.clone(),
-        };
+        use std::sync::Arc;
+        let mut key = [
+            Arc::clone(&u.tenant),
+            Arc::clone(&u.model),
+            Arc::clone(&u.backend),
+        ];
         let mut map = self.usage.lock().unwrap_or_else(|p| p.into_inner());
         if map.len() >= MAX_USAGE_SERIES && !map.contains_key(&key) {
-            key.model = "other".into();
+            key[1] = "other".into();
         }
         let s = map.entry(key).or_default();
         s.requests += 1;
@@ -269,17 +265,19 @@ impl Metrics {
     /// The inference series: requests and tokens by tenant, model and
     /// backend; latency histograms by model and backend.
     fn render_usage(&self, out: &mut String) {
-        let map = self.usage.lock().unwrap_or_else(|p| p.into_inner());
-        if map.is_empty() {
+        let usage = self.usage.lock().unwrap_or_else(|p| p.into_inner());
+        if usage.is_empty() {
             return;
         }
+        // In label order, so scrapes read alike.
+        let map: BTreeMap<&UsageKey, &UsageSeries> = usage.iter().collect();
         let label = crate::util::prometheus_label;
-        let full = |k: &UsageKey| {
+        let full = |[tenant, model, backend]: &UsageKey| {
             format!(
                 "tenant=\"{}\",model=\"{}\",backend=\"{}\"",
-                label(&k.tenant),
-                label(&k.model),
-                label(&k.backend)
+                label(tenant),
+                label(model),
+                label(backend)
             )
         };
         out.push_str(
@@ -305,7 +303,7 @@ impl Metrics {
         // Latencies by model and backend: tenants merged.
         let mut by_model: BTreeMap<(&str, &str), [Histogram; 4]> = BTreeMap::new();
         for (k, s) in map.iter() {
-            let h = by_model.entry((&k.model, &k.backend)).or_default();
+            let h = by_model.entry((&k[1], &k[2])).or_default();
             for (a, b) in h.iter_mut().zip([&s.ttft, &s.itl, &s.e2e, &s.queue]) {
                 a.merge(b);
             }
