@@ -1,7 +1,9 @@
 //! The server's one policy host, opened on first use.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Instant;
 
 use crate::policy::{HostConfig, PolicyError, PolicyHost};
 
@@ -15,6 +17,11 @@ pub struct Policies {
     host: OnceLock<Arc<PolicyHost>>,
     /// Held while opening, so two first uses open it once.
     opening: Mutex<()>,
+    /// Until when (milliseconds on [`Policies::clock`]) the store is known
+    /// to be absent: a request asks several times whether a router is
+    /// bound, and each answer would otherwise be a `stat` of the data dir.
+    absent_until_ms: AtomicU64,
+    clock: Instant,
 }
 
 impl Policies {
@@ -23,6 +30,8 @@ impl Policies {
             data_dir,
             host: OnceLock::new(),
             opening: Mutex::new(()),
+            absent_until_ms: AtomicU64::new(0),
+            clock: Instant::now(),
         }
     }
 
@@ -49,7 +58,17 @@ impl Policies {
     }
 
     /// Whether the data dir has a policy store (policies were ever stored).
+    /// An absent store is looked for again a second later at the soonest
+    /// (this server's own uploads open the host, which needs no look).
     pub fn stored(&self) -> bool {
-        self.data_dir.join("policies").is_dir()
+        let now_ms = self.clock.elapsed().as_millis() as u64;
+        if now_ms < self.absent_until_ms.load(Ordering::Relaxed) {
+            return false;
+        }
+        let stored = self.data_dir.join("policies").is_dir();
+        if !stored {
+            self.absent_until_ms.store(now_ms + 1000, Ordering::Relaxed);
+        }
+        stored
     }
 }
