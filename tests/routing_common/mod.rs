@@ -179,15 +179,6 @@ pub fn key_hash(key: &str) -> String {
         .collect()
 }
 
-/// `application/x-www-form-urlencoded` escaping for a query value.
-pub fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
+/// Percent-encoding of a query value: the CLI's own.
+#[allow(unused_imports)]
+pub use mlxgate::cli::remote::query_value as urlencode;
