@@ -106,6 +106,7 @@ pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
             [&LIMIT_DAILY, &REMAINING_DAILY, &RESET_DAILY],
         ),
     ];
+    headers.reserve(9);
     for (headroom, [limit, remaining, reset]) in kinds {
         let Some(Headroom {
             limit: l,
@@ -115,7 +116,7 @@ pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
         else {
             continue;
         };
-        headers.insert(limit.clone(), HeaderValue::from(l));
+        headers.insert(limit.clone(), limit_value(l));
         headers.insert(remaining.clone(), HeaderValue::from(r));
         // The text moves into the value, not copied.
         let text = bytes::Bytes::from(go_duration(reset_us));
@@ -123,6 +124,25 @@ pub fn write_headers(headers: &mut HeaderMap, quota: &Quota) {
             headers.insert(reset.clone(), v);
         }
     }
+}
+
+/// A limit as a header value. Limits are few and fixed, so each is made
+/// once per serving thread and shared after (a clone shares its bytes).
+fn limit_value(limit: u64) -> HeaderValue {
+    thread_local! {
+        static MADE: std::cell::RefCell<Vec<(u64, HeaderValue)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    MADE.with_borrow_mut(|made| {
+        if let Some((_, v)) = made.iter().find(|(l, _)| *l == limit) {
+            return v.clone();
+        }
+        let v = HeaderValue::from(limit);
+        if made.len() < 64 {
+            made.push((limit, v.clone()));
+        }
+        v
+    })
 }
 
 /// `us` microseconds as Go prints a duration, to the millisecond: `250ms`,
