@@ -399,20 +399,23 @@ impl Meter {
 }
 
 /// A backend's name, shared: `local` and each upstream's name are made
-/// once and cloned after (a request's accounting copies no strings).
+/// once per serving thread and cloned after (a request's accounting copies
+/// no strings, and takes no lock other threads contend for).
 fn backend_name(name: &str) -> Arc<str> {
-    static NAMES: std::sync::LazyLock<Mutex<Vec<Arc<str>>>> =
-        std::sync::LazyLock::new(Mutex::default);
-    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(n) = names.iter().find(|n| &***n == name) {
-        return Arc::clone(n);
+    thread_local! {
+        static NAMES: std::cell::RefCell<Vec<Arc<str>>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    let n: Arc<str> = name.into();
-    // Upstream names come from the config: few. Past that, stop keeping.
-    if names.len() < 256 {
-        names.push(Arc::clone(&n));
-    }
-    n
+    NAMES.with_borrow_mut(|names| {
+        if let Some(n) = names.iter().find(|n| &***n == name) {
+            return Arc::clone(n);
+        }
+        let n: Arc<str> = name.into();
+        // Upstream names come from the config: few. Past that, stop keeping.
+        if names.len() < 256 {
+            names.push(Arc::clone(&n));
+        }
+        n
+    })
 }
 
 impl Drop for Inner {

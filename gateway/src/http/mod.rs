@@ -232,7 +232,7 @@ struct Outcome {
     /// The caller's concurrency slot, held until the answer's body is done.
     permit: Option<Permit>,
     /// An inference request (POST under `/v1/`): limited and metered.
-    permit_zone: bool,
+    inference: bool,
 }
 
 async fn route(
@@ -247,7 +247,7 @@ async fn route(
         caller: None,
         response: Response::default(),
         permit: None,
-        permit_zone: false,
+        inference: false,
     };
     let (r, params, limit) = match admit(&state, &req, (peer, keys), &mut outcome) {
         Ok(admitted) => admitted,
@@ -262,7 +262,7 @@ async fn route(
         req.extensions_mut().insert(c);
     }
     // Inference under [limits]: the quota left goes out on the answer.
-    let quota = (outcome.permit_zone && !state.app.limits.is_empty()).then(QuotaSlot::default);
+    let quota = (outcome.inference && !state.app.limits.is_empty()).then(QuotaSlot::default);
     if let Some(slot) = &quota {
         req.extensions_mut().insert(slot.clone());
     }
@@ -297,8 +297,8 @@ fn admit<'s>(
         outcome.caller = Some(state.keys.authorize(req.headers(), scope, keys)?);
     }
     let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
-    outcome.permit_zone = zone == Zone::Scoped(Scope::Infer) && r.method == Method::POST;
-    if outcome.permit_zone
+    outcome.inference = zone == Zone::Scoped(Scope::Infer) && r.method == Method::POST;
+    if outcome.inference
         && let Some(c) = &outcome.caller
     {
         outcome.permit = state.concurrency.acquire(c, peer.ip())?;

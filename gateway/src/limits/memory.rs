@@ -22,10 +22,7 @@ impl MemoryStore {
         let now = now_us();
         let n = plan.counters.len();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let mut mine = [State::default(); MAX_COUNTERS];
-        for (m, c) in mine.iter_mut().zip(&plan.counters) {
-            *m = states[c.slot];
-        }
+        let mut mine = of_plan(&states, plan);
         let tats = decide(plan, &mine[..n], now)?;
         for ((c, m), tat) in plan.counters.iter().zip(&mut mine).zip(tats) {
             m.request_tat = tat;
@@ -38,10 +35,7 @@ impl MemoryStore {
     pub fn peek(&self, plan: &Plan) -> Quota {
         let now = now_us();
         let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let mut mine = [State::default(); MAX_COUNTERS];
-        for (m, c) in mine.iter_mut().zip(&plan.counters) {
-            *m = states[c.slot];
-        }
+        let mine = of_plan(&states, plan);
         drop(states);
         Quota::of(plan, &mine[..plan.counters.len()], now)
     }
@@ -61,4 +55,14 @@ impl MemoryStore {
             gcra::charge(&mut states[c.slot], &c.rates, tokens, now);
         }
     }
+}
+
+/// The states of `plan`'s counters, in its order (the first
+/// `plan.counters.len()`), copied out of `states` without allocating.
+fn of_plan(states: &[State], plan: &Plan) -> [State; MAX_COUNTERS] {
+    let mut mine = [State::default(); MAX_COUNTERS];
+    for (m, c) in mine.iter_mut().zip(&plan.counters) {
+        *m = states[c.slot];
+    }
+    mine
 }
