@@ -316,6 +316,8 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         _ => None,
     };
     let strip = asked.is_some();
+    let span = telemetry::span(telemetry::Step::Upstream);
+    let traceparent = telemetry::traceparent(&span);
     let out = Outgoing {
         method: head.method.clone(),
         path_and_query: head
@@ -326,13 +328,7 @@ async fn forward<F: Fn(Option<String>) -> Result<Value, ApiError>>(
         body: asked.unwrap_or(bytes),
         request_id: &cx.request_id,
         protocol,
-        traceparent: None,
-    };
-    let span = telemetry::span(telemetry::Step::Upstream);
-    let traceparent = telemetry::traceparent(&span);
-    let out = Outgoing {
         traceparent: traceparent.as_deref(),
-        ..out
     };
     let resp = upstream::proxy_in_order(order, out, max_attempts)
         .instrument(span.clone())

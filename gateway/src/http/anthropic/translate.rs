@@ -68,6 +68,8 @@ pub async fn via_openai(
         .and_then(|v| v.to_str().ok())
     {
         call.meter.answered_by(name);
+        // The `upstream` span this call runs in (traces on).
+        tracing::Span::current().record("upstream", name);
     }
     // The chat answer's usage, read on its way to translation.
     let meter = call.meter;
