@@ -25,6 +25,10 @@
 //! process, in interleaved rounds; every request is checked against a key's
 //! and a tenant's counters and its tokens charged (limits high enough that
 //! nothing is refused).
+//!
+//! `PROXY_THROUGHPUT_CONSOLE=1` measures the web console's cost to the API:
+//! the gateway with `[console] enabled = false` against the default (console
+//! on), each its own process, in interleaved rounds.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -63,6 +67,26 @@ fn main() {
     let upstream = start_upstream(pki.as_ref());
     if std::env::var("PROXY_THROUGHPUT_LIMITS").is_ok_and(|v| v == "1") {
         return limits_rounds(&wrk, dir.path(), upstream);
+    }
+    if std::env::var("PROXY_THROUGHPUT_CONSOLE").is_ok_and(|v| v == "1") {
+        let targets = vec![
+            (
+                "console off",
+                Gateway::start(
+                    &dir.path().join("off"),
+                    upstream,
+                    None,
+                    "[console]\nenabled = false\n",
+                ),
+            ),
+            (
+                "console on",
+                Gateway::start(&dir.path().join("on"), upstream, None, ""),
+            ),
+        ];
+        compare_rounds(&wrk, dir.path(), &targets);
+        println!("\ntarget: console on = console off, within the rounds' noise");
+        return;
     }
     let gateway = Gateway::start(dir.path(), upstream, pki.as_ref(), "");
     let nginx = Nginx::start(&nginx, dir.path(), upstream, pki.as_ref());
@@ -252,9 +276,22 @@ fn limits_rounds(wrk: &Path, dir: &Path, upstream: SocketAddr) {
         }
         None => println!("redis-server not installed: the Redis target is left out"),
     }
+    compare_rounds(wrk, dir, &targets);
+    println!("\ntarget: limits in memory >= 0.95x of no limits");
+    drop(targets);
+    if let Some((mut child, _)) = redis {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Loads each of `targets` in turn, round after round (the order rotating,
+/// so machine noise hits each alike), and prints each round and a table of
+/// medians against the first target.
+fn compare_rounds(wrk: &Path, dir: &Path, targets: &[(&str, Gateway)]) {
     let script = wrk_script(dir);
     let url = |addr: SocketAddr| format!("http://{addr}/v1/chat/completions");
-    for (_, g) in &targets {
+    for (_, g) in targets {
         load(wrk, &script, &url(g.addr), 1);
     }
     let rounds = std::env::var("PROXY_THROUGHPUT_ROUNDS")
@@ -279,7 +316,10 @@ fn limits_rounds(wrk: &Path, dir: &Path, upstream: SocketAddr) {
     println!(
         "\n{rounds} rounds of {SECS} s, wrk 1 thread, {CONNECTIONS} keep-alive connections; medians:\n"
     );
-    println!("| target | requests/s | vs no limits | per-round ratio, median (range) |");
+    println!(
+        "| target | requests/s | vs {} | per-round ratio, median (range) |",
+        targets[0].0
+    );
     println!("| --- | --- | --- | --- |");
     let rps = |v: &[Sample]| median(&mut v.iter().map(|s| s.rps).collect::<Vec<_>>());
     let base = rps(&samples[0]);
@@ -297,12 +337,6 @@ fn limits_rounds(wrk: &Path, dir: &Path, upstream: SocketAddr) {
             r[0],
             r[r.len() - 1]
         );
-    }
-    println!("\ntarget: limits in memory >= 0.95x of no limits");
-    drop(targets);
-    if let Some((mut child, _)) = redis {
-        let _ = child.kill();
-        let _ = child.wait();
     }
 }
 

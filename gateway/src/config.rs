@@ -72,6 +72,8 @@ pub struct FileConfig {
     pub limits: LimitsConfig,
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub console: ConsoleConfig,
 }
 
 /// The `[telemetry]` section: OpenTelemetry traces over OTLP/HTTP.
@@ -475,6 +477,30 @@ pub struct Overrides {
     pub data_dir: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    pub console_dir: Option<PathBuf>,
+}
+
+/// The `[console]` section: the web console at `/console/`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsoleConfig {
+    /// Serve the console (default true). Its pages hold no data of their
+    /// own: everything they show comes from the APIs, with the signed-in
+    /// key's scopes, so turning it off only removes the static files.
+    pub enabled: bool,
+    /// Serve the console's files from this folder instead of the copy built
+    /// into the binary, read on every request: for working on the console
+    /// without rebuilding (`--console-dir gateway/console`).
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        ConsoleConfig {
+            enabled: true,
+            dir: None,
+        }
+    }
 }
 
 /// The resolved, validated configuration the server runs with.
@@ -516,6 +542,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// The `[telemetry]` section: OpenTelemetry traces.
     pub telemetry: TelemetryConfig,
+    /// The `[console]` section.
+    pub console: ConsoleConfig,
 }
 
 impl Config {
@@ -687,6 +715,10 @@ impl Config {
             scheduler: file.scheduler,
             limits: file.limits,
             telemetry: file.telemetry,
+            console: ConsoleConfig {
+                dir: o.console_dir.or(file.console.dir),
+                ..file.console
+            },
         }
     }
 

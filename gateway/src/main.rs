@@ -208,6 +208,12 @@ struct ConfigArgs {
         requires = "tls_cert"
     )]
     tls_key: Option<PathBuf>,
+
+    /// Serve the web console's files from this folder instead of the copy
+    /// built into the binary, for working on the console without
+    /// rebuilding [config: [console] dir].
+    #[arg(long, env = "MLXGATE_CONSOLE_DIR", value_name = "DIR")]
+    console_dir: Option<PathBuf>,
 }
 
 impl ConfigArgs {
@@ -228,6 +234,7 @@ impl ConfigArgs {
             data_dir: self.data_dir,
             tls_cert: self.tls_cert,
             tls_key: self.tls_key,
+            console_dir: self.console_dir,
         };
         Ok(Config::load_unvalidated(
             self.config.as_deref(),

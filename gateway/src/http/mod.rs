@@ -27,7 +27,9 @@ pub mod anthropic;
 pub mod auth;
 pub mod body;
 pub mod connections;
+pub mod console;
 pub mod counting;
+pub mod datasets;
 pub mod error;
 mod handlers;
 pub mod inflight;
@@ -97,11 +99,16 @@ impl AppState {
         table.extend(admin_policies::routes());
         table.extend(routing::routes());
         table.extend(jobs::routes());
+        table.extend(datasets::routes());
         table.extend(prompt_caches::routes());
         table.extend(adapters::routes());
         table.extend(metering::routes());
         if config.test_routes {
             table.extend(handlers::test_routes());
+        }
+        // Last: API requests are matched before ever reaching them.
+        if config.console.enabled {
+            table.extend(console::routes());
         }
         let concurrency = Concurrency::new(
             config.server.max_concurrent_requests_per_key,
