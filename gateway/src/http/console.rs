@@ -221,7 +221,10 @@ mod tests {
             csp.contains(&format!("script-src 'self' 'sha256-{b64}';")),
             "{csp}"
         );
-        let scripts = csp.split(';').find(|d| d.trim().starts_with("script-src")).unwrap();
+        let scripts = csp
+            .split(';')
+            .find(|d| d.trim().starts_with("script-src"))
+            .unwrap();
         assert!(!scripts.contains("unsafe-inline"), "{csp}");
     }
 
