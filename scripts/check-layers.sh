@@ -14,7 +14,7 @@ SRC=${SRC:-gateway/src}
 # Layer of each top-level module: a module may use only modules of a lower
 # layer. Equal layers are siblings and must not use each other. A module
 # missing here fails the check (add it deliberately).
-RANKS='util=0 auth=1 mlx=1 upstream=1 limits=1 engine=2 policy=2 jobs=3 fixtures=3 config=4 app=5 http=6 cli=7'
+RANKS='util=0 auth=1 mlx=1 upstream=1 limits=1 engine=2 policy=2 datasets=3 jobs=4 fixtures=4 config=5 app=6 http=7 cli=8'
 
 edges=$(
   grep -rnE --include='*.rs' '\bcrate::[a-z_]+' "$SRC" \

@@ -170,6 +170,12 @@ fn console_pages_session_and_preview_over_http() {
     let bad = preview(json!({"transform": "alpaca"}));
     let e = bad.api_error(400, "invalid_request_error", "invalid_request");
     assert_eq!(e["param"], "records");
+    let e = preview(json!({"records": [{}]})).api_error(
+        400,
+        "invalid_request_error",
+        "invalid_request",
+    );
+    assert_eq!(e["param"], "steps");
     let many: Vec<Value> = (0..101).map(|i| json!({"instruction": i})).collect();
     let e = preview(json!({"transform": "alpaca", "records": many})).api_error(
         400,
@@ -180,11 +186,12 @@ fn console_pages_session_and_preview_over_http() {
         e["message"].as_str().unwrap().contains("at most 100"),
         "{e}"
     );
-    preview(json!({"transform": "nope", "records": [{}]})).api_error(
-        404,
-        "not_found_error",
-        "not_found",
+    let e = preview(json!({"transform": "nope", "records": [{}]})).api_error(
+        400,
+        "invalid_request_error",
+        "invalid_request",
     );
+    assert_eq!(e["param"], "transform", "{e}");
     // The jobs zone: an infer-only key may not preview.
     let r = call(
         s.addr,

@@ -99,7 +99,8 @@ fn alpaca_to_chat_with_a_split_and_rejects() {
     assert!(rejected[1]["reason"].as_str().unwrap().contains("JSON"));
     assert!(!out.join("train.jsonl.partial").exists());
 
-    // Per-batch metrics with progress, ending at 1.
+    // Progress metrics (about two a second, and one at the end) with the
+    // counts, the rate, and progress ending at 1.
     let ev = parse_sse(
         &call(
             s.addr,
@@ -115,7 +116,8 @@ fn alpaca_to_chat_with_a_split_and_rejects() {
         .map(|e| &e.1)
         .filter(|e| e["type"] == "metric")
         .collect();
-    assert_eq!(metrics.len(), 6, "42 records in batches of 8");
+    assert!(!metrics.is_empty());
+    assert!(metrics.last().unwrap()["records_per_sec"].as_f64().unwrap() > 0.0);
     assert_eq!(metrics.last().unwrap()["kind"], "dataset");
     assert_eq!(metrics.last().unwrap()["kept"], 40);
     assert_eq!(metrics.last().unwrap()["progress"], 1.0);

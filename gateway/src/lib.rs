@@ -9,6 +9,7 @@ pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod datasets;
 pub mod engine;
 pub mod fixtures;
 pub mod http;

@@ -224,6 +224,21 @@ impl LoadedModel {
     }
 }
 
+/// The tokenizer (and chat template) of the model at `path` (a `.gguf` file
+/// or an HF / mlx-community directory) without its weights, for counting
+/// tokens as the model would. Blocking.
+pub fn load_text_codec(path: &Path) -> Result<TextCodec, LoadError> {
+    if path.is_dir() && path.join("config.json").is_file() {
+        return TextCodec::from_hf_dir(path, &[]);
+    }
+    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        let file = model::GgufReader::open(path)
+            .map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
+        return TextCodec::for_gguf_file(path, &file);
+    }
+    Err(LoadError::UnknownFormat(path.to_owned()))
+}
+
 /// Loads the model at `path` on the calling (engine) thread with every
 /// weight evaluated and the native decode step's weights built, so the
 /// first request pays for neither.

@@ -57,7 +57,7 @@ pub fn routes() -> Vec<Route> {
     ]
 }
 
-fn jobs(cx: &Ctx) -> Result<Arc<Jobs>, ApiError> {
+pub(super) fn jobs(cx: &Ctx) -> Result<Arc<Jobs>, ApiError> {
     Ok(cx.state.app.jobs()?)
 }
 

@@ -318,6 +318,37 @@ impl Jobs {
         .await?
     }
 
+    /// Runs a dataset pipeline (`steps`, as a `dataset` job's) over
+    /// `records`, or over the first `limit` records of `input` (a file,
+    /// folder or glob under the allowed paths) when given, writing nothing.
+    pub async fn preview_dataset(
+        self: &Arc<Self>,
+        steps: Value,
+        input: Option<String>,
+        records: Vec<String>,
+        limit: usize,
+    ) -> Result<crate::datasets::Preview, JobError> {
+        let this = Arc::clone(self);
+        blocking(move || {
+            let env = this.env();
+            let pipeline = super::kinds::dataset::parse_steps(&steps, "steps", &env)?;
+            let rows = match input {
+                None => records
+                    .into_iter()
+                    .map(|text| crate::datasets::PreviewInput {
+                        origin: None,
+                        text,
+                        unreadable: None,
+                    })
+                    .collect(),
+                Some(raw) => super::kinds::dataset::read_head(&raw, &env, limit)?,
+            };
+            crate::datasets::Preview::run(&pipeline, rows)
+                .map_err(|e| JobError::Config(ConfigError::new("steps", e.to_string())))
+        })
+        .await?
+    }
+
     fn launch(self: &Arc<Self>, row: &JobRow, spec: Spec) -> Result<(), JobError> {
         let log = EventLog::open(Path::new(&row.log_path))
             .map_err(|e| JobError::Internal(format!("cannot open the job's event log: {e}")))?;

@@ -1,46 +1,53 @@
-//! `dataset`: runs a JSONL file through a dataset-transform Wasm policy
-//! (`PolicyHost::transform_batch`) and writes `train.jsonl`, `valid.jsonl`
-//! (when `valid_ratio` > 0) and `rejected.jsonl` (dropped and failed records
-//! with their reasons) into `output_dir`.
+//! `dataset`: runs records through a pipeline of steps ([`crate::datasets`])
+//! and writes `train`, `valid` and `test` files (JSONL or Parquet) and
+//! `rejected.jsonl` (dropped and failed records with the file, line, step
+//! and reason) into `output_dir`.
 //!
-//! Config: `input`, `output_dir`, `policy` (required), `batch_size` (32),
-//! `valid_ratio` (0), `seed` (0). The split is a hash of (seed, index of the
-//! kept record), so the same input and seed always give the same split.
+//! Config:
+//! - `input` (required): a file, a folder of shards, or a glob
+//!   (`files/data/train-*.parquet`) of `.jsonl`, `.jsonl.gz`, `.jsonl.zst`,
+//!   `.csv` or `.parquet` files, under `[jobs] allowed_paths`.
+//! - `output_dir` (required), `output_format` (`jsonl` or `parquet`).
+//! - `steps`: `[{"policy": NAME}, {"dedupe": [FIELDS]}, {"filter_length":
+//!   {"model": PATH, "min_tokens": N, "max_tokens": M}}]`, applied in order;
+//!   `policy` alone is shorthand for one policy step.
+//! - `valid_ratio`, `test_ratio` (0; together below 1), `seed` (0): the
+//!   split, a hash of (seed, index of the kept record).
+//! - `batch_size` (32 records per guest call), `workers` (0: one per core),
+//!   `bad_records` (`fail`: a record that cannot be read fails the job,
+//!   naming the file and line; `reject`: it goes to the rejected file).
+//!
 //! Files are written as `*.partial` and renamed at the end: a failed or
-//! cancelled job never leaves a half-written file under the final name.
+//! cancelled job never leaves a half-written file under a final name.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
 
 use super::{ConfigError, Env, Fields, Outcome};
+use crate::datasets::{
+    BadRecords, DatasetError, OutputFormat, Pipeline, PreviewInput, Progress, Reader, Run, Shard,
+    Split, Step,
+};
 use crate::jobs::runner::{JobCtx, RunError};
 use crate::jobs::types::JobEvent;
-use crate::policy::jsonl::{Batch, JsonlBatches};
-use crate::policy::{PolicyHost, PolicyKind, RecordOutcome};
+use crate::policy::{PolicyHost, PolicyKind};
 
 pub struct DatasetSpec {
-    input: PathBuf,
+    shards: Vec<Shard>,
     output_dir: PathBuf,
-    policy: String,
-    host: Arc<PolicyHost>,
+    pipeline: Pipeline,
+    format: OutputFormat,
+    split: Split,
     batch_size: usize,
-    valid_ratio: f64,
-    seed: u64,
+    workers: usize,
+    bad_records: BadRecords,
 }
 
 impl DatasetSpec {
     pub fn parse(mut f: Fields, env: &Env<'_>) -> Result<DatasetSpec, ConfigError> {
-        let input = f.input_path("input", env.paths)?;
-        if !input.is_file() {
-            return Err(ConfigError::new(
-                "config.input",
-                "`input` must be a JSONL file",
-            ));
-        }
+        let shards = input_shards(&mut f, env)?;
         let output_dir = f.output_path("output_dir", env.paths)?;
         if output_dir.exists() && !output_dir.is_dir() {
             return Err(ConfigError::new(
@@ -48,245 +55,376 @@ impl DatasetSpec {
                 "`output_dir` exists and is not a folder",
             ));
         }
-        let policy = f.string("policy")?;
+        let format = match f.opt_string("output_format")?.as_deref() {
+            None | Some("jsonl") => OutputFormat::Jsonl,
+            Some("parquet") => OutputFormat::Parquet,
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "config.output_format",
+                    format!("`output_format` must be \"jsonl\" or \"parquet\", not \"{other}\""),
+                ));
+            }
+        };
+        let shorthand = f.take("policy");
+        let steps = match (f.take("steps"), shorthand.as_ref().and_then(Value::as_str)) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "config.policy",
+                    "give `steps` or `policy`, not both",
+                ));
+            }
+            (Some(steps), None) => steps,
+            (None, Some(policy)) => json!([{ "policy": policy }]),
+            (None, None) if shorthand.is_some() => {
+                return Err(ConfigError::new(
+                    "config.policy",
+                    "`policy` must be a string",
+                ));
+            }
+            (None, None) => {
+                return Err(ConfigError::new(
+                    "config.steps",
+                    "`steps` is required: a list such as [{\"policy\": \"alpaca\"}, {\"dedupe\": [\"messages\"]}] (or `policy` for one policy)",
+                ));
+            }
+        };
         let batch_size = f.u64("batch_size", Some(32), 1..=1024)? as usize;
-        let valid_ratio = f.f64("valid_ratio", 0.0, 0.0..=0.99)?;
-        let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
-        f.finish()?;
-        let provider = env
-            .policies
-            .ok_or_else(|| ConfigError::new("config.policy", "no policy host in this process"))?;
-        let host = provider().map_err(|e| {
-            ConfigError::new(
-                "config.policy",
-                format!("the policy store cannot be opened: {e}"),
-            )
-        })?;
-        let info = host
-            .get(&policy)
-            .map_err(|e| ConfigError::new("config.policy", e.to_string()))?;
-        if info.kind != PolicyKind::DatasetTransform {
+        let valid = f.f64("valid_ratio", 0.0, 0.0..=0.99)?;
+        let test = f.f64("test_ratio", 0.0, 0.0..=0.99)?;
+        if valid + test >= 1.0 {
             return Err(ConfigError::new(
-                "config.policy",
-                format!(
-                    "policy `{policy}` is a {} policy, not a dataset-transform policy",
-                    info.kind
-                ),
+                "config.test_ratio",
+                "`valid_ratio` + `test_ratio` must be below 1 (the rest is train)",
             ));
         }
+        let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
+        let workers = f.u64("workers", Some(0), 0..=64)? as usize;
+        let bad_records = match f.opt_string("bad_records")?.as_deref() {
+            None | Some("fail") => BadRecords::Fail,
+            Some("reject") => BadRecords::Reject,
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "config.bad_records",
+                    format!("`bad_records` must be \"fail\" or \"reject\", not \"{other}\""),
+                ));
+            }
+        };
+        f.finish()?;
+        let pipeline = parse_steps(&steps, "config.steps", env).map_err(|mut e| {
+            if shorthand.is_some() {
+                e.param = "config.policy".into();
+            }
+            e
+        })?;
+        let workers = if workers == 0 {
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        } else {
+            workers
+        };
         Ok(DatasetSpec {
-            input,
+            shards,
             output_dir,
-            policy,
-            host,
+            pipeline,
+            format,
+            split: Split { valid, test, seed },
             batch_size,
-            valid_ratio,
-            seed,
+            workers,
+            bad_records,
         })
     }
 
     pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
-        let io = |what: &str, p: &Path| {
-            let what = format!("{what} {}", p.display());
-            move |e: std::io::Error| RunError::Failed(format!("{what}: {e}"))
+        let total: u64 = self.shards.iter().map(|s| s.bytes).sum();
+        ctx.emit(JobEvent::stage(
+            "read",
+            Some(0.0),
+            Some(format!(
+                "{} file(s), {} bytes: {}; steps: {}; {} workers",
+                self.shards.len(),
+                total,
+                shard_list(&self.shards),
+                step_list(self.pipeline.steps()),
+                self.workers
+            )),
+        ));
+        let shard_count = self.shards.len();
+        let run = Run {
+            reader: Reader::new(self.shards, self.bad_records),
+            pipeline: &self.pipeline,
+            output_dir: &self.output_dir,
+            format: self.format,
+            split: self.split,
+            batch_size: self.batch_size,
+            workers: self.workers,
         };
-        std::fs::create_dir_all(&self.output_dir).map_err(io("cannot create", &self.output_dir))?;
-        let input = File::open(&self.input).map_err(io("cannot open", &self.input))?;
-        let total = input.metadata().map(|m| m.len()).unwrap_or(0);
-        let mut reader = BufReader::new(input);
-        let names: &[&str] = if self.valid_ratio > 0.0 {
-            &["train.jsonl", "valid.jsonl", "rejected.jsonl"]
-        } else {
-            &["train.jsonl", "rejected.jsonl"]
+        let mut step = 0;
+        let names = self.split.names();
+        let result = run.run(
+            |p| {
+                step += 1;
+                ctx.emit(metric(step, p, &names));
+            },
+            || ctx.check().is_err(),
+        );
+        let (tally, files) = match result {
+            Ok(done) => done,
+            Err(DatasetError::Cancelled) => {
+                return Err(ctx
+                    .check()
+                    .err()
+                    .unwrap_or_else(|| RunError::Failed("cancelled".into())));
+            }
+            Err(e) => return Err(RunError::Failed(e.to_string())),
         };
-        let partial = |n: &str| self.output_dir.join(format!("{n}.partial"));
-        let mut outs = Vec::new();
-        for n in names {
-            let p = partial(n);
-            outs.push(BufWriter::new(
-                File::create(&p).map_err(io("cannot create", &p))?,
-            ));
+        let mut split_counts = Map::new();
+        for (name, n) in names.iter().zip(tally.per_split) {
+            split_counts.insert((*name).to_owned(), n.into());
         }
-        let result = self.transform(ctx, &mut reader, total, &mut outs);
-        let finished = result.and_then(|tally| {
-            for (w, n) in outs.iter_mut().zip(names) {
-                w.flush().map_err(io("cannot write", &partial(n)))?;
-                w.get_ref()
-                    .sync_data()
-                    .map_err(io("cannot sync", &partial(n)))?;
-            }
-            for n in names {
-                let to = self.output_dir.join(n);
-                std::fs::rename(partial(n), &to).map_err(io("cannot rename to", &to))?;
-            }
-            Ok(tally)
-        });
-        let tally = match finished {
-            Ok(t) => t,
-            Err(e) => {
-                for n in names {
-                    let _ = std::fs::remove_file(partial(n));
-                }
-                return Err(e);
-            }
-        };
         ctx.emit(JobEvent::stage(
             "done",
             Some(1.0),
             Some(format!(
-                "{} records: {} kept ({} train, {} valid), {} dropped, {} errors",
-                tally.read, tally.kept, tally.train, tally.valid, tally.dropped, tally.errors
+                "{} records: {} kept ({}), {} dropped, {} errors",
+                tally.read,
+                tally.kept,
+                names
+                    .iter()
+                    .zip(tally.per_split)
+                    .map(|(n, c)| format!("{c} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                tally.dropped,
+                tally.errors
             )),
         ));
+        let file_names: Vec<String> = files
+            .iter()
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        let mut summary = json!({
+            "records": tally.read,
+            "kept": tally.kept,
+            "dropped": tally.dropped,
+            "errors": tally.errors,
+            "files": file_names,
+            "input_files": shard_count,
+        });
+        if let Value::Object(o) = &mut summary {
+            o.extend(split_counts);
+        }
         Ok(Outcome {
             output_path: Some(self.output_dir.clone()),
-            summary: Some(json!({
-                "records": tally.read,
-                "kept": tally.kept,
-                "train": tally.train,
-                "valid": tally.valid,
-                "dropped": tally.dropped,
-                "errors": tally.errors,
-                "files": names,
-            })),
+            summary: Some(summary),
         })
     }
+}
 
-    fn transform(
-        &self,
-        ctx: &JobCtx,
-        reader: &mut impl BufRead,
-        total: u64,
-        outs: &mut [BufWriter<File>],
-    ) -> Result<Tally, RunError> {
-        ctx.emit(JobEvent::stage(
-            "transform",
-            Some(0.0),
-            Some(format!(
-                "policy {} over {}",
-                self.policy,
-                self.input.display()
-            )),
+/// `input`: a file, folder or glob under the allowed paths, and every shard
+/// it names (each checked again, after symlinks, against the same folders).
+fn input_shards(f: &mut Fields, env: &Env<'_>) -> Result<Vec<Shard>, ConfigError> {
+    let raw = f.string("input")?;
+    shards_of(&raw, "config.input", env)
+}
+
+/// The first `limit` records of the input `raw` names, each with where it
+/// came from (a preview).
+pub fn read_head(raw: &str, env: &Env<'_>, limit: usize) -> Result<Vec<PreviewInput>, ConfigError> {
+    let shards = shards_of(raw, "input", env)?;
+    let mut reader = Reader::new(shards, BadRecords::Reject);
+    let records = reader
+        .next_batch(limit)
+        .map_err(|e| ConfigError::new("input", e.to_string()))?;
+    Ok(records
+        .into_iter()
+        .map(|r| PreviewInput {
+            origin: Some((reader.shards()[r.shard].path.clone(), r.row)),
+            text: r.text,
+            unreadable: r.unreadable,
+        })
+        .collect())
+}
+
+fn shards_of(raw: &str, param: &str, env: &Env<'_>) -> Result<Vec<Shard>, ConfigError> {
+    let bad = |m: String| ConfigError::new(param, m);
+    let is_glob = raw.contains(['*', '?', '[']);
+    let spec = if is_glob {
+        env.paths.writable(raw)
+    } else {
+        env.paths.existing(raw)
+    }
+    .map_err(|e| bad(e.to_string()))?;
+    let shards = crate::datasets::resolve(&spec).map_err(|e| bad(e.to_string()))?;
+    for s in &shards {
+        env.paths
+            .existing(&s.path.to_string_lossy())
+            .map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(shards)
+}
+
+/// Parses and checks a `steps` list (the job's, or a preview's); `param`
+/// names the list in errors (`config.steps[1].policy`).
+pub fn parse_steps(steps: &Value, param: &str, env: &Env<'_>) -> Result<Pipeline, ConfigError> {
+    let list = steps
+        .as_array()
+        .ok_or_else(|| ConfigError::new(param, "`steps` must be a list of steps"))?;
+    let mut out = Vec::with_capacity(list.len());
+    let mut host: Option<Arc<PolicyHost>> = None;
+    for (i, step) in list.iter().enumerate() {
+        let at = format!("{param}[{i}]");
+        let one = step
+            .as_object()
+            .filter(|o| o.len() == 1)
+            .and_then(|o| o.iter().next())
+            .map(|(k, v)| (k.as_str(), v))
+            .ok_or_else(|| {
+                ConfigError::new(
+                    &at,
+                    "a step is an object with one key: `policy`, `dedupe` or `filter_length`",
+                )
+            })?;
+        out.push(match one {
+            ("policy", Value::String(name)) => {
+                let h = match &host {
+                    Some(h) => h.clone(),
+                    None => host.insert(policy_host(env, &at)?).clone(),
+                };
+                check_transform(&h, name, &format!("{at}.policy"))?;
+                Step::Transform(name.clone())
+            }
+            ("dedupe", Value::Array(fields)) => {
+                let fields = fields
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_owned))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        ConfigError::new(format!("{at}.dedupe"), "`dedupe` is a list of field names ([] for the whole record)")
+                    })?;
+                Step::Dedupe(fields)
+            }
+            ("filter_length", Value::Object(o)) => filter_length(o, &at, env)?,
+            (key, _) => {
+                return Err(ConfigError::new(
+                    format!("{at}.{key}"),
+                    format!("unknown step `{key}` or wrong value: steps are {{\"policy\": NAME}}, {{\"dedupe\": [FIELDS]}} and {{\"filter_length\": {{\"model\": PATH, \"min_tokens\": N, \"max_tokens\": M}}}}"),
+                ));
+            }
+        });
+    }
+    Ok(Pipeline::new(out, host))
+}
+
+fn policy_host(env: &Env<'_>, at: &str) -> Result<Arc<PolicyHost>, ConfigError> {
+    let provider = env
+        .policies
+        .ok_or_else(|| ConfigError::new(at, "no policy host in this process"))?;
+    provider().map_err(|e| ConfigError::new(at, format!("the policy store cannot be opened: {e}")))
+}
+
+fn check_transform(host: &PolicyHost, name: &str, at: &str) -> Result<(), ConfigError> {
+    let info = host
+        .get(name)
+        .map_err(|e| ConfigError::new(at, e.to_string()))?;
+    if info.kind != PolicyKind::DatasetTransform {
+        return Err(ConfigError::new(
+            at,
+            format!(
+                "policy `{name}` is a {} policy, not a dataset-transform policy",
+                info.kind
+            ),
         ));
-        let mut t = Tally::default();
-        let mut step = 0u64;
-        let mut batches = JsonlBatches::new(reader, self.batch_size);
-        let read_error =
-            |e: std::io::Error| RunError::Failed(format!("cannot read the input: {e}"));
-        while let Some(Batch { records, lines }) = batches.next_batch().map_err(read_error)? {
-            ctx.check()?;
-            let outcomes = self
-                .host
-                .transform_batch(&self.policy, &records)
-                .map_err(|e| RunError::Failed(format!("policy {}: {e}", self.policy)))?;
-            for ((outcome, line), record) in outcomes.iter().zip(&lines).zip(&records) {
-                self.write_outcome(&mut t, outcome, *line, record, outs)
-                    .map_err(|e| RunError::Failed(format!("cannot write output: {e}")))?;
-            }
-            step += 1;
-            let progress = if total > 0 {
-                batches.consumed() as f64 / total as f64
-            } else {
-                1.0
-            };
-            ctx.emit(t.metric(step, progress));
-        }
-        Ok(t)
     }
+    Ok(())
+}
 
-    /// Writes one record's outcome: a kept record to the train or valid
-    /// file (a seeded draw per kept record), a dropped or failed one to the
-    /// rejected file with its line and reason; counts it in `t`.
-    fn write_outcome(
-        &self,
-        t: &mut Tally,
-        outcome: &RecordOutcome,
-        line: u64,
-        record: &str,
-        outs: &mut [BufWriter<File>],
-    ) -> std::io::Result<()> {
-        t.read += 1;
-        match outcome {
-            RecordOutcome::Keep(json) => {
-                let valid =
-                    self.valid_ratio > 0.0 && unit_hash(self.seed, t.kept) < self.valid_ratio;
-                t.kept += 1;
-                let w = if valid {
-                    t.valid += 1;
-                    &mut outs[1]
-                } else {
-                    t.train += 1;
-                    &mut outs[0]
-                };
-                w.write_all(json.as_bytes())?;
-                w.write_all(b"\n")
-            }
-            RecordOutcome::Drop(reason) | RecordOutcome::Error(reason) => {
-                let what = if matches!(outcome, RecordOutcome::Drop(_)) {
-                    t.dropped += 1;
-                    "drop"
-                } else {
-                    t.errors += 1;
-                    "error"
-                };
-                let rec =
-                    json!({"line": line, "outcome": what, "reason": reason, "record": record});
-                let rejected = outs.len() - 1;
-                writeln!(outs[rejected], "{rec}")
-            }
-        }
+fn filter_length(o: &Map<String, Value>, at: &str, env: &Env<'_>) -> Result<Step, ConfigError> {
+    let mut f = Fields::new(&Value::Object(o.clone()))?;
+    let param = |key: &str| format!("{at}.filter_length.{key}");
+    let relabel = |e: ConfigError| {
+        let key = e.param.trim_start_matches("config.").to_owned();
+        ConfigError::new(param(&key), e.message)
+    };
+    let model = f.input_path("model", env.paths).map_err(relabel)?;
+    let min_tokens = f
+        .u64("min_tokens", Some(0), 0..=u64::MAX)
+        .map_err(relabel)?;
+    let max_tokens = f
+        .u64("max_tokens", Some(u64::MAX), 1..=u64::MAX)
+        .map_err(relabel)?;
+    f.finish().map_err(relabel)?;
+    if min_tokens > max_tokens {
+        return Err(ConfigError::new(
+            param("min_tokens"),
+            "`min_tokens` is above `max_tokens`",
+        ));
+    }
+    let codec = crate::engine::load_text_codec(&model).map_err(|e| {
+        ConfigError::new(
+            param("model"),
+            format!("cannot load the tokenizer of {}: {e}", model.display()),
+        )
+    })?;
+    Ok(Step::FilterLength {
+        codec: Arc::new(codec),
+        min_tokens,
+        max_tokens,
+    })
+}
+
+fn shard_list(shards: &[Shard]) -> String {
+    let name = |p: &Path| {
+        p.file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    };
+    match shards {
+        [one] => name(&one.path),
+        [first, .., last] => format!("{} .. {}", name(&first.path), name(&last.path)),
+        [] => String::new(),
     }
 }
 
-#[derive(Default)]
-struct Tally {
-    read: u64,
-    kept: u64,
-    train: u64,
-    valid: u64,
-    dropped: u64,
-    errors: u64,
-}
-
-impl Tally {
-    /// The `metric` event after a batch: the counts so far.
-    fn metric(&self, step: u64, progress: f64) -> JobEvent {
-        let extra = Map::from_iter([
-            ("records".to_owned(), Value::from(self.read)),
-            ("kept".to_owned(), Value::from(self.kept)),
-            ("dropped".to_owned(), Value::from(self.dropped)),
-            ("errors".to_owned(), Value::from(self.errors)),
-        ]);
-        JobEvent::Metric {
-            kind: "dataset".into(),
-            step,
-            loss: None,
-            progress: Some(progress),
-            message: Some(format!(
-                "{} records: {} kept, {} dropped, {} errors",
-                self.read, self.kept, self.dropped, self.errors
-            )),
-            extra,
-        }
+fn step_list(steps: &[Step]) -> String {
+    if steps.is_empty() {
+        return "none".into();
     }
+    steps
+        .iter()
+        .map(Step::label)
+        .collect::<Vec<_>>()
+        .join(" -> ")
 }
 
-/// A uniform number in [0, 1) from (seed, n): SplitMix64's finaliser.
-fn unit_hash(seed: u64, n: u64) -> f64 {
-    let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn split_hash_is_uniform_enough() {
-        let n = 10_000;
-        let valid = (0..n).filter(|&i| super::unit_hash(7, i) < 0.2).count();
-        assert!((1700..2300).contains(&valid), "{valid}");
+/// The `metric` event of a progress report: counts, rate and ETA.
+fn metric(step: u64, p: &Progress, names: &[&str]) -> JobEvent {
+    let t = &p.tally;
+    let mut extra = Map::from_iter([
+        ("records".to_owned(), Value::from(t.read)),
+        ("kept".to_owned(), Value::from(t.kept)),
+        ("dropped".to_owned(), Value::from(t.dropped)),
+        ("errors".to_owned(), Value::from(t.errors)),
+        (
+            "records_per_sec".to_owned(),
+            Value::from((p.records_per_sec * 10.0).round() / 10.0),
+        ),
+    ]);
+    if let Some(eta) = p.eta_secs {
+        extra.insert("eta_secs".to_owned(), Value::from(eta.round()));
+    }
+    for (name, n) in names.iter().zip(t.per_split) {
+        extra.insert((*name).to_owned(), Value::from(n));
+    }
+    let eta = p
+        .eta_secs
+        .map_or_else(String::new, |s| format!(", about {s:.0} s left"));
+    JobEvent::Metric {
+        kind: "dataset".into(),
+        step,
+        loss: None,
+        progress: Some(p.fraction),
+        message: Some(format!(
+            "{} records: {} kept, {} dropped, {} errors; {:.0} records/s{eta}",
+            t.read, t.kept, t.dropped, t.errors, p.records_per_sec
+        )),
+        extra,
     }
 }
