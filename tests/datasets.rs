@@ -436,3 +436,141 @@ fn bad_inputs_fail_naming_the_file_and_line_and_write_nothing() {
     );
     worker.api_error(403, "permission_error", "insufficient_scope");
 }
+
+/// Sends `PUT path` with a `Content-Length` of `total` bytes, in `pieces`
+/// pieces `gap` apart, and returns the status line's code.
+fn slow_put(
+    addr: std::net::SocketAddr,
+    path: &str,
+    pieces: &[&[u8]],
+    gap: Duration,
+    total: usize,
+) -> u16 {
+    use std::io::Read;
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        c,
+        "PUT {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN}\r\ncontent-length: {total}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    for p in pieces {
+        c.write_all(p).unwrap();
+        std::thread::sleep(gap);
+    }
+    let mut answer = String::new();
+    let _ = c.read_to_string(&mut answer);
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn files_stream_into_the_store_atomically_and_jobs_read_them() {
+    let root = tempfile::tempdir().unwrap();
+    let store = root.path().join("store");
+    // A 1 s body deadline, renewed while an upload makes progress.
+    let s = support::ServerBuilder::new()
+        .config(&format!(
+            "{}[server]\nrequest_timeout_secs = 1\n",
+            config_toml(&format!(
+                "allowed_paths = [{:?}]\nmax_upload_bytes = 200000",
+                store.display().to_string()
+            ))
+        ))
+        .env("MLXGATE_ADMIN_KEY", ADMIN)
+        .start();
+    upload(s.addr, "alpaca", "alpaca-to-chat");
+    let text: String = records()[..40]
+        .iter()
+        .map(|r| jsonl_line(r) + "\n")
+        .collect();
+    let put = |name: &str, body: &[u8], key: &str| {
+        support::try_request(
+            s.addr,
+            "PUT",
+            &format!("/api/files/{name}"),
+            &[("authorization", &auth(key))],
+            Some(body),
+        )
+        .unwrap()
+    };
+    let r = put("alpaca.jsonl", text.as_bytes(), ADMIN);
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    use sha2::Digest;
+    assert_eq!(
+        v["sha256"],
+        format!("{:x}", sha2::Sha256::digest(text.as_bytes()))
+    );
+    assert_eq!(v["bytes"], text.len());
+    assert_eq!(
+        std::fs::read_to_string(store.join("alpaca.jsonl")).unwrap(),
+        text
+    );
+    assert_eq!(
+        put("alpaca.jsonl", text.as_bytes(), ADMIN).status,
+        200,
+        "replaced"
+    );
+    let list = call(s.addr, "GET", "/api/files", ADMIN, None).json();
+    assert_eq!(list["data"][0]["name"], "alpaca.jsonl", "{list}");
+    assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+
+    // A job reads it from the store.
+    let row = run(
+        s.addr,
+        json!({"input": v["path"], "output_dir": store.join("chat").display().to_string(), "policy": "alpaca"}),
+    );
+    assert_eq!(row["status"], "done", "{row}");
+    assert_eq!(row["summary"]["records"], 40);
+
+    // An upload slower than the body deadline passes while it progresses;
+    // one that stalls gets 408, and neither leaves a file behind.
+    let piece = [b'x'; 100];
+    let pieces = [&piece[..]; 6];
+    let code = slow_put(
+        s.addr,
+        "/api/files/slow.bin",
+        &pieces,
+        Duration::from_millis(400),
+        600,
+    );
+    assert_eq!(code, 201, "a 2.4 s upload with a 1 s stall limit");
+    let code = slow_put(
+        s.addr,
+        "/api/files/stalled.bin",
+        &pieces[..1],
+        Duration::from_millis(1600),
+        600,
+    );
+    assert_eq!(code, 408);
+    assert!(!store.join("stalled.bin").exists());
+
+    // Refusals.
+    put("big.bin", &vec![0u8; 200_001], ADMIN).api_error(
+        413,
+        "invalid_request_error",
+        "request_too_large",
+    );
+    for bad in [".hidden", "a%2Fb", "..", "x%20y"] {
+        let r = put(bad, b"x", ADMIN);
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+    }
+    put("w.jsonl", b"x", WORKER).api_error(403, "permission_error", "insufficient_scope");
+    let left: Vec<String> = std::fs::read_dir(&store)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    let r = call(s.addr, "DELETE", "/api/files/alpaca.jsonl", ADMIN, None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    call(s.addr, "DELETE", "/api/files/alpaca.jsonl", ADMIN, None).api_error(
+        404,
+        "not_found_error",
+        "file_not_found",
+    );
+}

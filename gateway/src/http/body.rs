@@ -68,13 +68,19 @@ pub async fn read_bytes(req: Request<ReqBody>) -> Result<Bytes, ApiError> {
 pub async fn read_body(body: ReqBody, limit: u64) -> Result<Bytes, ApiError> {
     match body.collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(ApiError::BodyTooLarge { limit })
-        }
-        Err(e) => match e.downcast_ref::<BodyTimedOut>() {
-            Some(t) => Err(ApiError::RequestTimeout { secs: t.secs }),
-            None => Err(ApiError::BodyRead(e.to_string())),
-        },
+        Err(e) => Err(body_error(&e, limit)),
+    }
+}
+
+/// What a failed body read answers: 413 past the route's `limit`, 408 past
+/// the body deadline, else 400.
+pub fn body_error(e: &BoxError, limit: u64) -> ApiError {
+    if e.downcast_ref::<LengthLimitError>().is_some() {
+        return ApiError::BodyTooLarge { limit };
+    }
+    match e.downcast_ref::<BodyTimedOut>() {
+        Some(t) => ApiError::RequestTimeout { secs: t.secs },
+        None => ApiError::BodyRead(e.to_string()),
     }
 }
 

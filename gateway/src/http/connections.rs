@@ -281,17 +281,35 @@ pub struct BodyTimedOut {
     pub secs: u64,
 }
 
+/// What a request body's deadline shares with the dispatcher (one per
+/// connection, reset at each request).
+#[derive(Debug, Default)]
+pub struct BodyDeadline {
+    /// Set when the deadline fired (answer 408, close).
+    pub expired: AtomicBool,
+    /// Set by routes that take large uploads: each piece of the body that
+    /// arrives moves the deadline on, so the limit bounds a stall, not the
+    /// whole transfer.
+    pub renew_on_progress: AtomicBool,
+}
+
+impl BodyDeadline {
+    pub fn reset(&self) {
+        self.expired.store(false, Ordering::Relaxed);
+        self.renew_on_progress.store(false, Ordering::Relaxed);
+    }
+}
+
 /// A request body that fails with [`BodyTimedOut`] once its deadline
 /// passes, so a client trickling (or withholding) its body cannot hold a
 /// handler, a connection and a concurrency slot for longer than that.
 pub struct ReadDeadline<B> {
     inner: B,
     deadline: Instant,
-    secs: u64,
+    timeout: Duration,
     /// Made on the first wait: most bodies arrive with their head.
     sleep: Option<Pin<Box<Sleep>>>,
-    /// Set when the deadline fired, for the dispatcher (answer 408, close).
-    expired: Arc<AtomicBool>,
+    shared: Arc<BodyDeadline>,
 }
 
 impl<B> ReadDeadline<B> {
@@ -301,15 +319,21 @@ impl<B> ReadDeadline<B> {
         inner: B,
         started: std::time::Instant,
         timeout: Duration,
-        expired: Arc<AtomicBool>,
+        shared: Arc<BodyDeadline>,
     ) -> Self {
         ReadDeadline {
             inner,
             deadline: Instant::from_std(started) + timeout,
-            secs: timeout.as_secs(),
+            timeout,
             sleep: None,
-            expired,
+            shared,
         }
+    }
+
+    /// From now on, each piece of the body that arrives gives the rest
+    /// another full timeout (see [`BodyDeadline::renew_on_progress`]).
+    pub fn renew_on_progress(&self) {
+        self.shared.renew_on_progress.store(true, Ordering::Relaxed);
     }
 }
 
@@ -326,19 +350,28 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.expired.load(Ordering::Relaxed) {
-            return Poll::Ready(Some(Err(BodyTimedOut { secs: this.secs }.into())));
+        let secs = this.timeout.as_secs();
+        if this.shared.expired.load(Ordering::Relaxed) {
+            return Poll::Ready(Some(Err(BodyTimedOut { secs }.into())));
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(frame) => Poll::Ready(frame.map(|f| f.map_err(Into::into))),
+            Poll::Ready(frame) => {
+                if frame.is_some() && this.shared.renew_on_progress.load(Ordering::Relaxed) {
+                    this.deadline = Instant::now() + this.timeout;
+                    if let Some(sleep) = this.sleep.as_mut() {
+                        sleep.as_mut().reset(this.deadline);
+                    }
+                }
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
             Poll::Pending => {
                 let deadline = this.deadline;
                 let sleep = this
                     .sleep
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                 if sleep.as_mut().poll(cx).is_ready() {
-                    this.expired.store(true, Ordering::Relaxed);
-                    return Poll::Ready(Some(Err(BodyTimedOut { secs: this.secs }.into())));
+                    this.shared.expired.store(true, Ordering::Relaxed);
+                    return Poll::Ready(Some(Err(BodyTimedOut { secs }.into())));
                 }
                 Poll::Pending
             }
@@ -403,10 +436,10 @@ mod tests {
     async fn body_deadline_fires_on_a_stalled_body_only() {
         let limit = Duration::from_millis(200);
         let whole = Full::new(Bytes::from_static(b"abc"));
-        let flag = Arc::new(AtomicBool::new(false));
+        let flag = Arc::new(BodyDeadline::default());
         let body = ReadDeadline::new(whole, std::time::Instant::now(), limit, flag.clone());
         assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abc");
-        assert!(!flag.load(Ordering::Relaxed));
+        assert!(!flag.expired.load(Ordering::Relaxed));
 
         let first =
             futures_util::stream::iter([Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"a")))]);
@@ -418,7 +451,7 @@ mod tests {
         let started = Instant::now();
         let err = body.collect().await.unwrap_err();
         assert!(err.downcast_ref::<BodyTimedOut>().is_some(), "{err}");
-        assert!(flag.load(Ordering::Relaxed));
+        assert!(flag.expired.load(Ordering::Relaxed));
         assert!(started.elapsed() >= limit);
     }
 }

@@ -31,6 +31,7 @@ pub mod console;
 pub mod counting;
 pub mod datasets;
 pub mod error;
+pub mod files;
 mod handlers;
 pub mod inflight;
 pub mod jobs;
@@ -50,7 +51,7 @@ use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::FutureExt;
@@ -100,6 +101,7 @@ impl AppState {
         table.extend(routing::routes());
         table.extend(jobs::routes());
         table.extend(datasets::routes());
+        table.extend(files::routes(&config));
         table.extend(prompt_caches::routes());
         table.extend(adapters::routes());
         table.extend(metering::routes());
@@ -164,6 +166,9 @@ pub struct Route {
     pub handler: Handler,
     /// Overrides the config's `max_body_bytes` for this route (e.g. uploads).
     pub body_limit: Option<u64>,
+    /// A large upload, read as it streams: the body deadline bounds a
+    /// stall (no data for `request_timeout_secs`), not the whole transfer.
+    pub streamed_body: bool,
 }
 
 impl Route {
@@ -173,11 +178,19 @@ impl Route {
             pattern,
             handler,
             body_limit: None,
+            streamed_body: false,
         }
     }
 
     pub fn with_body_limit(mut self, bytes: u64) -> Self {
         self.body_limit = Some(bytes);
+        self
+    }
+
+    /// A streamed upload of at most `bytes` ([`Route::streamed_body`]).
+    pub fn with_streamed_body(mut self, bytes: u64) -> Self {
+        self.body_limit = Some(bytes);
+        self.streamed_body = true;
         self
     }
 
@@ -304,6 +317,9 @@ fn admit<'s>(
         outcome.caller = Some(state.keys.authorize(req.headers(), scope, keys)?);
     }
     let (r, params) = match_route(&state.routes, req.method(), path, &mut outcome.route)?;
+    if r.streamed_body {
+        req.body().renew_on_progress();
+    }
     outcome.inference = zone == Zone::Scoped(Scope::Infer) && r.method == Method::POST;
     if outcome.inference
         && let Some(c) = &outcome.caller
@@ -430,9 +446,9 @@ fn push_hex(out: &mut String, value: u64, digits: u32) {
 struct ConnectionState {
     /// Whether the answer being sent waits on a client that stopped reading.
     watch: Arc<SendWatch>,
-    /// Set when the current request's body missed its deadline; reset at
-    /// each request's start.
-    body_expired: Arc<AtomicBool>,
+    /// The current request's body deadline: whether it fired, whether the
+    /// route renews it; reset at each request's start.
+    body: Arc<connections::BodyDeadline>,
     /// The key this connection last authenticated with.
     keys: auth::KeyMemo,
 }
@@ -460,14 +476,13 @@ async fn handle(
     );
     telemetry::adopt_parent(&span, req.headers());
     let timeout = state.app.config.server.request_timeout();
-    let expired = &conn.body_expired;
-    expired.store(false, Ordering::Relaxed);
-    let req = req.map(|b| ReadDeadline::new(b, started, timeout, Arc::clone(expired)));
+    conn.body.reset();
+    let req = req.map(|b| ReadDeadline::new(b, started, timeout, Arc::clone(&conn.body)));
     let out = route(Arc::clone(&state), req, id.clone(), peer, &conn.keys)
         .instrument(span.clone())
         .await;
     let mut resp = out.response;
-    if expired.load(Ordering::Relaxed) {
+    if conn.body.expired.load(Ordering::Relaxed) {
         // Whatever the handler made of a body cut short, the answer is 408
         // (and the connection closes: the rest of the body is not coming).
         resp = ApiError::RequestTimeout {

@@ -25,9 +25,27 @@ pub struct JobsConfig {
     pub allowed_paths: Vec<PathBuf>,
     /// Jobs of a kind that may run at once; the rest wait `queued`.
     pub concurrency: BTreeMap<JobKind, NonZeroUsize>,
+    /// Largest file `PUT /api/files/{name}` takes (default 64 GiB).
+    pub max_upload_bytes: Option<u64>,
 }
 
+/// [`JobsConfig::max_upload_bytes`] when unset.
+pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 64 << 30;
+
 impl JobsConfig {
+    pub fn max_upload_bytes(&self) -> u64 {
+        self.max_upload_bytes.unwrap_or(DEFAULT_MAX_UPLOAD_BYTES)
+    }
+
+    /// Where uploaded files go (`PUT /api/files/{name}`): the first allowed
+    /// path, by default `<data_dir>/files`, so jobs can read them.
+    pub fn file_store(&self, data_dir: &Path) -> PathBuf {
+        self.allowed_paths
+            .first()
+            .cloned()
+            .unwrap_or_else(|| data_dir.join("files"))
+    }
+
     pub fn concurrency_of(&self, kind: JobKind) -> usize {
         self.concurrency.get(&kind).map_or(
             match kind {
