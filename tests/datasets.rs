@@ -574,3 +574,107 @@ fn files_stream_into_the_store_atomically_and_jobs_read_them() {
         "file_not_found",
     );
 }
+
+#[test]
+fn a_job_killed_mid_run_resumes_from_its_checkpoint_with_the_same_output() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let start = || {
+        support::ServerBuilder::new()
+            .config(&config_toml(&format!(
+                "allowed_paths = [{:?}]",
+                root.path().display().to_string()
+            )))
+            .env("MLXGATE_ADMIN_KEY", ADMIN)
+            .data_dir(&data)
+            .start()
+    };
+    let mut a = start();
+    upload(a.addr, "alpaca", "alpaca-to-chat");
+    // Enough records, one per guest call on one worker, to outlast a
+    // checkpoint (every 2 s) on this machine.
+    let base = records();
+    let input = root.path().join("big.jsonl");
+    let text: String = (0..200_000)
+        .map(|i| jsonl_line(&base[i % base.len()]).replace("task", &format!("t{}", i / 240)) + "\n")
+        .collect();
+    std::fs::write(&input, text).unwrap();
+    let config = |out: &str| {
+        json!({"input": input.display().to_string(), "output_dir": root.path().join(out).display().to_string(),
+               "steps": [{"policy": "alpaca"}, {"dedupe": ["messages"]}],
+               "batch_size": 1, "workers": 1, "valid_ratio": 0.1, "seed": 5})
+    };
+    let out = root.path().join("out");
+    let first = submit_ok(a.addr, "dataset", config("out"));
+    let checkpoint = out.join(".checkpoint.json");
+    let deadline = std::time::Instant::now() + T;
+    while !checkpoint.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint written"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-9", &a.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    a.wait_exit(Duration::from_secs(10));
+    let saved: Value = serde_json::from_slice(&std::fs::read(&checkpoint).unwrap()).unwrap();
+    let done_before = saved["tally"]["read"].as_u64().unwrap();
+    assert!(done_before > 0 && done_before < 200_000, "{saved}");
+    assert!(out.join("train.jsonl.partial").exists());
+    assert!(
+        !out.join("train.jsonl").exists(),
+        "nothing under a final name"
+    );
+
+    // The gateway comes back; the job is a zombie; the same config resumes.
+    let b = start();
+    let row = call(
+        b.addr,
+        "GET",
+        &format!("/api/jobs/{}", first["id"].as_str().unwrap()),
+        ADMIN,
+        None,
+    )
+    .json();
+    assert_eq!(row["status"], "zombie", "{row}");
+    let row = submit_ok(b.addr, "dataset", config("out"));
+    let id = row["id"].as_str().unwrap().to_owned();
+    let row = wait_final(b.addr, &id, Duration::from_secs(300));
+    assert_eq!(row["status"], "done", "{row}");
+    assert_eq!(row["summary"]["records"], 200_000);
+    let events = call(
+        b.addr,
+        "GET",
+        &format!("/api/jobs/{id}/events"),
+        ADMIN,
+        None,
+    )
+    .text();
+    assert!(
+        events.contains("\"stage\":\"resume\""),
+        "the job says it resumed: {}",
+        &events[..events.len().min(2000)]
+    );
+    assert!(!checkpoint.exists(), "the checkpoint is gone once done");
+
+    // Byte for byte what an uninterrupted run writes.
+    let whole = run(b.addr, config("whole"));
+    assert_eq!(whole["status"], "done", "{whole}");
+    assert_eq!(whole["summary"], row["summary"]);
+    for f in ["train.jsonl", "valid.jsonl", "rejected.jsonl"] {
+        let (x, y) = (
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(root.path().join("whole").join(f)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{f} differs after the resume ({} vs {} bytes)",
+            x.len(),
+            y.len()
+        );
+    }
+}

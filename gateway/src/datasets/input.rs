@@ -187,6 +187,18 @@ impl Reader {
         self.done_bytes.load(Ordering::Relaxed)
     }
 
+    /// Reads past the first `n` records (a resumed run's).
+    pub fn skip(&mut self, mut n: u64) -> Result<(), DatasetError> {
+        while n > 0 {
+            let batch = self.next_batch(n.min(4096) as usize)?;
+            if batch.is_empty() {
+                break;
+            }
+            n -= batch.len() as u64;
+        }
+        Ok(())
+    }
+
     /// Up to `n` records; an empty batch once every shard is read.
     pub fn next_batch(&mut self, n: usize) -> Result<Vec<Record>, DatasetError> {
         let mut out = Vec::with_capacity(n);

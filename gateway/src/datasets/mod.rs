@@ -5,6 +5,7 @@
 //! ([`output`]). The `dataset` job ([`crate::jobs`]) and the preview API use
 //! it; it knows nothing of either.
 
+pub mod checkpoint;
 pub mod input;
 pub mod output;
 pub mod pipeline;
@@ -18,7 +19,7 @@ use serde_json::json;
 
 pub use input::{BadRecords, Format, Reader, Record, Shard, resolve};
 pub use output::{OutputFile, OutputFormat};
-pub use pipeline::{Fate, Pipeline, Step, StepFailed};
+pub use pipeline::{Fate, Pipeline, PipelineState, Step, StepFailed};
 
 /// Why a dataset run stopped.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +111,7 @@ fn unit_hash(seed: u64, n: u64) -> f64 {
 }
 
 /// Counts of a run so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Tally {
     pub read: u64,
     pub kept: u64,
@@ -140,56 +141,102 @@ pub struct Run<'a> {
     pub split: Split,
     pub batch_size: usize,
     pub workers: usize,
+    /// Checkpoint the run under this key (of its config and input), and
+    /// resume from a checkpoint with the same key ([`checkpoint`]).
+    pub checkpoint_key: Option<String>,
 }
+
+/// What a run tells its caller as it goes.
+pub trait Observer {
+    /// About twice a second, and at the end.
+    fn progress(&mut self, p: &Progress);
+    /// Once, when the run picks up an interrupted one after `records`.
+    fn resumed(&mut self, records: u64);
+    /// Asked before each batch.
+    fn cancelled(&self) -> bool;
+}
+
+/// How often a checkpointed run saves where it is.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
 
 impl Run<'_> {
     /// Runs to the end, writing the split files and `rejected.jsonl`, all
-    /// renamed into place only on success. `report` is called about twice a
-    /// second and at the end; `cancelled` is asked before each batch.
+    /// renamed into place only on success. A cancelled run keeps its
+    /// `.partial` files and checkpoint to resume from; a failed one removes
+    /// them.
     pub fn run(
         mut self,
-        mut report: impl FnMut(&Progress),
-        cancelled: impl Fn() -> bool,
+        observer: &mut dyn Observer,
     ) -> Result<(Tally, Vec<PathBuf>), DatasetError> {
         std::fs::create_dir_all(self.output_dir)
             .map_err(|e| DatasetError::io(self.output_dir, e))?;
-        let names = self.split.names();
-        let mut files = Vec::with_capacity(names.len() + 1);
-        for n in &names {
-            let name = format!("{n}.{}", self.format.extension());
-            files.push(OutputFile::create(self.output_dir, &name, self.format)?);
-        }
-        files.push(OutputFile::create(
-            self.output_dir,
-            "rejected.jsonl",
-            OutputFormat::Jsonl,
-        )?);
+        let mut names: Vec<String> = self
+            .split
+            .names()
+            .iter()
+            .map(|n| format!("{n}.{}", self.format.extension()))
+            .collect();
+        names.push("rejected.jsonl".into());
+        let mut checkpoints = self
+            .checkpoint_key
+            .take()
+            .filter(|_| self.format == OutputFormat::Jsonl)
+            .map(|key| checkpoint::Checkpoints::new(self.output_dir, key));
+        let resumed = checkpoints.as_mut().and_then(checkpoint::Checkpoints::load);
+        let (mut files, mut tally, mut state) = match resumed {
+            Some((saved, state)) if saved.files.iter().map(|f| &f.0).eq(names.iter()) => {
+                let mut files = Vec::with_capacity(names.len());
+                for (name, bytes, records) in &saved.files {
+                    files.push(OutputFile::resume(self.output_dir, name, *bytes, *records)?);
+                }
+                self.reader.skip(saved.tally.read)?;
+                observer.resumed(saved.tally.read);
+                (files, saved.tally, state)
+            }
+            _ => {
+                if let Some(c) = &checkpoints {
+                    c.clear();
+                }
+                let mut files = Vec::with_capacity(names.len());
+                for (i, name) in names.iter().enumerate() {
+                    let format = if i + 1 == names.len() {
+                        OutputFormat::Jsonl
+                    } else {
+                        self.format
+                    };
+                    files.push(OutputFile::create(self.output_dir, name, format)?);
+                }
+                (files, Tally::default(), PipelineState::default())
+            }
+        };
         let started = Instant::now();
+        let skipped = tally.read;
         let mut last_report = started;
+        let mut last_checkpoint = started;
         let total = self.reader.total_bytes().max(1);
-        let mut tally = Tally::default();
         let shards: Vec<PathBuf> = self
             .reader
             .shards()
             .iter()
             .map(|s| s.path.clone())
             .collect();
-        // Where each record of the batches in flight came from, in order.
         // (Shared by the two closures below, which run on this thread.)
         let origins: RefCell<VecDeque<Vec<Record>>> = RefCell::default();
         let fraction = Cell::new(0.0);
         let split = self.split;
         let pipeline = self.pipeline;
         let reader = &mut self.reader;
-        let done_bytes = |r: &Reader| r.done_bytes() as f64 / total as f64;
+        let batch_size = self.batch_size;
+        let observer = RefCell::new(observer);
         let result = pipeline.run_parallel::<DatasetError>(
             self.workers,
+            &mut state,
             || {
-                if cancelled() {
+                if observer.borrow().cancelled() {
                     return Err(DatasetError::Cancelled);
                 }
-                let batch = reader.next_batch(self.batch_size)?;
-                fraction.set(done_bytes(reader));
+                let batch = reader.next_batch(batch_size)?;
+                fraction.set(reader.done_bytes() as f64 / total as f64);
                 if batch.is_empty() {
                     return Ok(None);
                 }
@@ -207,63 +254,100 @@ impl Run<'_> {
                 origins.borrow_mut().push_back(batch);
                 Ok(Some(texts))
             },
-            |fates| {
+            |fates, state| {
                 let records = origins.borrow_mut().pop_front().unwrap_or_default();
                 for (fate, record) in fates.into_iter().zip(&records) {
-                    tally.read += 1;
-                    let rejected = |outcome: &str, step: Option<usize>, reason: &str| {
-                        json!({
-                            "file": shards[record.shard].display().to_string(),
-                            "line": record.row,
-                            "step": step.map(|s| pipeline.steps()[s].label()),
-                            "outcome": outcome,
-                            "reason": reason,
-                            "record": record.text,
-                        })
-                        .to_string()
-                    };
-                    let last = files.len() - 1;
-                    if let Some(why) = &record.unreadable {
-                        tally.errors += 1;
-                        files[last].write(&rejected("error", None, why))?;
-                        continue;
-                    }
-                    match fate {
-                        Fate::Keep(text) => {
-                            let i = split.pick(tally.kept);
-                            tally.kept += 1;
-                            tally.per_split[i] += 1;
-                            files[i].write(&text)?;
-                        }
-                        Fate::Drop { step, reason } => {
-                            tally.dropped += 1;
-                            files[last].write(&rejected("drop", Some(step), &reason))?;
-                        }
-                        Fate::Error { step, reason } => {
-                            tally.errors += 1;
-                            files[last].write(&rejected("error", Some(step), &reason))?;
-                        }
-                    }
+                    write_fate(
+                        &mut files,
+                        &mut tally,
+                        (fate, record),
+                        (&split, pipeline, &shards),
+                    )?;
+                }
+                if let Some(c) = checkpoints.as_mut()
+                    && last_checkpoint.elapsed() >= CHECKPOINT_EVERY
+                {
+                    last_checkpoint = Instant::now();
+                    c.save(&tally, &mut files, state)?;
                 }
                 if last_report.elapsed() >= Duration::from_millis(500) {
                     last_report = Instant::now();
-                    report(&progress(tally, fraction.get(), started));
+                    let p = progress(tally, skipped, fraction.get(), started);
+                    observer.borrow_mut().progress(&p);
                 }
                 Ok(())
             },
         );
-        if let Err(e) = result {
-            for f in files {
-                f.discard();
+        let observer = observer.into_inner();
+        match result {
+            Ok(()) => {}
+            Err(DatasetError::Cancelled) => {
+                // The partial files and the last checkpoint stay, to resume.
+                return Err(DatasetError::Cancelled);
             }
-            return Err(e);
+            Err(e) => {
+                for f in files {
+                    f.discard();
+                }
+                if let Some(c) = &checkpoints {
+                    c.clear();
+                }
+                return Err(e);
+            }
         }
-        report(&progress(tally, 1.0, started));
+        observer.progress(&progress(tally, skipped, 1.0, started));
         let mut written = Vec::with_capacity(files.len());
         for f in files {
             written.push(f.commit()?);
         }
+        if let Some(c) = &checkpoints {
+            c.clear();
+        }
         Ok((tally, written))
+    }
+}
+
+/// Writes one record's fate: a kept record to its split's file, a dropped
+/// or failed one to `rejected.jsonl` (the last file) with where it came
+/// from and why.
+fn write_fate(
+    files: &mut [OutputFile],
+    tally: &mut Tally,
+    (fate, record): (Fate, &Record),
+    (split, pipeline, shards): (&Split, &Pipeline, &[PathBuf]),
+) -> Result<(), DatasetError> {
+    tally.read += 1;
+    let rejected = |outcome: &str, step: Option<usize>, reason: &str| {
+        json!({
+            "file": shards[record.shard].display().to_string(),
+            "line": record.row,
+            "step": step.map(|s| pipeline.steps()[s].label()),
+            "outcome": outcome,
+            "reason": reason,
+            "record": record.text,
+        })
+        .to_string()
+    };
+    let last = files.len() - 1;
+    if let Some(why) = &record.unreadable {
+        tally.errors += 1;
+        return files[last].write(&rejected("error", None, why));
+    }
+    match fate {
+        Fate::Keep(text) => {
+            let i = split.pick(tally.kept);
+            tally.kept += 1;
+            tally.per_split[i] += 1;
+            files[i].write(&text)
+        }
+        Fate::Drop { step, reason } => {
+            tally.dropped += 1;
+            files[last].write(&rejected("drop", Some(step), &reason))
+        }
+        Fate::Error { step, reason } => {
+            tally.errors += 1;
+            files[last].write(&rejected("error", Some(step), &reason))
+        }
     }
 }
 
@@ -317,9 +401,10 @@ impl Preview {
     }
 }
 
-fn progress(tally: Tally, fraction: f64, started: Instant) -> Progress {
+/// `skipped`: records a resumed run took over, not counted in its rate.
+fn progress(tally: Tally, skipped: u64, fraction: f64, started: Instant) -> Progress {
     let secs = started.elapsed().as_secs_f64().max(1e-3);
-    let rate = tally.read as f64 / secs;
+    let rate = (tally.read - skipped) as f64 / secs;
     let eta = (fraction > 0.01 && fraction < 1.0).then(|| secs * (1.0 - fraction) / fraction);
     Progress {
         tally,

@@ -95,6 +95,52 @@ impl OutputFile {
         })
     }
 
+    /// Reopens a JSONL file of an interrupted run at its last checkpoint:
+    /// `<name>.partial` cut back to `bytes` (what was written after the
+    /// checkpoint goes), to be appended to.
+    pub fn resume(
+        dir: &Path,
+        name: &str,
+        bytes: u64,
+        records: u64,
+    ) -> Result<OutputFile, DatasetError> {
+        use std::io::{Seek, SeekFrom};
+        let target = dir.join(name);
+        let partial = dir.join(format!("{name}.partial"));
+        let io = |e| DatasetError::io(&partial, e);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&partial)
+            .map_err(io)?;
+        if file.metadata().map_err(io)?.len() < bytes {
+            return Err(DatasetError::io(
+                &partial,
+                std::io::Error::other("shorter than its checkpoint says"),
+            ));
+        }
+        file.set_len(bytes).map_err(io)?;
+        file.seek(SeekFrom::End(0)).map_err(io)?;
+        Ok(OutputFile {
+            name: name.to_owned(),
+            partial,
+            target,
+            sink: Sink::Jsonl(BufWriter::with_capacity(1 << 16, file)),
+            records,
+        })
+    }
+
+    /// Makes what was written so far durable and says how long the file is
+    /// (for a checkpoint); `None` for Parquet, which cannot be resumed.
+    pub fn checkpoint(&mut self) -> Result<Option<u64>, DatasetError> {
+        let Sink::Jsonl(w) = &mut self.sink else {
+            return Ok(None);
+        };
+        let io = |e| DatasetError::io(&self.partial, e);
+        w.flush().map_err(io)?;
+        w.get_ref().sync_data().map_err(io)?;
+        Ok(Some(w.get_ref().metadata().map_err(io)?.len()))
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

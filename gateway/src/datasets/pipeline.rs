@@ -118,12 +118,14 @@ impl Pipeline {
 
     /// Runs `batches` (numbered from 0, in order) through the pipeline on
     /// `workers` threads and hands each batch's fates to `sink` in input
-    /// order, on the calling thread. Stops at the first error of either.
+    /// order, on the calling thread, with the pipeline's state after it
+    /// (to checkpoint). Stops at the first error of either.
     pub fn run_parallel<E: From<StepFailed> + Send>(
         &self,
         workers: usize,
+        state: &mut PipelineState,
         mut next_batch: impl FnMut() -> Result<Option<Vec<String>>, E>,
-        mut sink: impl FnMut(Vec<Fate>) -> Result<(), E>,
+        mut sink: impl FnMut(Vec<Fate>, &PipelineState) -> Result<(), E>,
     ) -> Result<(), E> {
         let workers = workers.max(1);
         // Bounded queues: at most a few batches per worker wait on either
@@ -141,7 +143,13 @@ impl Pipeline {
                 tx: Some(work_tx),
                 next: 0,
             };
-            let result = self.drive(&mut feeder, &done_rx, &mut next_batch, &mut sink, workers);
+            let result = self.drive(
+                (&mut feeder, &done_rx),
+                state,
+                &mut next_batch,
+                &mut sink,
+                workers,
+            );
             // Dropping the sender ends the workers; drain what they still send.
             feeder.tx = None;
             while done_rx.recv().is_ok() {}
@@ -168,13 +176,12 @@ impl Pipeline {
     /// part.
     fn drive<E: From<StepFailed>>(
         &self,
-        feeder: &mut Feeder,
-        done: &Receiver<(u64, Result<Vec<Fate>, StepFailed>)>,
+        (feeder, done): (&mut Feeder, &Receiver<(u64, Result<Vec<Fate>, StepFailed>)>),
+        state: &mut PipelineState,
         next_batch: &mut impl FnMut() -> Result<Option<Vec<String>>, E>,
-        sink: &mut impl FnMut(Vec<Fate>) -> Result<(), E>,
+        sink: &mut impl FnMut(Vec<Fate>, &PipelineState) -> Result<(), E>,
         workers: usize,
     ) -> Result<(), E> {
-        let mut dedupers = Dedupers::default();
         let mut waiting: BTreeMap<u64, Vec<Fate>> = BTreeMap::new();
         let (mut sent, mut handed) = (0u64, 0u64);
         let mut input_done = false;
@@ -197,7 +204,8 @@ impl Pipeline {
             };
             waiting.insert(seq, fates?);
             while let Some(fates) = waiting.remove(&handed) {
-                sink(self.finish(fates, &mut dedupers)?)?;
+                let fates = self.finish(fates, &mut state.dedupers)?;
+                sink(fates, state)?;
                 handed += 1;
             }
         }
@@ -348,8 +356,51 @@ impl Feeder {
 }
 
 /// The hashes each `dedupe` step has seen, by step index.
-#[derive(Default)]
+#[derive(Default, Debug, PartialEq)]
 struct Dedupers(BTreeMap<usize, HashSet<u128>>);
+
+/// What a pipeline remembers between batches (the records each `dedupe`
+/// step has seen), saved with a run's checkpoint so a resumed run drops
+/// the same duplicates an uninterrupted one would.
+#[derive(Default, Debug, PartialEq)]
+pub struct PipelineState {
+    dedupers: Dedupers,
+}
+
+impl PipelineState {
+    /// As bytes: per step its index, count and hashes (little-endian).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (step, seen) in &self.dedupers.0 {
+            out.extend_from_slice(&(*step as u64).to_le_bytes());
+            out.extend_from_slice(&(seen.len() as u64).to_le_bytes());
+            for h in seen {
+                out.extend_from_slice(&h.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    pub fn from_bytes(mut b: &[u8]) -> Option<PipelineState> {
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let (head, rest) = b.split_at_checked(n)?;
+            b = rest;
+            Some(head)
+        };
+        let mut state = PipelineState::default();
+        loop {
+            let Some(step) = take(8) else { break };
+            let step = u64::from_le_bytes(step.try_into().ok()?) as usize;
+            let count = u64::from_le_bytes(take(8)?.try_into().ok()?) as usize;
+            let mut seen = HashSet::with_capacity(count);
+            for _ in 0..count {
+                seen.insert(u128::from_le_bytes(take(16)?.try_into().ok()?));
+            }
+            state.dedupers.0.insert(step, seen);
+        }
+        Some(state)
+    }
+}
 
 /// The 128-bit hash of a record's chosen fields (their JSON, in the order
 /// given; a missing field counts as null), or of its whole text.
@@ -388,16 +439,21 @@ mod tests {
         for workers in [1, 3, 8] {
             let mut batches = all.chunks(9).map(<[String]>::to_vec);
             let mut out = Vec::new();
+            let mut state = PipelineState::default();
             p.run_parallel::<StepFailed>(
                 workers,
+                &mut state,
                 || Ok(batches.next()),
-                |fates| {
+                |fates, _| {
                     out.extend(fates);
                     Ok(())
                 },
             )
             .unwrap();
             assert_eq!(out, once, "{workers} workers");
+            let saved = PipelineState::from_bytes(&state.to_bytes()).unwrap();
+            assert_eq!(saved, state);
+            assert_eq!(saved.dedupers.0[&0].len(), 7);
         }
     }
 

@@ -27,14 +27,16 @@ use serde_json::{Map, Value, json};
 
 use super::{ConfigError, Env, Fields, Outcome};
 use crate::datasets::{
-    BadRecords, DatasetError, OutputFormat, Pipeline, PreviewInput, Progress, Reader, Run, Shard,
-    Split, Step,
+    BadRecords, DatasetError, Observer, OutputFormat, Pipeline, PreviewInput, Progress, Reader,
+    Run, Shard, Split, Step,
 };
 use crate::jobs::runner::{JobCtx, RunError};
 use crate::jobs::types::JobEvent;
 use crate::policy::{PolicyHost, PolicyKind};
 
 pub struct DatasetSpec {
+    /// The submitted config's text, part of the checkpoint key.
+    config: String,
     shards: Vec<Shard>,
     output_dir: PathBuf,
     pipeline: Pipeline,
@@ -122,6 +124,7 @@ impl DatasetSpec {
             workers
         };
         Ok(DatasetSpec {
+            config: String::new(),
             shards,
             output_dir,
             pipeline,
@@ -131,6 +134,28 @@ impl DatasetSpec {
             workers,
             bad_records,
         })
+    }
+
+    /// Keys the run's checkpoint to `config` (with its input files'
+    /// sizes and times): the same config over the same input resumes.
+    pub fn with_config(mut self, config: &Value) -> Self {
+        self.config = config.to_string();
+        self
+    }
+
+    fn checkpoint_key(&self, shards: &[Shard]) -> String {
+        let mut text = self.config.clone();
+        for s in shards {
+            let modified = s
+                .path
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            text.push_str(&format!("\n{} {} {modified}", s.path.display(), s.bytes));
+        }
+        format!("{:032x}", xxhash_rust::xxh3::xxh3_128(text.as_bytes()))
     }
 
     pub fn run(self, ctx: &JobCtx) -> Result<Outcome, RunError> {
@@ -148,6 +173,7 @@ impl DatasetSpec {
             )),
         ));
         let shard_count = self.shards.len();
+        let checkpoint_key = Some(self.checkpoint_key(&self.shards));
         let run = Run {
             reader: Reader::new(self.shards, self.bad_records),
             pipeline: &self.pipeline,
@@ -156,16 +182,15 @@ impl DatasetSpec {
             split: self.split,
             batch_size: self.batch_size,
             workers: self.workers,
+            checkpoint_key,
         };
-        let mut step = 0;
         let names = self.split.names();
-        let result = run.run(
-            |p| {
-                step += 1;
-                ctx.emit(metric(step, p, &names));
-            },
-            || ctx.check().is_err(),
-        );
+        let mut events = JobEvents {
+            ctx,
+            step: 0,
+            names: &names,
+        };
+        let result = run.run(&mut events);
         let (tally, files) = match result {
             Ok(done) => done,
             Err(DatasetError::Cancelled) => {
@@ -216,6 +241,34 @@ impl DatasetSpec {
             output_path: Some(self.output_dir.clone()),
             summary: Some(summary),
         })
+    }
+}
+
+/// The job's progress as events; cancellation from the job's flag.
+struct JobEvents<'a> {
+    ctx: &'a JobCtx,
+    step: u64,
+    names: &'a [&'static str],
+}
+
+impl Observer for JobEvents<'_> {
+    fn progress(&mut self, p: &Progress) {
+        self.step += 1;
+        self.ctx.emit(metric(self.step, p, self.names));
+    }
+
+    fn resumed(&mut self, records: u64) {
+        self.ctx.emit(JobEvent::stage(
+            "resume",
+            None,
+            Some(format!(
+                "resuming an interrupted run of this config after its first {records} records"
+            )),
+        ));
+    }
+
+    fn cancelled(&self) -> bool {
+        self.ctx.check().is_err()
     }
 }
 

@@ -99,7 +99,9 @@ impl Spec {
                 }
                 Spec::Crash(crash::CrashSpec::parse(fields)?)
             }
-            JobKind::Dataset => Spec::Dataset(dataset::DatasetSpec::parse(fields, env)?),
+            JobKind::Dataset => {
+                Spec::Dataset(dataset::DatasetSpec::parse(fields, env)?.with_config(config))
+            }
             JobKind::Quantize => Spec::Quantize(quantize::QuantizeSpec::parse(fields, env)?),
             JobKind::Finetune => {
                 Spec::Finetune(Box::new(finetune::FinetuneSpec::parse(fields, env)?))
