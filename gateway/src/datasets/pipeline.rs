@@ -131,7 +131,7 @@ impl Pipeline {
         // Bounded queues: at most a few batches per worker wait on either
         // side, so memory stays bounded by the batch size.
         let (work_tx, work_rx) = sync_channel::<(u64, Vec<String>)>(workers * 2);
-        let (done_tx, done_rx) = sync_channel::<(u64, Result<Vec<Fate>, StepFailed>)>(workers * 2);
+        let (done_tx, done_rx) = sync_channel::<Done>(workers * 2);
         let work_rx = Mutex::new(work_rx);
         std::thread::scope(|scope| {
             for _ in 0..workers {
@@ -160,7 +160,7 @@ impl Pipeline {
     fn worker(
         &self,
         rx: &Mutex<Receiver<(u64, Vec<String>)>>,
-        tx: SyncSender<(u64, Result<Vec<Fate>, StepFailed>)>,
+        tx: SyncSender<Done>,
     ) {
         loop {
             let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
@@ -176,7 +176,7 @@ impl Pipeline {
     /// part.
     fn drive<E: From<StepFailed>>(
         &self,
-        (feeder, done): (&mut Feeder, &Receiver<(u64, Result<Vec<Fate>, StepFailed>)>),
+        (feeder, done): (&mut Feeder, &Receiver<Done>),
         state: &mut PipelineState,
         next_batch: &mut impl FnMut() -> Result<Option<Vec<String>>, E>,
         sink: &mut impl FnMut(Vec<Fate>, &PipelineState) -> Result<(), E>,
@@ -340,6 +340,9 @@ impl Pipeline {
     }
 }
 
+/// A batch's number and its fates after the parallel steps.
+type Done = (u64, Result<Vec<Fate>, StepFailed>);
+
 /// Sends batches to the workers, numbering them.
 struct Feeder {
     tx: Option<SyncSender<(u64, Vec<String>)>>,
@@ -388,8 +391,7 @@ impl PipelineState {
             Some(head)
         };
         let mut state = PipelineState::default();
-        loop {
-            let Some(step) = take(8) else { break };
+        while let Some(step) = take(8) {
             let step = u64::from_le_bytes(step.try_into().ok()?) as usize;
             let count = u64::from_le_bytes(take(8)?.try_into().ok()?) as usize;
             let mut seen = HashSet::with_capacity(count);
