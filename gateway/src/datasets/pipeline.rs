@@ -157,11 +157,7 @@ impl Pipeline {
         })
     }
 
-    fn worker(
-        &self,
-        rx: &Mutex<Receiver<(u64, Vec<String>)>>,
-        tx: SyncSender<Done>,
-    ) {
+    fn worker(&self, rx: &Mutex<Receiver<(u64, Vec<String>)>>, tx: SyncSender<Done>) {
         loop {
             let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
             let Ok((seq, records)) = job else { return };

@@ -31,7 +31,7 @@ use crate::policy::{
 type HandlerResult = Result<Response<Body>, ApiError>;
 
 /// Largest component accepted over HTTP (the host's own ceiling is the same).
-pub const MAX_UPLOAD_BYTES: u64 = 16 << 20;
+pub const MAX_UPLOAD_BYTES: u64 = 64 << 20;
 
 /// The admin routes; `http::routes()` extends its table with these.
 pub fn routes() -> Vec<Route> {

@@ -65,7 +65,7 @@ impl HostConfig {
             max_instances: 256,
             max_memory_bytes: 128 << 20,
             max_wasm_stack: 512 << 10,
-            max_component_bytes: 16 << 20,
+            max_component_bytes: 64 << 20,
             max_deadline_ms: 60_000,
             max_request_deadline_ms: 1_000,
             call_threads: 2,
@@ -205,6 +205,11 @@ impl PolicyEngine {
             .total_core_instances(n.saturating_mul(4))
             .total_memories(n.saturating_mul(2))
             .total_tables(n.saturating_mul(4))
+            // Guests built from Python or JavaScript (componentize-py,
+            // componentize-js) link an interpreter from many core modules.
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(4)
+            .max_tables_per_component(32)
             .max_memory_size(cfg.max_memory_bytes)
             // Return little memory to a slot's next user; keeps drop cheap.
             .linear_memory_keep_resident(64 << 10)

@@ -286,8 +286,11 @@ impl LoadedPolicy {
             limiter: CapLimiter {
                 inner: StoreLimitsBuilder::new()
                     .memory_size(limits.memory_bytes)
-                    .instances(16)
-                    .tables(16)
+                    // Room for an interpreter linked from many core modules
+                    // (Python and JavaScript guests); the pool's per-component
+                    // caps in engine.rs match.
+                    .instances(64)
+                    .tables(32)
                     .memories(4)
                     .trap_on_grow_failure(true)
                     .build(),

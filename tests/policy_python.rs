@@ -1,0 +1,244 @@
+//! Policies written in Python (guest-sdk/python, built by componentize-py
+//! in `scripts/build-policies.sh`), run by the real gateway: the Python
+//! alpaca-to-chat gives exactly the Rust one's outcomes; a three-step
+//! pipeline (the Rust dataset-clean guest, the Python alpaca-to-chat, the
+//! built-in dedupe) over messy records; the Python tenant router decides
+//! requests; a Python guest that loops forever or allocates without end is
+//! stopped and reported, and the gateway keeps serving.
+
+#[path = "jobs_common/mod.rs"]
+mod common;
+#[path = "policy_common/mod.rs"]
+mod policy_common;
+#[path = "support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn python_guest(name: &str) -> Vec<u8> {
+    let path = support::workspace_root().join(format!("policies/target/python/{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{} is missing ({e}): run scripts/setup.sh --tests, then scripts/build-policies.sh",
+            path.display()
+        )
+    })
+}
+
+fn put_policy(
+    addr: std::net::SocketAddr,
+    name: &str,
+    query: &str,
+    wasm: &[u8],
+) -> support::Response {
+    support::try_request(
+        addr,
+        "PUT",
+        &format!("/admin/policies/{name}?{query}"),
+        &[("authorization", &auth(ADMIN))],
+        Some(wasm),
+    )
+    .unwrap()
+}
+
+fn preview(addr: std::net::SocketAddr, body: Value) -> Value {
+    let r = call(addr, "POST", "/api/datasets/preview", ADMIN, Some(&body));
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+#[test]
+fn python_guests_transform_route_and_are_contained() {
+    let root = tempfile::tempdir().unwrap();
+    let s = server(root.path(), "");
+    let r = put_policy(
+        s.addr,
+        "alpaca_py",
+        "kind=dataset-transform",
+        &python_guest("alpaca_to_chat"),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(
+        r.json()["interface"],
+        "mlxgate:policy/dataset-transform@0.3.3"
+    );
+    let r = put_policy(
+        s.addr,
+        "alpaca_rs",
+        "kind=dataset-transform",
+        &policy_common::wasm("alpaca-to-chat"),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = put_policy(
+        s.addr,
+        "clean",
+        "kind=dataset-transform",
+        &policy_common::wasm("dataset-clean"),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+
+    // The same outcomes as the Rust guest, record for record.
+    let mut records: Vec<Value> = (0..30)
+        .map(|i| json!({"instruction": format!("Ünïcode task {i} \"quoted\""), "input": if i % 2 == 0 { "".to_owned() } else { format!("ctx {i}") }, "output": format!("answer {i}")}))
+        .collect();
+    records.push(json!({"output": "no instruction"}));
+    records.push(json!({"instruction": "no output"}));
+    records.push(json!([1, 2]));
+    let py = preview(
+        s.addr,
+        json!({"transform": "alpaca_py", "records": records}),
+    );
+    let rs = preview(
+        s.addr,
+        json!({"transform": "alpaca_rs", "records": records}),
+    );
+    let strip = |v: &Value| -> Vec<Value> {
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| json!([r["outcome"], r["output"], r["reason"]]))
+            .collect()
+    };
+    assert_eq!(
+        py["counts"],
+        json!({"keep": 30, "drop": 0, "error": 3}),
+        "{py}"
+    );
+    let (p, r) = (strip(&py), strip(&rs));
+    assert_eq!(
+        p[..31],
+        r[..31],
+        "the Python guest's outcomes differ from the Rust one's"
+    );
+
+    // A pipeline of a Rust guest, a Python guest and the built-in dedupe,
+    // over records that are duplicates only once their whitespace is cleaned.
+    let input = root.path().join("messy.jsonl");
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            let q = i % 25;
+            let pad = if i >= 25 { "   " } else { "" };
+            json!({"instruction": format!("{pad}What is {q}?\t\t"), "input": "", "output": format!("It is\r\n{q}.{pad}")}).to_string()
+        })
+        .chain([json!({"instruction": "   ", "output": ""}).to_string()])
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = root.path().join("chat");
+    let row = submit_ok(
+        s.addr,
+        "dataset",
+        json!({"input": input.display().to_string(), "output_dir": out.display().to_string(),
+               "steps": [{"policy": "clean"}, {"policy": "alpaca_py"}, {"dedupe": ["messages"]}]}),
+    );
+    let row = wait_final(
+        s.addr,
+        row["id"].as_str().unwrap(),
+        Duration::from_secs(120),
+    );
+    assert_eq!(row["status"], "done", "{row}");
+    let sum = &row["summary"];
+    // 25 distinct questions kept; 15 repeats dropped by dedupe; the blank
+    // record dropped by the cleaner.
+    assert_eq!(
+        (sum["kept"].as_u64(), sum["dropped"].as_u64()),
+        (Some(25), Some(16)),
+        "{sum}"
+    );
+    let train: Vec<Value> = std::fs::read_to_string(out.join("train.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        train[3],
+        json!({"messages": [{"role": "user", "content": "What is 3?"}, {"role": "assistant", "content": "It is\n3."}]})
+    );
+    let rejected = std::fs::read_to_string(out.join("rejected.jsonl")).unwrap();
+    assert_eq!(rejected.matches("\"step\":\"dedupe\"").count(), 15);
+    assert_eq!(rejected.matches("\"step\":\"policy clean\"").count(), 1);
+
+    // A guest that spins or hogs memory: stopped, reported, the rest served.
+    let r = put_policy(
+        s.addr,
+        "hostile_py",
+        "kind=dataset-transform&deadline_ms=1000",
+        &python_guest("spin_or_hog"),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = preview(
+        s.addr,
+        json!({"transform": "hostile_py", "records": [{"a": "fine"}, {"a": "spin"}, {"a": "hog"}, {"a": "also fine"}]}),
+    );
+    let outcomes: Vec<(&str, &str)> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["outcome"].as_str().unwrap(),
+                r["reason"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(outcomes[0], ("keep", ""), "{v}");
+    assert_eq!(outcomes[3], ("keep", ""), "{v}");
+    assert_eq!(outcomes[1].0, "error");
+    assert!(
+        outcomes[1].1.contains("out_of_fuel") || outcomes[1].1.contains("timeout"),
+        "{v}"
+    );
+    assert!(outcomes[2].1.contains("memory_limit"), "{v}");
+    assert_eq!(s.get("/healthz").status, 200);
+    let again = preview(
+        s.addr,
+        json!({"transform": "alpaca_py", "records": [{"instruction": "a", "output": "b"}]}),
+    );
+    assert_eq!(again["counts"]["keep"], 1);
+
+    // The Python tenant router decides requests.
+    let config = "%7B%22tenants%22%3A%7B%22t%22%3A%7B%22deny%22%3A%5B%22gpt-4o%22%5D%7D%7D%7D";
+    let r = put_policy(
+        s.addr,
+        "tenants_py",
+        &format!("kind=router&on_error=fail_closed&config={config}"),
+        &python_guest("tenant_router"),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = call(
+        s.addr,
+        "PUT",
+        "/admin/bindings/router",
+        ADMIN,
+        Some(&json!({"policy": "tenants_py"})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let chat = |key: &str, model: &str| {
+        call(
+            s.addr,
+            "POST",
+            "/v1/chat/completions",
+            key,
+            Some(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})),
+        )
+    };
+    let denied = chat(INFER, "gpt-4o");
+    assert_eq!(denied.status, 403, "{}", denied.text());
+    assert!(
+        denied.text().contains("not allowed for this tenant"),
+        "{}",
+        denied.text()
+    );
+    let unknown = chat(ADMIN, "gpt-4o");
+    assert_eq!(unknown.status, 403, "{}", unknown.text());
+    assert!(
+        unknown.text().contains("unknown tenant"),
+        "{}",
+        unknown.text()
+    );
+    let info = call(s.addr, "GET", "/admin/policies/tenants_py", ADMIN, None).json();
+    assert!(info["metrics"]["calls"].as_u64().unwrap() >= 2, "{info}");
+}
