@@ -24,6 +24,8 @@ pub(crate) struct Counters {
     buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
     latency_sum_ns: AtomicU64,
     instances_created: AtomicU64,
+    /// The most linear memory any instance has had, in bytes.
+    memory_peak: AtomicU64,
     /// Sharded by thread: every proxied request may count here, and one
     /// counter would bounce between the worker threads' caches.
     decisions_reused: [PaddedCounter; REUSE_SHARDS],
@@ -63,6 +65,11 @@ impl Counters {
         self.instances_created.fetch_add(1, Relaxed);
     }
 
+    /// An instance's linear memory reached `bytes`.
+    pub(crate) fn memory_seen(&self, bytes: usize) {
+        self.memory_peak.fetch_max(bytes as u64, Relaxed);
+    }
+
     /// A request answered by a reused decision, without a call.
     pub(crate) fn decision_reused(&self) {
         self.decisions_reused[shard()].0.fetch_add(1, Relaxed);
@@ -89,6 +96,7 @@ impl Counters {
             latency_buckets: buckets,
             latency_sum_seconds: self.latency_sum_ns.load(Relaxed) as f64 / 1e9,
             instances_created: self.instances_created.load(Relaxed),
+            memory_peak_bytes: self.memory_peak.load(Relaxed),
             decisions_reused: self
                 .decisions_reused
                 .iter()
@@ -113,6 +121,9 @@ pub struct PolicyMetrics {
     pub latency_sum_seconds: f64,
     /// Fresh instances made (first use, after traps, after reuse limits).
     pub instances_created: u64,
+    /// The most linear memory any of its instances has had (what a guest
+    /// costs: a Rust one a few hundred KiB, a Python one tens of MiB).
+    pub memory_peak_bytes: u64,
     /// Requests a router answered with a reused decision, not counted in
     /// `calls` (see `decision-inputs` in the WIT).
     pub decisions_reused: u64,
@@ -130,7 +141,8 @@ impl PolicyMetrics {
 /// Renders metrics in the Prometheus text format (families
 /// `mlxgate_policy_calls_total`, `mlxgate_policy_failures_total`,
 /// `mlxgate_policy_call_duration_seconds`, `mlxgate_policy_instances_created_total`,
-/// `mlxgate_policy_decisions_reused_total`).
+/// `mlxgate_policy_decisions_reused_total`, and the gauge
+/// `mlxgate_policy_memory_peak_bytes`).
 pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
     let mut out = String::new();
     write_counter(
@@ -156,6 +168,13 @@ pub fn render_prometheus(metrics: &[PolicyMetrics]) -> String {
         "Requests answered with a reused router decision, without a call.",
         |m| m.decisions_reused,
     );
+    write_family(
+        &mut out,
+        metrics,
+        ("mlxgate_policy_memory_peak_bytes", "gauge"),
+        "The most linear memory one of the policy's instances has had.",
+        |m| m.memory_peak_bytes,
+    );
     out
 }
 
@@ -167,7 +186,18 @@ fn write_counter(
     help: &str,
     value: fn(&PolicyMetrics) -> u64,
 ) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    write_family(out, metrics, (name, "counter"), help, value);
+}
+
+/// A family of type `typ` with one series per policy.
+fn write_family(
+    out: &mut String,
+    metrics: &[PolicyMetrics],
+    (name, typ): (&str, &str),
+    help: &str,
+    value: fn(&PolicyMetrics) -> u64,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {typ}");
     for m in metrics {
         let _ = writeln!(
             out,

@@ -268,6 +268,7 @@ impl LoadedPolicy {
     /// many calls, or linear memory grown past half the cap (memory never
     /// shrinks, so a grown instance would keep its pool slot's pages).
     fn checkin(&self, warm: Warm) {
+        self.counters.memory_seen(warm.store.data().limiter.peak);
         if warm.calls >= self.max_calls_per_instance
             || warm.store.data().limiter.peak > self.info.limits.memory_bytes / 2
         {
