@@ -426,6 +426,35 @@ fn bad_inputs_fail_naming_the_file_and_line_and_write_nothing() {
         .collect();
     assert_eq!(outcomes, [("keep", 1), ("drop", 2), ("error", 3)], "{v}");
     assert_eq!(v["results"][1]["reason"], "duplicate of an earlier record");
+    // The same from the command line.
+    let (status, out, err) = support::run_cli(
+        &[
+            "dataset",
+            "preview",
+            &p.join("utf8.jsonl").display().to_string(),
+            "--steps",
+            r#"[{"policy": "alpaca"}, {"dedupe": []}]"#,
+            "--limit",
+            "3",
+            "--url",
+            &format!("http://{}", s.addr),
+        ],
+        &[("MLXGATE_API_KEY", ADMIN)],
+    );
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("line 1: keep {\"messages\""), "{out}");
+    assert!(
+        out.contains("line 2: drop by dedupe: duplicate of an earlier record"),
+        "{out}"
+    );
+    assert!(
+        out.contains("line 3: error by reading: not valid UTF-8"),
+        "{out}"
+    );
+    assert!(
+        err.contains("1 kept, 1 dropped, 1 failed (nothing written)"),
+        "{err}"
+    );
     // Reading server files is an admin's right.
     let worker = call(
         s.addr,

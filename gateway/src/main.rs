@@ -61,7 +61,8 @@ enum Command {
     /// Manage Wasm policies: push, list, rm, bind (see guest-sdk/README.md).
     #[command(subcommand)]
     Policy(mlxgate::cli::policy::PolicyCommand),
-    /// Dataset tools: run a dataset-transform policy over a JSONL file.
+    /// Dataset tools: run a dataset-transform policy over a JSONL file; preview
+    /// a pipeline on a running gateway.
     #[command(subcommand)]
     Dataset(mlxgate::cli::policy::DatasetCommand),
     /// Background jobs on a running gateway: submit, list, show, watch, cancel.

@@ -97,6 +97,30 @@ pub enum DatasetCommand {
     /// Run a dataset-transform policy over a JSONL file: kept records go to
     /// OUTPUT, one per line; progress and a summary go to stderr.
     Transform(TransformArgs),
+    /// Ask a running gateway what a pipeline would do to the first records
+    /// of an input (POST /api/datasets/preview; nothing is written): each
+    /// record's outcome, the step that dropped or failed it, and why.
+    Preview(PreviewArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PreviewArgs {
+    /// The input on the gateway's machine, as a dataset job's `input`: a
+    /// file, folder or glob of .jsonl(.gz/.zst), .csv or .parquet under
+    /// [jobs] allowed_paths. Needs a key with the jobs and admin scopes.
+    input: String,
+    /// The steps as JSON, as a dataset job's `steps`, e.g.
+    /// '[{"policy": "alpaca"}, {"dedupe": ["messages"]}]'.
+    #[arg(long, conflicts_with = "policy", required_unless_present = "policy")]
+    steps: Option<String>,
+    /// One dataset-transform policy as the only step.
+    #[arg(long)]
+    policy: Option<String>,
+    /// How many records from the start (1-100).
+    #[arg(long, default_value_t = 20)]
+    limit: usize,
+    #[command(flatten)]
+    remote: super::remote::Remote,
 }
 
 #[derive(Args, Debug)]
@@ -318,7 +342,41 @@ fn admin(t: &Target, method: Method, path: &str, payload: Payload) -> anyhow::Re
 pub fn run_dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     match cmd {
         DatasetCommand::Transform(a) => transform(a),
+        DatasetCommand::Preview(a) => preview(a),
     }
+}
+
+fn preview(a: PreviewArgs) -> anyhow::Result<()> {
+    let steps: serde_json::Value = match (&a.steps, &a.policy) {
+        (Some(text), _) => serde_json::from_str(text).context("--steps is not JSON")?,
+        (None, Some(name)) => serde_json::json!([{ "policy": name }]),
+        (None, None) => anyhow::bail!("give --steps or --policy"),
+    };
+    let body = serde_json::json!({"steps": steps, "input": a.input, "limit": a.limit});
+    let v = super::remote::call_blocking(
+        &a.remote,
+        http::Method::POST,
+        "/api/datasets/preview",
+        super::remote::Payload::Json(body),
+    )?;
+    for r in v["results"].as_array().into_iter().flatten() {
+        let at = format!("line {}", r["line"]);
+        match r["outcome"].as_str() {
+            Some("keep") => println!("{at}: keep {}", r["output"]),
+            Some(outcome) => println!(
+                "{at}: {outcome} by {}: {}",
+                r["step"].as_str().unwrap_or("reading"),
+                r["reason"].as_str().unwrap_or("")
+            ),
+            None => {}
+        }
+    }
+    let c = &v["counts"];
+    eprintln!(
+        "{} kept, {} dropped, {} failed (nothing written)",
+        c["keep"], c["drop"], c["error"]
+    );
+    Ok(())
 }
 
 #[derive(Default)]
