@@ -2,7 +2,7 @@
 //! Parquet shards ([`input`]), run through a pipeline of steps ([`pipeline`]:
 //! Wasm transforms, dedupe, a token-length filter) on a pool of threads,
 //! split into train / valid / test and written as JSONL or Parquet
-//! ([`output`]). The `dataset` job ([`crate::jobs`]) and the preview API use
+//! ([`output`]). The `dataset` job and the preview API use
 //! it; it knows nothing of either.
 
 pub mod checkpoint;
