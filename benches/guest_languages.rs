@@ -1,5 +1,6 @@
 //! What a policy's language costs: the same dataset transform
-//! (alpaca-to-chat) written in Rust and in Python, run by the policy host.
+//! (alpaca-to-chat) written in Rust, in Python and in JavaScript, run by
+//! the policy host.
 //! For each: the component's size, the upload (validation and compilation
 //! into a fresh host), a cold call (a fresh instance each: instantiate,
 //! `init`, one batch), a warm call (a pooled instance), per batch of 32
@@ -48,6 +49,7 @@ fn main() {
     for (language, rel) in [
         ("Rust", "wasm32-unknown-unknown/release/alpaca_to_chat.wasm"),
         ("Python", "python/alpaca_to_chat.wasm"),
+        ("JavaScript", "js/alpaca_to_chat.wasm"),
     ] {
         let bytes = component(rel);
         let dir = tempfile::tempdir().expect("temp dir");

@@ -45,5 +45,24 @@ if [ -x "$root/.deps/cpy/bin/componentize-py" ] || command -v componentize-py >/
 else
     echo "build-policies: componentize-py not installed (scripts/setup.sh --tests): Python policies not built" >&2
 fi
+
+# JavaScript policies (guest-sdk/js), when componentize-js is installed
+# (scripts/setup.sh --tests): into policies/target/js/<name>.wasm.
+js_out="$root/policies/target/js"
+if [ -x "$root/.deps/cjs/node_modules/.bin/componentize-js" ]; then
+    build_js() { # <kind> <app dir> <name>
+        local out="$js_out/$3.wasm"
+        if [ -f "$out" ] && [ -z "$(find "$2" "$root/guest-sdk/js" "$root/guest-sdk/wit" -newer "$out" -type f -not -path '*/node_modules/*' | head -1)" ]; then
+            return
+        fi
+        "$root/guest-sdk/js/build.sh" "$1" "$2" "$out"
+    }
+    build_js dataset-transform "$root/policies/js/alpaca_to_chat" alpaca_to_chat
+    build_js router "$root/policies/js/tenant_router" tenant_router
+    build_js dataset-transform "$root/policies/js/hostile" spin_or_hog
+    ls -1 "$js_out"/*.wasm
+else
+    echo "build-policies: componentize-js not installed (scripts/setup.sh --tests): JavaScript policies not built" >&2
+fi
 ls -1 "$root/policies/target/$target/release/"*.wasm \
     "$root/policies/target/wasm32-wasip2/release/wasi_imports.wasm"

@@ -16,6 +16,7 @@
 #   .deps/py/                     the `openai` and `jsonschema` Python packages, for the SDK tests
 #   .deps/console/node_modules/   the console's pinned npm packages (with --tests)
 #   .deps/cpy/                    componentize-py, for the Python policies (with --tests)
+#   .deps/cjs/                    componentize-js, for the JavaScript policies (with --tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for_tests=0
@@ -150,5 +151,14 @@ if [ $for_tests = 1 ]; then
     echo "$COMPONENTIZE_PY" > .deps/cpy/.installed
   else
     step "Python: $COMPONENTIZE_PY present"
+  fi
+  # componentize-js builds the JavaScript example policies (guest-sdk/js).
+  if ! cmp -s guest-sdk/js/package-lock.json .deps/cjs/package-lock.json || [ ! -x .deps/cjs/node_modules/.bin/componentize-js ]; then
+    step "npm: installing componentize-js into .deps/cjs"
+    rm -rf .deps/cjs && mkdir -p .deps/cjs
+    cp guest-sdk/js/package.json guest-sdk/js/package-lock.json .deps/cjs/
+    (cd .deps/cjs && npm ci --no-audit --no-fund --loglevel=error)
+  else
+    step "npm: componentize-js present"
   fi
 fi

@@ -1,10 +1,11 @@
-//! Policies written in Python (guest-sdk/python, built by componentize-py
-//! in `scripts/build-policies.sh`), run by the real gateway: the Python
-//! alpaca-to-chat gives exactly the Rust one's outcomes; a three-step
-//! pipeline (the Rust dataset-clean guest, the Python alpaca-to-chat, the
-//! built-in dedupe) over messy records; the Python tenant router decides
-//! requests; a Python guest that loops forever or allocates without end is
-//! stopped and reported, and the gateway keeps serving.
+//! Policies written in Python (guest-sdk/python, componentize-py) and in
+//! JavaScript (guest-sdk/js, componentize-js), built by
+//! `scripts/build-policies.sh`, run by the real gateway. For each language:
+//! its alpaca-to-chat gives exactly the Rust one's outcomes; a three-step
+//! pipeline (the Rust dataset-clean guest, its alpaca-to-chat, the built-in
+//! dedupe) over messy records; its tenant router decides requests; a guest
+//! that loops forever or allocates without end (a memory bomb) is stopped
+//! and reported, and the gateway keeps serving.
 
 #[path = "jobs_common/mod.rs"]
 mod common;
@@ -18,8 +19,9 @@ use std::time::Duration;
 use common::*;
 use serde_json::{Value, json};
 
-fn python_guest(name: &str) -> Vec<u8> {
-    let path = support::workspace_root().join(format!("policies/target/python/{name}.wasm"));
+/// A guest built from `policies/<language>/<name>`.
+fn guest(language: &str, name: &str) -> Vec<u8> {
+    let path = support::workspace_root().join(format!("policies/target/{language}/{name}.wasm"));
     std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
             "{} is missing ({e}): run scripts/setup.sh --tests, then scripts/build-policies.sh",
@@ -50,15 +52,23 @@ fn preview(addr: std::net::SocketAddr, body: Value) -> Value {
     r.json()
 }
 
+/// One language after the other: each upload compiles an interpreter
+/// (seconds of both cores), so running them side by side only makes each
+/// slower.
 #[test]
-fn python_guests_transform_route_and_are_contained() {
+fn python_and_javascript_guests_transform_route_and_are_contained() {
+    guests_transform_route_and_are_contained("python");
+    guests_transform_route_and_are_contained("js");
+}
+
+fn guests_transform_route_and_are_contained(language: &str) {
     let root = tempfile::tempdir().unwrap();
     let s = server(root.path(), "");
     let r = put_policy(
         s.addr,
         "alpaca_py",
         "kind=dataset-transform",
-        &python_guest("alpaca_to_chat"),
+        &guest(language, "alpaca_to_chat"),
     );
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(
@@ -166,7 +176,7 @@ fn python_guests_transform_route_and_are_contained() {
         s.addr,
         "hostile_py",
         "kind=dataset-transform&deadline_ms=1000",
-        &python_guest("spin_or_hog"),
+        &guest(language, "spin_or_hog"),
     );
     assert_eq!(r.status, 201, "{}", r.text());
     let v = preview(
@@ -205,7 +215,7 @@ fn python_guests_transform_route_and_are_contained() {
         s.addr,
         "tenants_py",
         &format!("kind=router&on_error=fail_closed&config={config}"),
-        &python_guest("tenant_router"),
+        &guest(language, "tenant_router"),
     );
     assert_eq!(r.status, 201, "{}", r.text());
     let r = call(
