@@ -29,16 +29,12 @@ use serde_json::{Value, json};
 const T: Duration = Duration::from_secs(120);
 
 fn upload(addr: std::net::SocketAddr, name: &str, crate_name: &str) {
-    let wasm = policy_common::wasm(crate_name);
-    let r = support::try_request(
+    put_policy(
         addr,
-        "PUT",
-        &format!("/admin/policies/{name}?kind=dataset-transform"),
-        &[("authorization", &auth(ADMIN))],
-        Some(&wasm),
-    )
-    .unwrap();
-    assert!(matches!(r.status, 200 | 201), "{}", r.text());
+        name,
+        "kind=dataset-transform",
+        &policy_common::wasm(crate_name),
+    );
 }
 
 /// 120 alpaca records, every 10th a repeat of an earlier one's question

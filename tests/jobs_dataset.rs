@@ -19,15 +19,7 @@ const T: Duration = Duration::from_secs(60);
 
 fn upload(addr: std::net::SocketAddr, name: &str, crate_name: &str) {
     let wasm = policy_common::wasm(crate_name);
-    let r = support::try_request(
-        addr,
-        "PUT",
-        &format!("/admin/policies/{name}?kind=dataset-transform&deadline_ms=500"),
-        &[("authorization", &auth(ADMIN))],
-        Some(&wasm),
-    )
-    .unwrap();
-    assert!(matches!(r.status, 200 | 201), "{}", r.text());
+    put_policy(addr, name, "kind=dataset-transform&deadline_ms=500", &wasm);
 }
 
 fn jsonl(path: &Path) -> Vec<Value> {

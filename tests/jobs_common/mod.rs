@@ -47,6 +47,21 @@ pub fn server(root: &Path, extra_jobs: &str) -> Server {
         .start()
 }
 
+/// Uploads `wasm` as policy `name` with the admin key (`query`: `kind=...`
+/// and any limits) and returns the policy's info; asserts it was taken.
+pub fn put_policy(addr: SocketAddr, name: &str, query: &str, wasm: &[u8]) -> Value {
+    let r = crate::support::try_request(
+        addr,
+        "PUT",
+        &format!("/admin/policies/{name}?{query}"),
+        &[("authorization", &auth(ADMIN))],
+        Some(wasm),
+    )
+    .unwrap();
+    assert!(matches!(r.status, 200 | 201), "{name}: {}", r.text());
+    r.json()
+}
+
 pub fn auth(key: &str) -> String {
     format!("Bearer {key}")
 }
