@@ -16,7 +16,7 @@
 //!   file and line.
 //! - Parquet: an object per row, keyed by column name, through arrow-json:
 //!   integers and floats as JSON numbers, booleans, strings, nulls as `null`
-//!   (kept, not dropped), lists as arrays, structs as objects, maps as
+//!   (kept, not dropped), lists as arrays, structs as
 //!   objects, timestamps and dates as ISO 8601 strings (`2023-11-14T22:13:20`,
 //!   `2022-01-08`), decimals as JSON numbers (`123.45`), binary as a hex
 //!   string (`"01ff"`); the test below pins each.
