@@ -275,6 +275,42 @@ fn every_format_gives_the_same_output_and_the_pipeline_steps_run_in_order() {
         assert_eq!(rows, train, "{workers} workers");
         assert!(out.join("valid.parquet").is_file() && out.join("rejected.jsonl").is_file());
     }
+
+    // Shuffled: the same kept records in another order, the same order
+    // again for the same seed, and no bucket files left.
+    let lines_of = |dir: &Path| -> Vec<String> {
+        ["train.jsonl", "valid.jsonl", "test.jsonl"]
+            .iter()
+            .flat_map(|f| {
+                std::fs::read_to_string(dir.join(f))
+                    .unwrap()
+                    .lines()
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let mut shuffled = Vec::new();
+    for run_no in 0..2 {
+        let out = root.path().join(format!("out-shuffled-{run_no}"));
+        let row = run(
+            s.addr,
+            json!({"input": root.path().join("jsonl").display().to_string(),
+                   "output_dir": out.display().to_string(), "steps": steps,
+                   "valid_ratio": 0.1, "test_ratio": 0.1, "seed": 3, "shuffle": true}),
+        );
+        assert_eq!(row["status"], "done", "{row}");
+        assert_eq!(row["summary"]["kept"], 106);
+        assert!(!out.join(".shuffle").exists());
+        shuffled.push(lines_of(&out));
+    }
+    assert_eq!(shuffled[0], shuffled[1], "same seed, same order");
+    let plain = lines_of(&root.path().join("out-jsonl"));
+    assert_ne!(shuffled[0], plain, "shuffled");
+    let (mut a, mut b) = (shuffled[0].clone(), plain);
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the same records");
 }
 
 /// Rows of a Parquet file as JSON objects.

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod input;
 pub mod output;
 pub mod pipeline;
+pub mod shuffle;
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -142,8 +143,12 @@ pub struct Run<'a> {
     pub batch_size: usize,
     pub workers: usize,
     /// Checkpoint the run under this key (of its config and input), and
-    /// resume from a checkpoint with the same key ([`checkpoint`]).
+    /// resume from a checkpoint with the same key ([`checkpoint`]; not
+    /// with `shuffle`).
     pub checkpoint_key: Option<String>,
+    /// Shuffle the kept records with this seed before the split
+    /// ([`shuffle`]).
+    pub shuffle: Option<u64>,
 }
 
 /// What a run tells its caller as it goes.
@@ -180,7 +185,7 @@ impl Run<'_> {
         let mut checkpoints = self
             .checkpoint_key
             .take()
-            .filter(|_| self.format == OutputFormat::Jsonl)
+            .filter(|_| self.format == OutputFormat::Jsonl && self.shuffle.is_none())
             .map(|key| checkpoint::Checkpoints::new(self.output_dir, key));
         let resumed = checkpoints.as_mut().and_then(checkpoint::Checkpoints::load);
         let (mut files, mut tally, mut state) = match resumed {
@@ -208,6 +213,10 @@ impl Run<'_> {
                 }
                 (files, Tally::default(), PipelineState::default())
             }
+        };
+        let mut shuffler = match self.shuffle {
+            Some(seed) => Some(shuffle::Shuffler::new(self.output_dir, seed)?),
+            None => None,
         };
         let started = Instant::now();
         let skipped = tally.read;
@@ -258,7 +267,7 @@ impl Run<'_> {
                 let records = origins.borrow_mut().pop_front().unwrap_or_default();
                 for (fate, record) in fates.into_iter().zip(&records) {
                     write_fate(
-                        &mut files,
+                        (&mut files, shuffler.as_mut()),
                         &mut tally,
                         (fate, record),
                         (&split, pipeline, &shards),
@@ -289,11 +298,24 @@ impl Run<'_> {
                 for f in files {
                     f.discard();
                 }
+                if let Some(s) = shuffler {
+                    s.discard();
+                }
                 if let Some(c) = &checkpoints {
                     c.clear();
                 }
                 return Err(e);
             }
+        }
+        if let Some(s) = shuffler {
+            // The kept records, shuffled, to their splits.
+            let mut n = 0;
+            s.drain(|text| {
+                let i = split.pick(n);
+                n += 1;
+                tally.per_split[i] += 1;
+                files[i].write(text)
+            })?;
         }
         observer.progress(&progress(tally, skipped, 1.0, started));
         let mut written = Vec::with_capacity(files.len());
@@ -311,7 +333,7 @@ impl Run<'_> {
 /// or failed one to `rejected.jsonl` (the last file) with where it came
 /// from and why.
 fn write_fate(
-    files: &mut [OutputFile],
+    (files, shuffler): (&mut [OutputFile], Option<&mut shuffle::Shuffler>),
     tally: &mut Tally,
     (fate, record): (Fate, &Record),
     (split, pipeline, shards): (&Split, &Pipeline, &[PathBuf]),
@@ -335,6 +357,10 @@ fn write_fate(
     }
     match fate {
         Fate::Keep(text) => {
+            if let Some(s) = shuffler {
+                tally.kept += 1;
+                return s.push(&text);
+            }
             let i = split.pick(tally.kept);
             tally.kept += 1;
             tally.per_split[i] += 1;

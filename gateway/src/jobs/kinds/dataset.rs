@@ -13,6 +13,9 @@
 //!   `policy` alone is shorthand for one policy step.
 //! - `valid_ratio`, `test_ratio` (0; together below 1), `seed` (0): the
 //!   split, a hash of (seed, index of the kept record).
+//! - `shuffle`: `true` (with `seed`) or a seed of its own: the kept records
+//!   in a seeded random order, before the split, with bounded memory
+//!   (`datasets::shuffle`). A shuffled run does not resume (it starts over).
 //! - `batch_size` (32 records per guest call), `workers` (0: one per core),
 //!   `bad_records` (`fail`: a record that cannot be read fails the job,
 //!   naming the file and line; `reject`: it goes to the rejected file).
@@ -45,6 +48,7 @@ pub struct DatasetSpec {
     batch_size: usize,
     workers: usize,
     bad_records: BadRecords,
+    shuffle: Option<u64>,
 }
 
 impl DatasetSpec {
@@ -101,6 +105,16 @@ impl DatasetSpec {
         }
         let seed = f.u64("seed", Some(0), 0..=u64::MAX)?;
         let workers = f.u64("workers", Some(0), 0..=64)? as usize;
+        let shuffle = match f.take("shuffle") {
+            None | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(seed),
+            Some(v) => Some(v.as_u64().ok_or_else(|| {
+                ConfigError::new(
+                    "config.shuffle",
+                    "`shuffle` is true (with `seed`), false, or a seed (a non-negative integer)",
+                )
+            })?),
+        };
         let bad_records = match f.opt_string("bad_records")?.as_deref() {
             None | Some("fail") => BadRecords::Fail,
             Some("reject") => BadRecords::Reject,
@@ -133,6 +147,7 @@ impl DatasetSpec {
             batch_size,
             workers,
             bad_records,
+            shuffle,
         })
     }
 
@@ -183,6 +198,7 @@ impl DatasetSpec {
             batch_size: self.batch_size,
             workers: self.workers,
             checkpoint_key,
+            shuffle: self.shuffle,
         };
         let names = self.split.names();
         let mut events = JobEvents {
