@@ -156,8 +156,8 @@ pub struct Reader {
     open: Option<(usize, Box<dyn ShardReader>)>,
     bad_records: BadRecords,
     /// Input bytes behind the records read so far (of compressed files, the
-    /// compressed bytes), for progress; shared with whoever reports it.
-    done_bytes: Arc<AtomicU64>,
+    /// compressed bytes), for progress.
+    done_bytes: u64,
     /// Bytes of the shards finished before the open one.
     finished_bytes: u64,
 }
@@ -169,7 +169,7 @@ impl Reader {
             next_shard: 0,
             open: None,
             bad_records,
-            done_bytes: Arc::default(),
+            done_bytes: 0,
             finished_bytes: 0,
         }
     }
@@ -185,7 +185,7 @@ impl Reader {
 
     /// Input bytes behind the records read so far.
     pub fn done_bytes(&self) -> u64 {
-        self.done_bytes.load(Ordering::Relaxed)
+        self.done_bytes
     }
 
     /// Reads past the first `n` records (a resumed run's).
@@ -245,10 +245,9 @@ impl Reader {
                     self.open = None;
                 }
             }
-            let within = self.open.as_ref().map_or(0, |(_, r)| r.position());
-            self.done_bytes
-                .store(self.finished_bytes + within, Ordering::Relaxed);
         }
+        let within = self.open.as_ref().map_or(0, |(_, r)| r.position());
+        self.done_bytes = self.finished_bytes + within;
         Ok(out)
     }
 }

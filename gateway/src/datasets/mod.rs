@@ -249,7 +249,8 @@ impl Run<'_> {
                 if batch.is_empty() {
                     return Ok(None);
                 }
-                // Unreadable records skip the steps: an empty text marks them.
+                // Unreadable records go through as empty text; `write_fate`
+                // sets their fate aside and rejects them with the reason.
                 let texts = batch
                     .iter()
                     .map(|r| {

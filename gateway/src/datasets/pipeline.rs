@@ -7,8 +7,9 @@
 //!   it was uploaded with).
 //! - `{"dedupe": ["field", ...]}`: drops a record whose chosen fields (all of
 //!   it with `[]`) are exactly those of an earlier record: a 128-bit hash of
-//!   their JSON is kept per record seen (16 bytes each, plus the set's own
-//!   overhead: about 40 MB per million records).
+//!   their JSON is kept per distinct record (16 bytes in a hash set: with
+//!   its control bytes and spare capacity, between about 19 and 37 bytes a
+//!   record; an estimate from the layout, not measured).
 //! - `{"filter_length": {"model": PATH, "min_tokens": N, "max_tokens": M}}`:
 //!   keeps records whose token count, as a fine-tune would tokenize them
 //!   with that model's tokenizer (`messages` through its chat template,
@@ -139,10 +140,7 @@ impl Pipeline {
                 scope.spawn(move || self.worker(rx, tx));
             }
             drop(done_tx);
-            let mut feeder = Feeder {
-                tx: Some(work_tx),
-                next: 0,
-            };
+            let mut feeder = Feeder(Some(work_tx));
             let result = self.drive(
                 (&mut feeder, &done_rx),
                 state,
@@ -151,7 +149,7 @@ impl Pipeline {
                 workers,
             );
             // Dropping the sender ends the workers; drain what they still send.
-            feeder.tx = None;
+            feeder.0 = None;
             while done_rx.recv().is_ok() {}
             result
         })
@@ -186,7 +184,7 @@ impl Pipeline {
             while !input_done && sent - handed < (workers * 2) as u64 {
                 match next_batch()? {
                     Some(batch) if !batch.is_empty() => {
-                        feeder.send(batch);
+                        feeder.send(sent, batch);
                         sent += 1;
                     }
                     _ => input_done = true,
@@ -339,18 +337,14 @@ impl Pipeline {
 /// A batch's number and its fates after the parallel steps.
 type Done = (u64, Result<Vec<Fate>, StepFailed>);
 
-/// Sends batches to the workers, numbering them.
-struct Feeder {
-    tx: Option<SyncSender<(u64, Vec<String>)>>,
-    next: u64,
-}
+/// Sends numbered batches to the workers; `None` once they are to stop.
+struct Feeder(Option<SyncSender<(u64, Vec<String>)>>);
 
 impl Feeder {
-    fn send(&mut self, batch: Vec<String>) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send((self.next, batch));
+    fn send(&self, seq: u64, batch: Vec<String>) {
+        if let Some(tx) = &self.0 {
+            let _ = tx.send((seq, batch));
         }
-        self.next += 1;
     }
 }
 

@@ -101,7 +101,11 @@ fn asset(cx: &Ctx, req: &Request<ReqBody>, path: &str) -> HandlerResult {
         Some(dir) => {
             let bytes = read_from(dir, path).ok_or_else(not_found)?;
             let etag = format!("\"{:x}\"", Sha256::digest(&bytes));
-            let csp = content_security_policy(&bytes);
+            let csp = if path.ends_with(".html") {
+                content_security_policy(&bytes)
+            } else {
+                EMBEDDED_CSP.clone()
+            };
             (bytes::Bytes::from(bytes), etag, csp)
         }
         None => {

@@ -16,16 +16,7 @@ pub struct CrashSpec {
 
 impl CrashSpec {
     pub fn parse(mut f: Fields) -> Result<CrashSpec, ConfigError> {
-        let panic = match f.opt_string("mode")?.as_deref() {
-            None | Some("error") => false,
-            Some("panic") => true,
-            Some(other) => {
-                return Err(ConfigError::new(
-                    "config.mode",
-                    format!("unknown mode `{other}`; expected error or panic"),
-                ));
-            }
-        };
+        let panic = f.choice("mode", &[("error", false), ("panic", true)])?;
         let after_ms = f.u64("after_ms", Some(0), 0..=600_000)?;
         f.finish()?;
         Ok(CrashSpec {

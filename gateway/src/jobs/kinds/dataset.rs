@@ -61,16 +61,13 @@ impl DatasetSpec {
                 "`output_dir` exists and is not a folder",
             ));
         }
-        let format = match f.opt_string("output_format")?.as_deref() {
-            None | Some("jsonl") => OutputFormat::Jsonl,
-            Some("parquet") => OutputFormat::Parquet,
-            Some(other) => {
-                return Err(ConfigError::new(
-                    "config.output_format",
-                    format!("`output_format` must be \"jsonl\" or \"parquet\", not \"{other}\""),
-                ));
-            }
-        };
+        let format = f.choice(
+            "output_format",
+            &[
+                ("jsonl", OutputFormat::Jsonl),
+                ("parquet", OutputFormat::Parquet),
+            ],
+        )?;
         let shorthand = f.take("policy");
         let steps = match (f.take("steps"), shorthand.as_ref().and_then(Value::as_str)) {
             (Some(_), Some(_)) => {
@@ -115,16 +112,10 @@ impl DatasetSpec {
                 )
             })?),
         };
-        let bad_records = match f.opt_string("bad_records")?.as_deref() {
-            None | Some("fail") => BadRecords::Fail,
-            Some("reject") => BadRecords::Reject,
-            Some(other) => {
-                return Err(ConfigError::new(
-                    "config.bad_records",
-                    format!("`bad_records` must be \"fail\" or \"reject\", not \"{other}\""),
-                ));
-            }
-        };
+        let bad_records = f.choice(
+            "bad_records",
+            &[("fail", BadRecords::Fail), ("reject", BadRecords::Reject)],
+        )?;
         f.finish()?;
         let pipeline = parse_steps(&steps, "config.steps", env).map_err(|mut e| {
             if shorthand.is_some() {

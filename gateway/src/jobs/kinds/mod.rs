@@ -200,6 +200,25 @@ impl Fields {
         }
     }
 
+    /// One of `options` by name (the first when absent); anything else is
+    /// an error listing them.
+    pub fn choice<T: Copy>(&mut self, key: &str, options: &[(&str, T)]) -> Result<T, ConfigError> {
+        let Some(given) = self.opt_string(key)? else {
+            return Ok(options[0].1);
+        };
+        options
+            .iter()
+            .find(|(name, _)| *name == given)
+            .map(|(_, v)| *v)
+            .ok_or_else(|| {
+                let names: Vec<String> = options.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+                ConfigError::new(
+                    param(key),
+                    format!("`{key}` must be {}, not \"{given}\"", names.join(" or ")),
+                )
+            })
+    }
+
     pub fn string(&mut self, key: &str) -> Result<String, ConfigError> {
         self.opt_string(key)?
             .ok_or_else(|| ConfigError::new(param(key), format!("`{key}` is required")))
