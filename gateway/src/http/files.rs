@@ -43,15 +43,14 @@ pub fn routes(config: &Config) -> Vec<Route> {
     ]
 }
 
-/// The store, created on first use; every call needs the admin scope.
+/// The store (the jobs service creates it at start, as an allowed path;
+/// an upload creates it again if it was removed); every call needs the
+/// admin scope.
 fn store(cx: &Ctx, req: &Request<ReqBody>) -> Result<PathBuf, ApiError> {
     let caller = req.extensions().get::<Caller>();
     cx.state.keys.require(caller, Scope::Admin)?;
     let config = &cx.state.app.config;
-    let dir = config.jobs.file_store(&config.data_dir);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| ApiError::Internal(format!("cannot create {}: {e}", dir.display())))?;
-    Ok(dir)
+    Ok(config.jobs.file_store(&config.data_dir))
 }
 
 fn file_name(cx: &Ctx) -> Result<String, ApiError> {
@@ -79,6 +78,9 @@ async fn put(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let target = dir.join(&name);
     let temp = dir.join(format!(".{name}.upload-{}", cx.request_id));
     let io = |what: &str, e: std::io::Error| ApiError::Internal(format!("{what}: {e}"));
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| io("cannot create the file store", e))?;
     let mut file = tokio::fs::File::create(&temp)
         .await
         .map_err(|e| io("cannot create the upload file", e))?;
@@ -126,9 +128,25 @@ async fn put(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
 
 async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     let dir = store(&cx, &req)?;
+    // Off the serving thread: a store may hold many files.
+    let files = tokio::task::spawn_blocking(move || list_store(&dir))
+        .await
+        .map_err(|e| ApiError::Internal(format!("listing failed: {e}")))??;
+    body::json(StatusCode::OK, &json!({"object": "list", "data": files}))
+}
+
+fn list_store(dir: &std::path::Path) -> Result<Vec<serde_json::Value>, ApiError> {
     let mut files = Vec::new();
-    let entries = std::fs::read_dir(&dir)
-        .map_err(|e| ApiError::Internal(format!("cannot list {}: {e}", dir.display())))?;
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(files),
+        Err(e) => {
+            return Err(ApiError::Internal(format!(
+                "cannot list {}: {e}",
+                dir.display()
+            )));
+        }
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Ok(meta) = e.metadata() else { continue };
@@ -146,7 +164,7 @@ async fn list(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
         );
     }
     files.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-    body::json(StatusCode::OK, &json!({"object": "list", "data": files}))
+    Ok(files)
 }
 
 async fn delete(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
