@@ -40,6 +40,7 @@ if [ -x "$root/.deps/cpy/bin/componentize-py" ] || command -v componentize-py >/
     }
     build_py dataset-transform "$root/policies/python/alpaca_to_chat" alpaca_to_chat
     build_py router "$root/policies/python/tenant_router" tenant_router
+    build_py adapter-selector "$root/policies/python/adapter_by_tenant" adapter_by_tenant
     build_py dataset-transform "$root/policies/python/hostile" spin_or_hog spin_or_hog
     ls -1 "$py_out"/*.wasm
 else
@@ -59,6 +60,7 @@ if [ -x "$root/.deps/cjs/node_modules/.bin/componentize-js" ]; then
     }
     build_js dataset-transform "$root/policies/js/alpaca_to_chat" alpaca_to_chat
     build_js router "$root/policies/js/tenant_router" tenant_router
+    build_js adapter-selector "$root/policies/js/adapter_by_tenant" adapter_by_tenant
     build_js dataset-transform "$root/policies/js/hostile" spin_or_hog
     ls -1 "$js_out"/*.wasm
 else

@@ -5,7 +5,8 @@
 //! pipeline (the Rust dataset-clean guest, its alpaca-to-chat, the built-in
 //! dedupe) over messy records; its tenant router decides requests; a guest
 //! that loops forever or allocates without end (a memory bomb) is stopped
-//! and reported, and the gateway keeps serving.
+//! and reported, and the gateway keeps serving; its adapter-by-tenant
+//! selects what the Rust one selects.
 
 #[path = "jobs_common/mod.rs"]
 mod common;
@@ -43,6 +44,69 @@ fn preview(addr: std::net::SocketAddr, body: Value) -> Value {
 fn python_and_javascript_guests_transform_route_and_are_contained() {
     guests_transform_route_and_are_contained("python");
     guests_transform_route_and_are_contained("js");
+}
+
+/// The Python and JavaScript adapter-by-tenant choose exactly what the Rust
+/// one chooses, and refuse the same bad config.
+#[test]
+fn python_and_javascript_adapter_selectors_match_rust() {
+    use mlxgate::policy::PolicyKind::AdapterSelector;
+    use policy_common::{adapter, host, strings, tenant_facts, upload, upload_bytes};
+
+    let dir = tempfile::tempdir().unwrap();
+    let host = host(dir.path());
+    let configs = [
+        json!({"tenants": {"acme": ["acme-tone", "acme-sql", "acme-missing"]}}),
+        json!({"tenants": {"acme": ["acme-sql"]}, "default": ["shared"]}),
+    ];
+    let mounted = [
+        adapter("acme-sql", "llama"),
+        adapter("acme-tone", "llama"),
+        adapter("acme-other-base", "qwen"),
+        adapter("shared", "llama"),
+        adapter("ünï-cødé", "llama"),
+    ];
+    let asked = [
+        tenant_facts("llama", Some("acme"), &[]),
+        tenant_facts("qwen", Some("acme"), &[]),
+        tenant_facts("llama", Some("globex"), &[]),
+        tenant_facts("llama", None, &[("x-tenant", "acme")]),
+        tenant_facts("mistral", Some("acme"), &[]),
+    ];
+    for (i, config) in configs.iter().enumerate() {
+        let rust = format!("rust{i}");
+        upload(&host, &rust, AdapterSelector, "adapter-by-tenant", &config.to_string());
+        let expected: Vec<_> = asked
+            .iter()
+            .map(|f| host.select_adapters_with(&rust, f, &mounted).unwrap())
+            .collect();
+        // The cases tell apart: an ordered pick, none mounted, no opinion.
+        let want_acme = if i == 0 { vec!["acme-tone", "acme-sql"] } else { vec!["acme-sql"] };
+        assert_eq!(expected[0], Some(strings(&want_acme)));
+        assert_eq!(expected[1], Some(vec![]));
+        assert_eq!(expected[2].is_none(), i == 0);
+        for language in ["python", "js"] {
+            let name = format!("{language}{i}");
+            let component = guest(language, "adapter_by_tenant");
+            upload_bytes(&host, &name, AdapterSelector, &component, &config.to_string())
+                .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+            for (f, want) in asked.iter().zip(&expected) {
+                let got = host.select_adapters_with(&name, f, &mounted).unwrap();
+                assert_eq!(&got, want, "{language}, config {config}, tenant {:?}", f.tenant);
+            }
+        }
+    }
+    for language in ["python", "js"] {
+        let err = upload_bytes(
+            &host,
+            "bad",
+            AdapterSelector,
+            &guest(language, "adapter_by_tenant"),
+            r#"{"tenant": {}}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `tenant`"), "{language}: {err}");
+    }
 }
 
 fn guests_transform_route_and_are_contained(language: &str) {

@@ -34,12 +34,7 @@ const text = new TextDecoder();
  * strings arrive as byte spans (offset << 32 | length, BigInt) of one text.
  */
 export function facts(raw, backends = []) {
-  const bytes = utf8.encode(raw.text);
-  const s = (span) => {
-    const start = Number(BigInt(span) >> 32n);
-    const length = Number(BigInt(span) & 0xffffffffn);
-    return text.decode(bytes.subarray(start, start + length));
-  };
+  const s = spans(raw);
   const headers = {};
   for (const h of raw.headers) headers[s(h.name)] = s(h.value);
   return {
@@ -61,6 +56,26 @@ export function facts(raw, backends = []) {
       inFlight: b.inFlight,
       queueDepth: b.queueDepth,
     })),
+  };
+}
+
+/**
+ * An adapter selector's mounted adapters (`select(facts, adapters)`) as
+ * plain values `{id, rank, scale, baseModel}`; their strings are spans of
+ * the facts' text, so `raw` is the facts as passed.
+ */
+export function adapters(raw, infos) {
+  const s = spans(raw);
+  return infos.map((a) => ({ id: s(a.id), rank: a.rank, scale: a.scale, baseModel: s(a.baseModel) }));
+}
+
+/** Decodes spans (offset << 32 | length, BigInt) of the facts' one text. */
+function spans(raw) {
+  const bytes = utf8.encode(raw.text);
+  return (span) => {
+    const start = Number(BigInt(span) >> 32n);
+    const length = Number(BigInt(span) & 0xffffffffn);
+    return text.decode(bytes.subarray(start, start + length));
   };
 }
 

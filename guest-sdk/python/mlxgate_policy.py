@@ -77,15 +77,30 @@ class Backend:
     queue_depth: int
 
 
-def _span(text: bytes, span: int) -> str:
-    start, length = span >> 32, span & 0xFFFFFFFF
-    return text[start:start + length].decode("utf-8", "replace")
+@dataclass
+class Adapter:
+    """A LoRA adapter mounted on a local base model."""
+
+    id: str
+    rank: int
+    scale: float
+    base_model: str
+
+
+def _spans(raw):
+    """Decodes spans (offset << 32 | length) of the facts' one text."""
+    text = raw.text.encode("utf-8")
+
+    def s(span: int) -> str:
+        start, length = span >> 32, span & 0xFFFFFFFF
+        return text[start:start + length].decode("utf-8", "replace")
+
+    return s
 
 
 def facts(raw, backends=()) -> "tuple[Facts, List[Backend]]":
     """A router's `route(facts, backends)` arguments as plain values."""
-    text = raw.text.encode("utf-8")
-    s = lambda span: _span(text, span)  # noqa: E731
+    s = _spans(raw)
     f = Facts(
         method=s(raw.method),
         path=s(raw.path),
@@ -102,6 +117,14 @@ def facts(raw, backends=()) -> "tuple[Facts, List[Backend]]":
         for b in backends
     ]
     return f, bs
+
+
+def adapters(raw, infos) -> "List[Adapter]":
+    """An adapter selector's mounted adapters (`select(facts, adapters)`) as
+    plain values; their strings are spans of the facts' text, so `raw` is
+    the facts as passed."""
+    s = _spans(raw)
+    return [Adapter(s(a.id), a.rank, a.scale, s(a.base_model)) for a in infos]
 
 
 def local(model: str):

@@ -52,6 +52,18 @@ pub fn opts(config: &str) -> PolicyOptions {
 /// Uploads with a roomy deadline: these tests check behaviour, and a loaded
 /// 2-core CI machine can stall a thread for longer than the 5 ms default.
 pub fn upload(host: &PolicyHost, name: &str, kind: PolicyKind, crate_name: &str, config: &str) {
+    upload_bytes(host, name, kind, &wasm(crate_name), config)
+        .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+}
+
+/// Uploads a component's bytes with the same roomy deadline.
+pub fn upload_bytes(
+    host: &PolicyHost,
+    name: &str,
+    kind: PolicyKind,
+    component: &[u8],
+    config: &str,
+) -> Result<(), mlxgate::policy::PolicyError> {
     let defaults = kind.default_limits();
     let limits = Limits {
         deadline_ms: defaults.deadline_ms.max(200),
@@ -61,8 +73,7 @@ pub fn upload(host: &PolicyHost, name: &str, kind: PolicyKind, crate_name: &str,
         limits: Some(limits),
         ..opts(config)
     };
-    host.upload(name, kind, &wasm(crate_name), opts)
-        .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+    host.upload(name, kind, component, opts).map(|_| ())
 }
 
 pub fn facts(model: &str) -> RequestFacts<'_> {

@@ -289,7 +289,10 @@ impl Pipeline {
                 outcomes
                     .into_iter()
                     .map(|o| match o {
-                        RecordOutcome::Keep(text) => Fate::Keep(text),
+                        RecordOutcome::Keep(text) => match one_line_json(text) {
+                            Ok(text) => Fate::Keep(text),
+                            Err(reason) => Fate::Error { step: i, reason },
+                        },
                         RecordOutcome::Drop(reason) => Fate::Drop { step: i, reason },
                         RecordOutcome::Error(reason) => Fate::Error { step: i, reason },
                     })
@@ -394,6 +397,20 @@ impl PipelineState {
     }
 }
 
+/// A guest's kept record as one line of JSON: it must be one JSON document
+/// (checked here, so a bad one is blamed on the step that made it), and a
+/// pretty-printed one loses its line breaks, which valid JSON can only have
+/// between tokens, so JSONL output and shuffle buckets stay one record a
+/// line.
+fn one_line_json(text: String) -> Result<String, String> {
+    serde_json::from_str::<serde::de::IgnoredAny>(&text)
+        .map_err(|e| format!("kept record is not one JSON document: {e}"))?;
+    if text.contains(['\n', '\r']) {
+        return Ok(text.replace(['\n', '\r'], ""));
+    }
+    Ok(text)
+}
+
 /// The 128-bit hash of a record's chosen fields (their JSON, in the order
 /// given; a missing field counts as null), or of its whole text.
 fn dedupe_key(text: &str, fields: &[String]) -> Result<u128, String> {
@@ -412,6 +429,21 @@ fn dedupe_key(text: &str, fields: &[String]) -> Result<u128, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kept_records_become_one_line_of_json() {
+        let pretty = "{\n  \"text\": \"a\\nb\",\r\n  \"n\": [1,\n 2]\n}\n".to_string();
+        assert_eq!(
+            one_line_json(pretty).unwrap(),
+            r#"{  "text": "a\nb",  "n": [1, 2]}"#
+        );
+        let plain = r#"{"a":1}"#.to_string();
+        assert_eq!(one_line_json(plain.clone()).unwrap(), plain);
+        for bad in ["{\"a\":", "{} {}", "", "not json"] {
+            let err = one_line_json(bad.to_string()).unwrap_err();
+            assert!(err.contains("not one JSON document"), "{bad}: {err}");
+        }
+    }
 
     fn lines(n: usize) -> Vec<String> {
         (0..n)

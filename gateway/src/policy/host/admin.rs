@@ -33,7 +33,8 @@ impl PolicyHost {
     ) -> Result<PolicyInfo, PolicyError> {
         let limits = self.check_upload(name, kind, bytes, &opts)?;
         let engine = &self.engine.engine;
-        let (artifact, component) = compile(engine, bytes)?;
+        let sha = sha256_hex(bytes);
+        let (artifact, component) = self.compile_or_reuse(&sha, bytes)?;
         let interface = exported_interface(engine, &component, kind)?;
 
         let _admin = self.admin.lock().unwrap_or_else(PoisonError::into_inner);
@@ -48,7 +49,6 @@ impl PolicyHost {
                 });
             }
         }
-        let sha = sha256_hex(bytes);
         let mut info = PolicyInfo {
             name: name.to_string(),
             kind,
@@ -231,14 +231,8 @@ impl PolicyHost {
         validate_name(&meta.name)?;
         let engine = &self.engine.engine;
         let compat = &self.engine.compat_key;
-        let from_artifact = self
-            .storage
-            .load_artifact(&meta.sha256, compat)
-            // SAFETY: only artifacts this gateway wrote, whose digest (also
-            // written by us) matches, reach `deserialize`.
-            .and_then(|a| unsafe { Component::deserialize(engine, &a) }.ok());
-        let (component, origin) = match from_artifact {
-            Some(c) => (c, LoadOrigin::Artifact),
+        let (component, origin) = match self.stored_component(&meta.sha256) {
+            Some((_, c)) => (c, LoadOrigin::Artifact),
             None => {
                 let bytes = self.storage.load_blob(&meta.sha256)?;
                 let artifact = engine
@@ -328,6 +322,31 @@ impl PolicyHost {
             Arc::clone(&self.engine.watchdog),
             self.cfg.max_calls_per_instance,
         )
+    }
+
+    /// The compiled component for `bytes`: the stored artifact when another
+    /// policy (or an earlier version of this one) already has the same
+    /// content, so changing only a policy's config or limits skips the
+    /// compilation (seconds for a Python or JavaScript guest's interpreter).
+    fn compile_or_reuse(
+        &self,
+        sha: &str,
+        bytes: &[u8],
+    ) -> Result<(Vec<u8>, Component), PolicyError> {
+        match self.stored_component(sha) {
+            Some(found) => Ok(found),
+            None => compile(&self.engine.engine, bytes),
+        }
+    }
+
+    /// The stored artifact of `sha` for this engine, loaded, if present and
+    /// intact.
+    fn stored_component(&self, sha: &str) -> Option<(Vec<u8>, Component)> {
+        let artifact = self.storage.load_artifact(sha, &self.engine.compat_key)?;
+        // SAFETY: only artifacts this gateway wrote, whose digest (also
+        // written by us) matches, reach `deserialize`.
+        let component = unsafe { Component::deserialize(&self.engine.engine, &artifact) }.ok()?;
+        Some((artifact, component))
     }
 
     /// Deletes stored bytes no longer referenced by any policy.
