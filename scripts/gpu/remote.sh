@@ -7,7 +7,8 @@
 #
 # CMD sees MLXGATE=/tmp/mlxgate-gpu/payload/bin/mlxgate, PAYLOAD (the
 # unpacked files, at their checkout paths), LD_LIBRARY_PATH (libmlx.so and
-# the nvidia-* libraries of the machine's python3), and /work/main linked
+# the nvidia-* libraries of the machine's python3), PYTHONPATH (Python mlx
+# and mlx-lm in the payload), and /work/main linked
 # to this checkout (test binaries look for files there).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -32,6 +33,6 @@ fi
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 nvidia=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
 export LD_LIBRARY_PATH="$home/payload/mlx/lib:$nvidia${LD_LIBRARY_PATH:-}"
-export MLXGATE="$home/payload/bin/mlxgate" PAYLOAD="$home/payload"
+export MLXGATE="$home/payload/bin/mlxgate" PAYLOAD="$home/payload" PYTHONPATH="$home/payload${PYTHONPATH:+:$PYTHONPATH}"
 [ -e /work/main ] || { mkdir -p /work && ln -s "$root" /work/main; }
 "$@"

@@ -21,6 +21,27 @@ pub fn doctor_report(model: &Path) -> String {
         "devices:        cpu x{}, gpu x{}",
         info.cpu_devices, info.gpu_devices
     );
+    if info.backend == crate::mlx::Backend::Cuda {
+        match crate::mlx::CudaDevice::first() {
+            Some(gpu) => {
+                let _ = writeln!(
+                    out,
+                    "GPU:            {}, {:.1} GiB, driver supports CUDA {}",
+                    gpu.name,
+                    gpu.memory_bytes as f64 / (1u64 << 30) as f64,
+                    gpu.driver_cuda
+                );
+            }
+            None => {
+                let _ = writeln!(out, "GPU:            the NVIDIA driver (libcuda.so.1) did not answer");
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "compute dtype:  {} (MLXGATE_DTYPE=float32|bfloat16|float16 on a GPU; float32 on the CPU)",
+        crate::engine::prompt_cache::tensors::dtype_name(super::model::compute_dtype())
+    );
     let _ = writeln!(
         out,
         "kernels:        {} quantized matmul (MLXGATE_KERNELS=mlx|native; native needs AVX2/FMA and the CPU backend)",

@@ -6,4 +6,4 @@
 pub mod kernels;
 mod runtime;
 
-pub use runtime::{Backend, RuntimeInfo};
+pub use runtime::{Backend, CudaDevice, RuntimeInfo};

@@ -94,6 +94,60 @@ fn device_count(kind: mlx_sys::mlx_device_type) -> usize {
     }
 }
 
+/// The first CUDA device as the NVIDIA driver describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaDevice {
+    pub name: String,
+    pub memory_bytes: u64,
+    /// The CUDA version the driver supports, e.g. `13.0`.
+    pub driver_cuda: String,
+}
+
+impl CudaDevice {
+    /// Asks the driver (`libcuda.so.1`, which MLX's CUDA backend loads
+    /// anyway) about device 0; `None` without a driver or a device.
+    pub fn first() -> Option<CudaDevice> {
+        type Init = unsafe extern "C" fn(u32) -> i32;
+        type Get = unsafe extern "C" fn(*mut i32, i32) -> i32;
+        type Name = unsafe extern "C" fn(*mut std::os::raw::c_char, i32, i32) -> i32;
+        type Mem = unsafe extern "C" fn(*mut usize, i32) -> i32;
+        type Version = unsafe extern "C" fn(*mut i32) -> i32;
+        // SAFETY: dlopen/dlsym with NUL-terminated names; each symbol is cast
+        // to its documented driver-API signature and called with pointers
+        // to live locals of the right types; the library stays loaded.
+        unsafe {
+            let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            if lib.is_null() {
+                return None;
+            }
+            let sym = |name: &CStr| {
+                let f = libc::dlsym(lib, name.as_ptr());
+                (!f.is_null()).then_some(f)
+            };
+            let init: Init = std::mem::transmute(sym(c"cuInit")?);
+            let get: Get = std::mem::transmute(sym(c"cuDeviceGet")?);
+            let name_of: Name = std::mem::transmute(sym(c"cuDeviceGetName")?);
+            let mem_of: Mem = std::mem::transmute(sym(c"cuDeviceTotalMem_v2")?);
+            let version_of: Version = std::mem::transmute(sym(c"cuDriverGetVersion")?);
+            let (mut device, mut memory, mut version) = (0i32, 0usize, 0i32);
+            let mut name = [0 as std::os::raw::c_char; 256];
+            if init(0) != 0
+                || get(&mut device, 0) != 0
+                || name_of(name.as_mut_ptr(), name.len() as i32, device) != 0
+                || mem_of(&mut memory, device) != 0
+                || version_of(&mut version) != 0
+            {
+                return None;
+            }
+            Some(CudaDevice {
+                name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
+                memory_bytes: memory as u64,
+                driver_cuda: format!("{}.{}", version / 1000, (version % 1000) / 10),
+            })
+        }
+    }
+}
+
 /// Finds a shared library mapped into this process (Linux: `/proc/self/maps`).
 fn loaded_library_path(file_name: &str) -> Option<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;

@@ -127,7 +127,11 @@ impl ModelConfig {
             vocab_size: required_count(text, "vocab_size")?,
             context_length: count_or(text, "max_position_embeddings", 4096),
             rms_norm_eps: float_or(text, "rms_norm_eps", 1e-6),
-            rope_theta: float_or(text, "rope_theta", 10000.0),
+            rope_theta: text
+                .get("rope_theta")
+                .or_else(|| text.get("rope_parameters")?.get("rope_theta"))
+                .and_then(Value::as_f64)
+                .map_or(10000.0, |v| v as f32),
             rope_local_theta: float_or(text, "rope_local_base_freq", 10000.0),
             rope_scale: linear_rope_scale(text),
             rope_traditional: false,
@@ -177,10 +181,11 @@ fn float_or(text: &Value, key: &str, default: f32) -> f32 {
         .map_or(default, |v| v as f32)
 }
 
-/// The RoPE position scale of `rope_scaling` when it is linear (`1 /
-/// factor`), else 1.
+/// The RoPE position scale of `rope_scaling` (or, as transformers 5 writes
+/// it, `rope_parameters`) when it is linear (`1 / factor`), else 1.
 fn linear_rope_scale(text: &Value) -> f32 {
     text.get("rope_scaling")
+        .or(text.get("rope_parameters"))
         .filter(|s| s.get("type").or(s.get("rope_type")).and_then(Value::as_str) == Some("linear"))
         .and_then(|s| s.get("factor"))
         .and_then(Value::as_f64)
@@ -204,6 +209,18 @@ fn str_field(value: &Value, key: &str) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn rope_settings_are_read_where_transformers_5_writes_them() {
+        let config = ModelConfig::from_hf_json(&json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}
+        }))
+        .unwrap();
+        assert_eq!(config.rope_theta, 500000.0);
+        assert_eq!(config.rope_scale, 0.25);
+    }
 
     #[test]
     fn gemma_layers_alternate_local_and_global() {

@@ -42,10 +42,53 @@ pub enum LoadError {
     Tokenizer(String),
 }
 
-/// The float dtype weights and activations run in: f32 on MLX's CPU backend,
-/// where half-precision math is ~30x slower (and the f16 -> f32 cast is exact).
+/// The float dtype weights and activations run in, chosen once per process:
+/// f32 on MLX's CPU backend, where half-precision math is ~30x slower (and
+/// the f16 -> f32 cast is exact); on a GPU bf16 by default (as mlx-lm runs
+/// there: half the bytes a decode step reads), or what `MLXGATE_DTYPE`
+/// (`float32`, `bfloat16`, `float16`) asks for.
 pub fn compute_dtype() -> Dtype {
-    Dtype::Float32
+    static DTYPE: std::sync::OnceLock<Dtype> = std::sync::OnceLock::new();
+    *DTYPE.get_or_init(|| {
+        let gpu = crate::mlx::Backend::detect() != crate::mlx::Backend::Cpu;
+        let asked = std::env::var("MLXGATE_DTYPE").ok();
+        match choose_dtype(gpu, asked.as_deref()) {
+            Ok(dtype) => dtype,
+            Err(why) => {
+                tracing::warn!("{why}");
+                choose_dtype(gpu, None).unwrap_or(Dtype::Float32)
+            }
+        }
+    })
+}
+
+/// `compute_dtype`'s rule, apart from the process it runs in.
+fn choose_dtype(gpu: bool, asked: Option<&str>) -> Result<Dtype, String> {
+    let default = if gpu { Dtype::Bfloat16 } else { Dtype::Float32 };
+    let Some(asked) = asked.filter(|a| !a.is_empty()) else {
+        return Ok(default);
+    };
+    let dtype = match asked {
+        "float32" | "f32" => Dtype::Float32,
+        "bfloat16" | "bf16" => Dtype::Bfloat16,
+        "float16" | "f16" => Dtype::Float16,
+        other => {
+            return Err(format!(
+                "MLXGATE_DTYPE=`{other}` is not one of float32, bfloat16, float16: using {}",
+                prompt_cache_dtype_name(default)
+            ));
+        }
+    };
+    if !gpu && dtype != Dtype::Float32 {
+        return Err(format!(
+            "MLXGATE_DTYPE={asked} is for GPU backends: MLX's CPU backend runs float32 (half precision is ~30x slower there, and the native kernels take float32)"
+        ));
+    }
+    Ok(dtype)
+}
+
+fn prompt_cache_dtype_name(dtype: Dtype) -> &'static str {
+    crate::engine::prompt_cache::tensors::dtype_name(dtype)
 }
 
 /// Loads a GGUF file's transformer. The tokenizer is built separately from the
@@ -168,4 +211,22 @@ pub fn gguf_config(file: &(impl GgufMetadata + ?Sized)) -> Result<ModelConfig, L
         norm_weight_offset: 0.0,
         quantization: None,
     })
+}
+
+#[cfg(test)]
+mod dtype_tests {
+    use super::*;
+
+    #[test]
+    fn cpu_runs_float32_and_gpus_bfloat16_unless_asked() {
+        assert_eq!(choose_dtype(false, None), Ok(Dtype::Float32));
+        assert_eq!(choose_dtype(true, None), Ok(Dtype::Bfloat16));
+        assert_eq!(choose_dtype(true, Some("float32")), Ok(Dtype::Float32));
+        assert_eq!(choose_dtype(true, Some("f16")), Ok(Dtype::Float16));
+        assert_eq!(choose_dtype(false, Some("float32")), Ok(Dtype::Float32));
+        let err = choose_dtype(false, Some("bfloat16")).unwrap_err();
+        assert!(err.contains("CPU backend runs float32"), "{err}");
+        let err = choose_dtype(true, Some("fp8")).unwrap_err();
+        assert!(err.contains("not one of float32, bfloat16, float16"), "{err}");
+    }
 }

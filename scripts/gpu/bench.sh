@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU benchmark of one model directory, in one sitting on the GPU machine
+# (run through scripts/gpu/remote.sh, which sets MLXGATE and the libraries):
+# mlxgate over HTTP (benches/serve_load.py at 1/8/32/128 streams of short
+# chats decoding 64 tokens, and a 2,048-token prefill), then Hugging Face
+# transformers and Python mlx-lm on the same weights (scripts/gpu/bench_peers.py).
+#
+#   scripts/gpu/bench.sh MODEL_DIR OUT_DIR
+#   GPU_BENCH_PEERS="transformers mlx-lm"   which peers (mlx-lm needs PYTHONPATH
+#                                          with the mlx and mlx-lm packages)
+#   GPU_BENCH_STREAMS=1,8,32,128  GPU_BENCH_DURATION=10
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+model=$1 out=$2
+mkdir -p "$out"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+cat > "$out/gateway.toml" <<TOML
+[scheduler]
+max_batch = 128
+max_queued = 512
+prefill_chunk = 512
+kv_cache_mb = 40000
+TOML
+"$MLXGATE" serve -c "$out/gateway.toml" -p "$port" -m "$model" --data-dir "$out/data" > "$out/gateway.log" 2>&1 &
+gw=$!
+trap 'kill $gw 2>/dev/null || true' EXIT
+url="http://127.0.0.1:$port"
+python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency \
+    --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
+    --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
+python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 | tee "$out/mlxgate-prefill.json"
+kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
+for peer in ${GPU_BENCH_PEERS-transformers mlx-lm}; do
+    python3 "$root/scripts/gpu/bench_peers.py" "$peer" "$model" --batches "${GPU_BENCH_STREAMS:-1,8,32,128}" \
+        2>"$out/$peer.err" | tee "$out/$peer.json" || tail -5 "$out/$peer.err"
+done

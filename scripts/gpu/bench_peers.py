@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Decode and prefill speed of a model directory under Hugging Face
+transformers (PyTorch, `generate`) or Python mlx-lm, measured the way
+scripts/gpu/bench.sh measures mlxgate: B sequences of a 32-token prompt
+decoding 64 greedy tokens together (decode tok/s = B x 63 / the time of
+tokens 2..64), and one 2,048-token prompt prefilled alone.
+
+    bench_peers.py transformers|mlx-lm MODEL_DIR [--batches 1,8,32,128] [--dtype bfloat16]
+
+Prints one JSON object per measurement.
+"""
+import argparse
+import json
+import time
+
+PROMPT, NEW, PREFILL = 32, 64, 2048
+
+
+def transformers_bench(a):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), device_map="cuda").eval()
+    vocab = model.config.vocab_size
+
+    def gen(ids, n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    g = torch.Generator().manual_seed(0)
+    for b in a.batches:
+        ids = torch.randint(3, vocab, (b, PROMPT), generator=g).cuda()
+        gen(ids, 4)
+        first, full = gen(ids, 1), gen(ids, NEW)
+        yield {"peer": "transformers", "batch": b, "decode_tok_s": round(b * (NEW - 1) / (full - first), 1)}
+    ids = torch.randint(3, vocab, (1, PREFILL), generator=g).cuda()
+    with torch.no_grad():
+        model(ids)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(ids)
+        torch.cuda.synchronize()
+    yield {"peer": "transformers", "prefill_tokens": PREFILL, "prefill_tok_s": round(PREFILL / (time.perf_counter() - t), 0)}
+
+
+def mlx_lm_bench(a):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(a.model)
+    model.set_dtype(getattr(mx, a.dtype))
+    vocab = model.args.vocab_size
+    mx.random.seed(0)
+
+    def run(b, steps):
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(3, vocab, (b, PROMPT))
+        tok = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)[:, None]
+        mx.eval(tok)
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = mx.argmax(model(tok, cache=cache)[:, -1, :], axis=-1)[:, None]
+            mx.async_eval(tok)
+        mx.eval(tok)
+        return time.perf_counter() - t
+
+    for b in a.batches:
+        run(b, 4)
+        yield {"peer": "mlx-lm", "batch": b, "decode_tok_s": round(b * (NEW - 1) / run(b, NEW - 1), 1)}
+    ids = mx.random.randint(3, vocab, (1, PREFILL))
+    for _ in range(2):
+        cache = make_prompt_cache(model)
+        t = time.perf_counter()
+        mx.eval(model(ids, cache=cache))
+        took = time.perf_counter() - t
+    yield {"peer": "mlx-lm", "prefill_tokens": PREFILL, "prefill_tok_s": round(PREFILL / took, 0)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("peer", choices=["transformers", "mlx-lm"])
+    p.add_argument("model")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    a.batches = [int(b) for b in a.batches.split(",")]
+    for row in (transformers_bench if a.peer == "transformers" else mlx_lm_bench)(a):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
