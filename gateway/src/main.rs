@@ -345,6 +345,7 @@ fn load_model(path: &Path, options: &EngineOptions) -> Result<Engine, BoxError> 
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    mlxgate::mlx::set_process_defaults();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

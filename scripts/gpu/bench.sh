@@ -15,6 +15,9 @@ model=$1 out=$2
 mkdir -p "$out"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cat > "$out/gateway.toml" <<TOML
+[server]
+max_concurrent_requests_per_key = 0
+
 [scheduler]
 max_batch = 128
 max_queued = 512

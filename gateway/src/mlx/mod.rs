@@ -6,4 +6,4 @@
 pub mod kernels;
 mod runtime;
 
-pub use runtime::{Backend, CudaDevice, RuntimeInfo};
+pub use runtime::{Backend, CUDA_ENV_DEFAULTS, CudaDevice, RuntimeInfo, set_process_defaults};

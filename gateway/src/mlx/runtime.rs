@@ -94,6 +94,31 @@ fn device_count(kind: mlx_sys::mlx_device_type) -> usize {
     }
 }
 
+/// MLX settings read from the environment when its CUDA backend starts, with
+/// the values a serving process needs where the user set none. MLX keys its
+/// CUDA graph cache by a step's topology, which changes as a continuous
+/// batch changes members (each row attends over its own cache): at MLX's
+/// default of 400 entries the cache thrashed within a minute of 128 varied
+/// streams, and MLX then failed the step (and its requests) with an error.
+/// So the cache is larger and its thrashing check, which only throws, off:
+/// a thrashing cache is slow, not wrong.
+pub const CUDA_ENV_DEFAULTS: [(&str, &str); 2] = [
+    ("MLX_CUDA_GRAPH_CACHE_SIZE", "4000"),
+    ("MLX_ENABLE_CACHE_THRASHING_CHECK", "0"),
+];
+
+/// Sets [`CUDA_ENV_DEFAULTS`] that are unset. Call first thing in `main`,
+/// before any thread starts (setting the environment is not thread-safe).
+pub fn set_process_defaults() {
+    for (name, value) in CUDA_ENV_DEFAULTS {
+        if std::env::var_os(name).is_none() {
+            // SAFETY: called at the top of `main`, while the process has one
+            // thread, so nothing reads the environment concurrently.
+            unsafe { std::env::set_var(name, value) };
+        }
+    }
+}
+
 /// The first CUDA device as the NVIDIA driver describes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaDevice {

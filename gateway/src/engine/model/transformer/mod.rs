@@ -167,6 +167,20 @@ impl Block {
         )
     }
 
+    /// [`Block::rotate`] of a batch, `y`: `[B, heads, 1, head_dim]`, row
+    /// `b` at position `offsets[b]`.
+    fn rotate_rows(&self, y: &Array, config: &ModelConfig, offsets: &Array) -> MlxResult<Array> {
+        mlx_rs::fast::rope_dynamic(
+            y,
+            config.head_dim as i32,
+            config.rope_traditional,
+            self.rope_theta,
+            self.rope_scale,
+            offsets,
+            None,
+        )
+    }
+
     /// One sequence's attention: its rotated queries `q` (`[1, heads, L,
     /// head_dim]`) over the keys and values of its cache, the new ones
     /// appended; `[1, L, heads, head_dim]`. The native kernel where it
@@ -634,13 +648,25 @@ impl Transformer {
         let keys = split(project(&a.k_proj, Projection::K, x)?, kv_heads, &a.k_norm)?;
         let values = split(project(&a.v_proj, Projection::V, x)?, kv_heads, &None)?;
         let scale = c.attention_scale();
+        // A decode step of several sequences rotates every row in one op,
+        // each at its own position: a graph node per row costs MLX's CPU
+        // backend microseconds and a GPU a kernel launch.
+        let rotated_rows = if batch > 1 && length == 1 {
+            let offsets: Vec<i32> = caches.iter().map(|cache| cache.offset as i32).collect();
+            let offsets = Array::from_slice(&offsets, &[batch]);
+            Some((
+                block.rotate_rows(&queries, c, &offsets)?,
+                block.rotate_rows(&keys, c, &offsets)?,
+            ))
+        } else {
+            None
+        };
         let mut outputs = Vec::with_capacity(batch as usize);
         for (b, cache) in caches.iter_mut().enumerate() {
             let b = b as i32;
             let offset = cache.offset as i32;
             let rotate = |y: Array| block.rotate(y, c, offset);
-            // One sequence (the common case) needs no per-sequence slices:
-            // every graph node costs MLX's CPU backend microseconds per token.
+            // One sequence (the common case) needs no per-sequence slices.
             let one = |all: &Array| {
                 if batch == 1 {
                     all.clone()
@@ -648,8 +674,10 @@ impl Transformer {
                     all.index(b..b + 1)
                 }
             };
-            let q = rotate(one(&queries))?;
-            let k = rotate(one(&keys))?;
+            let (q, k) = match &rotated_rows {
+                Some((q, k)) => (one(q), one(k)),
+                None => (rotate(one(&queries))?, rotate(one(&keys))?),
+            };
             let v = one(&values);
             let layer_cache = &mut cache.layers[layer];
             let span = Span {
