@@ -75,24 +75,44 @@ fn python_and_javascript_adapter_selectors_match_rust() {
     ];
     for (i, config) in configs.iter().enumerate() {
         let rust = format!("rust{i}");
-        upload(&host, &rust, AdapterSelector, "adapter-by-tenant", &config.to_string());
+        upload(
+            &host,
+            &rust,
+            AdapterSelector,
+            "adapter-by-tenant",
+            &config.to_string(),
+        );
         let expected: Vec<_> = asked
             .iter()
             .map(|f| host.select_adapters_with(&rust, f, &mounted).unwrap())
             .collect();
         // The cases tell apart: an ordered pick, none mounted, no opinion.
-        let want_acme = if i == 0 { vec!["acme-tone", "acme-sql"] } else { vec!["acme-sql"] };
+        let want_acme = if i == 0 {
+            vec!["acme-tone", "acme-sql"]
+        } else {
+            vec!["acme-sql"]
+        };
         assert_eq!(expected[0], Some(strings(&want_acme)));
         assert_eq!(expected[1], Some(vec![]));
         assert_eq!(expected[2].is_none(), i == 0);
         for language in ["python", "js"] {
             let name = format!("{language}{i}");
             let component = guest(language, "adapter_by_tenant");
-            upload_bytes(&host, &name, AdapterSelector, &component, &config.to_string())
-                .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+            upload_bytes(
+                &host,
+                &name,
+                AdapterSelector,
+                &component,
+                &config.to_string(),
+            )
+            .unwrap_or_else(|e| panic!("upload {name}: {e}"));
             for (f, want) in asked.iter().zip(&expected) {
                 let got = host.select_adapters_with(&name, f, &mounted).unwrap();
-                assert_eq!(&got, want, "{language}, config {config}, tenant {:?}", f.tenant);
+                assert_eq!(
+                    &got, want,
+                    "{language}, config {config}, tenant {:?}",
+                    f.tenant
+                );
             }
         }
     }
@@ -105,7 +125,10 @@ fn python_and_javascript_adapter_selectors_match_rust() {
             r#"{"tenant": {}}"#,
         )
         .unwrap_err();
-        assert!(err.to_string().contains("unknown field `tenant`"), "{language}: {err}");
+        assert!(
+            err.to_string().contains("unknown field `tenant`"),
+            "{language}: {err}"
+        );
     }
 }
 

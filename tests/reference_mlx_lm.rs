@@ -82,7 +82,10 @@ fn engine_matches_mlx_lm_logits_and_greedy_tokens() {
         expected_tokens.len()
     );
     let largest = expected_logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    println!("largest |logit| {largest:.3e}; relative difference {:.3e}", diff / largest);
+    println!(
+        "largest |logit| {largest:.3e}; relative difference {:.3e}",
+        diff / largest
+    );
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok());
     let tolerance = env("MLXGATE_REFERENCE_TOLERANCE").unwrap_or(1e-4) as f32;
     let min_same = env("MLXGATE_REFERENCE_MIN_SAME").map_or(expected_tokens.len(), |v| v as usize);
@@ -94,7 +97,10 @@ fn engine_matches_mlx_lm_logits_and_greedy_tokens() {
             margins[same]
         );
     }
-    assert!(diff <= tolerance, "first-step logits differ by {diff} (tolerance {tolerance})");
+    assert!(
+        diff <= tolerance,
+        "first-step logits differ by {diff} (tolerance {tolerance})"
+    );
     assert!(
         same >= min_same,
         "greedy tokens diverge after {same} (at least {min_same} must agree): {tokens:?} vs {expected_tokens:?}"

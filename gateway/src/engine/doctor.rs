@@ -33,7 +33,10 @@ pub fn doctor_report(model: &Path) -> String {
                 );
             }
             None => {
-                let _ = writeln!(out, "GPU:            the NVIDIA driver (libcuda.so.1) did not answer");
+                let _ = writeln!(
+                    out,
+                    "GPU:            the NVIDIA driver (libcuda.so.1) did not answer"
+                );
             }
         }
     }

@@ -227,6 +227,9 @@ mod dtype_tests {
         let err = choose_dtype(false, Some("bfloat16")).unwrap_err();
         assert!(err.contains("CPU backend runs float32"), "{err}");
         let err = choose_dtype(true, Some("fp8")).unwrap_err();
-        assert!(err.contains("not one of float32, bfloat16, float16"), "{err}");
+        assert!(
+            err.contains("not one of float32, bfloat16, float16"),
+            "{err}"
+        );
     }
 }
