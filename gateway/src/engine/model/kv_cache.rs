@@ -474,12 +474,35 @@ impl KvStore {
     }
 }
 
+/// Every layer's keys and values of a batch decoding together on a GPU,
+/// after one step: `[rows, kv_heads, columns, head_dim]` per layer. Never
+/// changed once made (the next step makes new arrays), so caches may share
+/// it and keep reading their rows.
+pub struct SlabArrays {
+    /// Tells apart the slabs of successive steps.
+    pub id: u64,
+    pub layers: Vec<(Array, Array)>,
+}
+
+/// Where a cache's positions live while it decodes in a GPU batch: row
+/// `row`, columns `start..end` of every layer of `slab`.
+#[derive(Clone)]
+pub struct SlabRow {
+    pub slab: Arc<SlabArrays>,
+    pub row: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
 /// The cache of one sequence across all layers.
 #[derive(Clone, Default)]
 pub struct KvCache {
     pub layers: Vec<LayerCache>,
     /// Tokens processed so far (the next token's absolute position).
     pub offset: usize,
+    /// Set while the positions live in a GPU batch's slab instead of
+    /// `layers` (see `transformer::slab`); [`KvCache::settle`] moves them back.
+    pub slab: Option<SlabRow>,
 }
 
 impl KvCache {
@@ -493,20 +516,77 @@ impl KvCache {
                 })
                 .collect(),
             offset: 0,
+            slab: None,
         }
     }
 
+    /// Moves positions held in a batch's slab into the layers, as views of
+    /// the slab (no copy). Every reader of `layers` calls it first.
+    pub fn settle(&mut self) {
+        let Some(slab) = self.slab.take() else {
+            return;
+        };
+        let (row, start, end) = (slab.row as i32, slab.start as i32, slab.end as i32);
+        for (layer, (keys, values)) in self.layers.iter_mut().zip(&slab.slab.layers) {
+            let view = |all: &Array| all.index((row..row + 1, .., start..end, ..));
+            layer.keys = Some(view(keys));
+            layer.values = Some(view(values));
+            layer.native = None;
+            layer.start = 0;
+        }
+    }
+
+    /// This cache with its positions in its own layers: [`KvCache::settle`]
+    /// on a copy when they are in a slab.
+    pub fn settled(&self) -> std::borrow::Cow<'_, KvCache> {
+        if self.slab.is_none() {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let mut own = self.clone();
+        own.settle();
+        std::borrow::Cow::Owned(own)
+    }
+
+    /// This cache in buffers of its own, for keeping after its sequence
+    /// ends: a view of a batch's slab would keep the whole slab alive.
+    pub fn detached(&self) -> MlxResult<KvCache> {
+        if self.slab.is_none() {
+            return Ok(self.clone());
+        }
+        let mut own = self.clone();
+        own.settle();
+        for layer in &mut own.layers {
+            for array in [&mut layer.keys, &mut layer.values].into_iter().flatten() {
+                *array = array.contiguous()?;
+            }
+        }
+        Ok(own)
+    }
+
     /// MLX-held arrays to evaluate with the step's output, so the graph
-    /// stays short (natively stored layers have nothing pending).
+    /// stays short (natively stored layers, and a slab the step evaluates
+    /// itself, have nothing pending).
     pub fn arrays(&self) -> impl Iterator<Item = &Array> {
         self.layers
             .iter()
             .flat_map(|layer| layer.keys.iter().chain(layer.values.iter()))
     }
 
-    /// Bytes held by the cache.
+    /// Bytes held by the cache (its rows' share of a slab).
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().map(LayerCache::nbytes).sum()
+        match &self.slab {
+            Some(slab) => slab
+                .slab
+                .layers
+                .iter()
+                .map(|(k, v)| {
+                    let per_column =
+                        (k.nbytes() + v.nbytes()) / (k.shape()[0] * k.shape()[2]).max(1) as usize;
+                    per_column * (slab.end - slab.start)
+                })
+                .sum(),
+            None => self.layers.iter().map(LayerCache::nbytes).sum(),
+        }
     }
 
     /// The longest prefix, of at most `tokens`, that [`KvCache::truncated`]
@@ -526,8 +606,9 @@ impl KvCache {
     /// `tokens` must come from [`KvCache::reusable`].
     pub fn truncated(&self, tokens: usize) -> MlxResult<KvCache> {
         debug_assert_eq!(self.reusable(tokens), tokens);
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
+        let this = self.settled();
+        let mut layers = Vec::with_capacity(this.layers.len());
+        for layer in &this.layers {
             let mut layer = layer.clone();
             if tokens < self.offset {
                 layer.truncate(tokens - layer.start);
@@ -538,6 +619,7 @@ impl KvCache {
         Ok(KvCache {
             layers,
             offset: tokens,
+            slab: None,
         })
     }
 
@@ -546,8 +628,9 @@ impl KvCache {
     /// position, views, no copy). `None` when a layer no longer holds what
     /// the next step needs (a sliding layer trimmed by the failed step).
     pub fn rewound(&self, tokens: usize) -> Option<KvCache> {
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
+        let this = self.settled();
+        let mut layers = Vec::with_capacity(this.layers.len());
+        for layer in &this.layers {
             // What a layer holds between steps: every position, or the
             // window's last `window - 1` for a sliding layer.
             let held = layer
@@ -563,6 +646,7 @@ impl KvCache {
         Some(KvCache {
             layers,
             offset: tokens,
+            slab: None,
         })
     }
 }

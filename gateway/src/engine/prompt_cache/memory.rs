@@ -85,6 +85,10 @@ impl MemoryCache {
     /// Entries it supersedes (the same owner's, or any when shared; their
     /// tokens a prefix of these, and servable from this cache) go.
     pub fn insert(&mut self, scope: &CacheScope, adapters: &str, tokens: Vec<u32>, cache: KvCache) {
+        // Kept past its sequence: in its own buffers, not a GPU batch's slab.
+        let Ok(cache) = cache.detached() else {
+            return;
+        };
         let bytes = cache.nbytes();
         if tokens.is_empty() || bytes > self.budget || cache.offset != tokens.len() {
             return;

@@ -51,6 +51,7 @@ fn array_bytes(array: &Array) -> MlxResult<Vec<u8>> {
 /// Copies every layer's keys and values out of MLX, for a file.
 pub fn export(cache: &KvCache) -> MlxResult<Vec<LayerBytes>> {
     cache
+        .settled()
         .layers
         .iter()
         .map(|layer| {
@@ -144,6 +145,7 @@ pub fn import(file: Arc<MappedFile>) -> Result<Imported, String> {
         cache: KvCache {
             layers,
             offset: header.tokens.len(),
+            slab: None,
         },
         zero_copy,
     })

@@ -11,6 +11,7 @@ use mlx_rs::ops::{add, concatenate, multiply};
 use mlx_rs::{Array, Dtype};
 
 mod native;
+mod slab;
 
 use std::sync::OnceLock;
 
@@ -241,6 +242,8 @@ pub struct Transformer {
     /// The weights as the native decode step reads them, built at its first
     /// use; `None` when some matrix is not in a layout the kernels read.
     native: OnceLock<Option<NativeDecoder>>,
+    /// The decode batch's keys and values on a GPU (see `slab`).
+    slab: std::sync::Mutex<Option<slab::DecodeSlab>>,
 }
 
 impl Transformer {
@@ -273,6 +276,7 @@ impl Transformer {
             final_norm,
             lm_head,
             native: OnceLock::new(),
+            slab: std::sync::Mutex::new(None),
         })
     }
 
@@ -382,6 +386,9 @@ impl Transformer {
         if native && let Some(decoder) = self.native_decoder() {
             return decoder.step(&self.config, tokens, caches, adapters);
         }
+        if slab::enabled() && self.blocks.iter().all(|b| b.sliding_window.is_none()) {
+            return self.decode_in_slab(tokens, caches, adapters);
+        }
         let inputs: Vec<[u32; 1]> = tokens.iter().map(|&token| [token]).collect();
         let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
         let logits = self.forward_with_adapters(&sequences, caches, adapters)?;
@@ -430,6 +437,9 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
+        for cache in caches.iter_mut() {
+            cache.settle();
+        }
         let ids = token_ids(tokens);
         let length = ids.shape()[1];
         let mut x = self.embed_ids(&ids)?;
@@ -511,6 +521,7 @@ impl Transformer {
             final_norm: self.final_norm.clone(),
             lm_head: self.lm_head.as_ref().map(dense).transpose()?,
             native: OnceLock::new(),
+            slab: std::sync::Mutex::new(None),
         })
     }
 

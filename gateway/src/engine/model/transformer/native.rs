@@ -317,6 +317,9 @@ impl NativeDecoder {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
+        for cache in caches.iter_mut() {
+            cache.settle();
+        }
         let lora = RowAdapters::new(adapters, tokens.len());
         let (c, head_dim) = (config, config.head_dim);
         let (q_width, kv_width) = (c.heads * head_dim, c.kv_heads * head_dim);

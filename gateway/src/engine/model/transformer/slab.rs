@@ -1,0 +1,390 @@
+//! Decode steps on a GPU with every running sequence's keys and values in
+//! one array per layer, a slab: `[rows, kv_heads, columns, head_dim]`, each
+//! row right-aligned so that all rows write this step's position into the
+//! same column. A step is then the same few graph nodes per layer for 1 or
+//! 128 sequences (one RoPE with a position per row, one write, one masked
+//! attention), where attending row by row costs nodes, and on a GPU kernel
+//! launches, in proportion to the batch. Rows whose sequence left the batch
+//! become holes (computed, masked, ignored) until a newcomer takes them;
+//! the slab is rebuilt only when newcomers do not fit.
+//!
+//! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
+//! path on there too (tests check it against decoding alone).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mlx_rs::Array;
+use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, scaled_dot_product_attention};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{add, concatenate, zeros_dtype};
+
+use super::{Transformer, token_ids};
+use crate::engine::lora::{self, AdapterStack, Projection};
+use crate::engine::model::kv_cache::{KvCache, SlabArrays, SlabRow};
+use crate::engine::model::weights::MlxResult;
+use crate::mlx::ops::slice_update;
+
+/// Spare columns a slab is made or grown with, so most steps write in place.
+const SPARE_COLUMNS: usize = 256;
+/// Leading columns every row has left behind, past which they are cut off.
+const COMPACT_AFTER: usize = 512;
+
+/// The batch's slab between steps.
+pub(super) struct DecodeSlab {
+    arrays: Arc<SlabArrays>,
+    /// Columns each layer's arrays hold; the first `end` are in use.
+    capacity: usize,
+    end: usize,
+    /// Each row's first column (its sequence's position 0); `None` for a
+    /// hole. A row in use ends at `end`.
+    rows: Vec<Option<usize>>,
+}
+
+/// Whether decode steps go through a slab: on a GPU, or when asked.
+pub(super) fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        crate::mlx::Backend::detect() != crate::mlx::Backend::Cpu
+            || std::env::var("MLXGATE_DECODE_SLAB").is_ok_and(|v| v == "1")
+    })
+}
+
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Transformer {
+    /// One decode step of `tokens` (one per cache) through the slab; float32
+    /// logits `[B * vocab]` in the callers' order. A failed step drops the
+    /// slab (the caches keep their rows of the last good one).
+    pub(super) fn decode_in_slab(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Vec<f32>> {
+        let mut held = self
+            .slab
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let result = self.slab_step(&mut held, tokens, caches, adapters);
+        if result.is_err() {
+            *held = None;
+        }
+        result
+    }
+
+    fn slab_step(
+        &self,
+        held: &mut Option<DecodeSlab>,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Vec<f32>> {
+        let rows_of = self.place(held, caches)?;
+        let slab = held.as_mut().expect("placed");
+        if slab.end >= slab.capacity {
+            self.grow(slab)?;
+        }
+        let (width, end) = (slab.rows.len(), slab.end);
+        // Per slab row: its token, position and adapters (holes: 0, 0, none).
+        let none = AdapterStack::new();
+        let mut row_tokens = vec![0u32; width];
+        let mut offsets = vec![0i32; width];
+        let mut row_adapters: Vec<&AdapterStack> = vec![&none; width];
+        for (b, &row) in rows_of.iter().enumerate() {
+            row_tokens[row] = tokens[b];
+            offsets[row] = caches[b].offset as i32;
+            row_adapters[row] = adapters[b];
+        }
+        // Row r attends to its columns start..=end; a hole to column `end`
+        // alone (its output is ignored; a row with nothing would give NaN).
+        let mut valid = vec![false; width * (end + 1)];
+        for (row, start) in slab.rows.iter().enumerate() {
+            let from = start.unwrap_or(end);
+            valid[row * (end + 1) + from..(row + 1) * (end + 1)].fill(true);
+        }
+        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, end as i32 + 1]);
+        let offsets = Array::from_slice(&offsets, &[width as i32]);
+        let inputs: Vec<[u32; 1]> = row_tokens.iter().map(|&t| [t]).collect();
+        let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
+
+        let c = &self.config;
+        let (rows, heads, kv_heads, head_dim) = (
+            width as i32,
+            c.heads as i32,
+            c.kv_heads as i32,
+            c.head_dim as i32,
+        );
+        let eps = c.rms_norm_eps;
+        let mut x = self.embed_ids(&token_ids(&sequences))?;
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for (index, block) in self.blocks.iter().enumerate() {
+            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
+            let a = &block.attention;
+            let project = |linear: &super::Linear, projection, x: &Array| {
+                lora::apply(linear.forward(x)?, x, index, projection, &row_adapters)
+            };
+            let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
+                let mut y = y.reshape(&[rows, 1, n, head_dim])?;
+                if let Some(norm) = norm {
+                    y = rms_norm(&y, Some(norm), eps)?;
+                }
+                y.transpose_axes(&[0, 2, 1, 3])
+            };
+            let q = split(
+                project(&a.q_proj, Projection::Q, &normed)?,
+                heads,
+                &a.q_norm,
+            )?;
+            let k = split(
+                project(&a.k_proj, Projection::K, &normed)?,
+                kv_heads,
+                &a.k_norm,
+            )?;
+            let v = split(project(&a.v_proj, Projection::V, &normed)?, kv_heads, &None)?;
+            let q = block.rotate_rows(&q, c, &offsets)?;
+            let k = block.rotate_rows(&k, c, &offsets)?;
+            let (all_keys, all_values) = &slab.arrays.layers[index];
+            let column = [0, 0, end as i32, 0];
+            let keys = slice_update(all_keys, &k, &column)?;
+            let values = slice_update(all_values, &v, &column)?;
+            let used = 0..end as i32 + 1;
+            let attended = scaled_dot_product_attention(
+                &q,
+                keys.index((.., .., used.clone(), ..)),
+                values.index((.., .., used, ..)),
+                c.attention_scale(),
+                Some(ScaledDotProductAttentionMask::Array(&mask)),
+                None,
+            )?
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[rows, 1, heads * head_dim])?;
+            let mut attended = project(&a.o_proj, Projection::O, &attended)?;
+            if let Some(norm) = &block.post_attention_norm {
+                attended = rms_norm(&attended, Some(norm), eps)?;
+            }
+            x = add(&x, &attended)?;
+            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
+            let mut mlp = self.mlp(&block.mlp, index, &normed, &row_adapters)?;
+            if let Some(norm) = &block.post_mlp_norm {
+                mlp = rms_norm(&mlp, Some(norm), eps)?;
+            }
+            x = add(&x, &mlp)?;
+            layers.push((keys, values));
+        }
+        let order: Vec<u32> = rows_of.iter().map(|&r| r as u32).collect();
+        let last = x.index((.., 0, ..));
+        let last = last.take_axis(Array::from_slice(&order, &[order.len() as i32]), 0)?;
+        let logits = self.logits_of_hidden(&rms_norm(&last, Some(&self.final_norm), eps)?)?;
+        mlx_rs::transforms::eval(
+            std::iter::once(&logits).chain(layers.iter().flat_map(|(k, v)| [k, v])),
+        )?;
+        let out = logits.as_slice::<f32>().to_vec();
+
+        slab.arrays = Arc::new(SlabArrays {
+            id: next_id(),
+            layers,
+        });
+        slab.end += 1;
+        for (b, cache) in caches.iter_mut().enumerate() {
+            let row = rows_of[b];
+            clear_layers(cache);
+            cache.offset += 1;
+            cache.slab = Some(SlabRow {
+                slab: slab.arrays.clone(),
+                row,
+                start: slab.rows[row].expect("a batch row is in use"),
+                end: slab.end,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The slab row of each cache: where it already is, a hole for each
+    /// newcomer (its positions copied in), or a new slab when they do not
+    /// fit. Rows no cache claims become holes.
+    fn place(
+        &self,
+        held: &mut Option<DecodeSlab>,
+        caches: &mut [&mut KvCache],
+    ) -> MlxResult<Vec<usize>> {
+        let mut rows_of: Vec<Option<usize>> = vec![None; caches.len()];
+        if let Some(slab) = held.as_mut() {
+            let mut claimed = vec![false; slab.rows.len()];
+            for (b, cache) in caches.iter().enumerate() {
+                let Some(at) = &cache.slab else { continue };
+                let here = Arc::ptr_eq(&at.slab, &slab.arrays)
+                    && at.end == slab.end
+                    && slab.rows[at.row] == Some(at.start)
+                    && !claimed[at.row];
+                if here {
+                    claimed[at.row] = true;
+                    rows_of[b] = Some(at.row);
+                }
+            }
+            for (row, claimed) in claimed.into_iter().enumerate() {
+                if !claimed {
+                    slab.rows[row] = None;
+                }
+            }
+        }
+        let newcomers: Vec<usize> = (0..caches.len())
+            .filter(|&b| rows_of[b].is_none())
+            .collect();
+        for &b in &newcomers {
+            caches[b].settle();
+        }
+        let fits = held.as_ref().is_some_and(|slab| {
+            let holes = slab.rows.iter().filter(|r| r.is_none()).count();
+            let longest = newcomers
+                .iter()
+                .map(|&b| caches[b].offset)
+                .max()
+                .unwrap_or(0);
+            // Too many holes waste each step's work: rebuild instead.
+            holes >= newcomers.len()
+                && longest <= slab.end
+                && slab.rows.len() <= 2 * caches.len().max(4)
+        });
+        if !fits {
+            return self.rebuild(held, caches, &rows_of);
+        }
+        let slab = held.as_mut().expect("fits");
+        let mut layers: Vec<(Array, Array)> = slab.arrays.layers.clone();
+        for &b in &newcomers {
+            let hole = slab.rows.iter().position(Option::is_none).expect("counted");
+            let length = caches[b].offset;
+            let start = slab.end - length;
+            if length > 0 {
+                for (layer, (keys, values)) in caches[b].layers.iter().zip(layers.iter_mut()) {
+                    let (k, v) = layer
+                        .mlx_arrays()?
+                        .expect("a settled cache holds its positions");
+                    let at = [hole as i32, 0, start as i32, 0];
+                    *keys = slice_update(keys, &k, &at)?;
+                    *values = slice_update(values, &v, &at)?;
+                }
+            }
+            slab.rows[hole] = Some(start);
+            rows_of[b] = Some(hole);
+        }
+        let mut layers = layers;
+        // Columns every row has left behind are cut off.
+        let first = slab
+            .rows
+            .iter()
+            .flatten()
+            .min()
+            .copied()
+            .unwrap_or(slab.end);
+        if first >= COMPACT_AFTER {
+            let cut = first as i32;
+            for (keys, values) in &mut layers {
+                *keys = keys.index((.., .., cut.., ..));
+                *values = values.index((.., .., cut.., ..));
+            }
+            slab.end -= first;
+            slab.capacity -= first;
+            for start in slab.rows.iter_mut().flatten() {
+                *start -= first;
+            }
+        }
+        slab.arrays = Arc::new(SlabArrays {
+            id: next_id(),
+            layers,
+        });
+        Ok(rows_of.into_iter().map(|r| r.expect("placed")).collect())
+    }
+
+    /// A new slab holding exactly `caches`, in their order, right-aligned.
+    fn rebuild(
+        &self,
+        held: &mut Option<DecodeSlab>,
+        caches: &mut [&mut KvCache],
+        rows_of: &[Option<usize>],
+    ) -> MlxResult<Vec<usize>> {
+        // Rows still in the old slab read from it; everyone settles.
+        for (b, cache) in caches.iter_mut().enumerate() {
+            if rows_of[b].is_some() {
+                cache.settle();
+            }
+        }
+        let end = caches.iter().map(|c| c.offset).max().unwrap_or(0);
+        let capacity = end + SPARE_COLUMNS;
+        let c = &self.config;
+        let dtype = super::super::compute_dtype();
+        let (kv_heads, head_dim) = (c.kv_heads as i32, c.head_dim as i32);
+        let blank = |columns: usize| -> MlxResult<Array> {
+            zeros_dtype(&[1, kv_heads, columns as i32, head_dim], dtype)
+        };
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for index in 0..self.blocks.len() {
+            let mut key_rows = Vec::with_capacity(caches.len());
+            let mut value_rows = Vec::with_capacity(caches.len());
+            for cache in caches.iter() {
+                let pad = end - cache.offset;
+                let mut keys = Vec::with_capacity(3);
+                let mut values = Vec::with_capacity(3);
+                if pad > 0 {
+                    keys.push(blank(pad)?);
+                    values.push(blank(pad)?);
+                }
+                if let Some((k, v)) = cache.layers[index].mlx_arrays()? {
+                    keys.push(k.as_dtype(dtype)?);
+                    values.push(v.as_dtype(dtype)?);
+                }
+                keys.push(blank(SPARE_COLUMNS)?);
+                values.push(blank(SPARE_COLUMNS)?);
+                key_rows.push(concatenate(&keys, 2)?);
+                value_rows.push(concatenate(&values, 2)?);
+            }
+            layers.push((concatenate(&key_rows, 0)?, concatenate(&value_rows, 0)?));
+        }
+        let rows = caches
+            .iter()
+            .map(|cache| Some(end - cache.offset))
+            .collect();
+        *held = Some(DecodeSlab {
+            arrays: Arc::new(SlabArrays {
+                id: next_id(),
+                layers,
+            }),
+            capacity,
+            end,
+            rows,
+        });
+        Ok((0..caches.len()).collect())
+    }
+
+    /// More columns at the end of every layer's arrays.
+    fn grow(&self, slab: &mut DecodeSlab) -> MlxResult<()> {
+        let mut layers = Vec::with_capacity(slab.arrays.layers.len());
+        for (keys, values) in &slab.arrays.layers {
+            let mut shape = keys.shape().to_vec();
+            shape[2] = SPARE_COLUMNS as i32;
+            let spare = zeros_dtype(&shape, keys.dtype())?;
+            layers.push((
+                concatenate(&[keys.clone(), spare.clone()], 2)?,
+                concatenate(&[values.clone(), spare], 2)?,
+            ));
+        }
+        slab.capacity += SPARE_COLUMNS;
+        slab.arrays = Arc::new(SlabArrays {
+            id: next_id(),
+            layers,
+        });
+        Ok(())
+    }
+}
+
+/// A cache whose positions now live in the slab drops its own arrays (only
+/// once the step succeeded: until then they are what it has).
+fn clear_layers(cache: &mut KvCache) {
+    for layer in &mut cache.layers {
+        layer.keys = None;
+        layer.values = None;
+    }
+}

@@ -1,0 +1,121 @@
+//! The GPU's batched decode step (every sequence's keys and values in one
+//! slab per layer, `transformer::slab`), run here on MLX's CPU backend with
+//! `MLXGATE_DECODE_SLAB=1`: through sequences joining, leaving, returning
+//! and a prompt cache kept from one of them, each step's logits equal that
+//! sequence decoded alone, and its cache reads back what a plain cache holds.
+//! Its own test binary: the switch is read once per process.
+
+use mlxgate::engine::LoadedModel;
+use mlxgate::engine::lora::AdapterStack;
+use mlxgate::engine::model::KvCache;
+use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
+    // SAFETY: the only test in this binary; nothing else reads the
+    // environment while it is set.
+    unsafe { std::env::set_var("MLXGATE_DECODE_SLAB", "1") };
+    for architecture in [Architecture::Llama, Architecture::Qwen3] {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
+        let model = LoadedModel::load(dir.path()).unwrap().transformer;
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> = [30usize, 7, 19, 3]
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                (0..n)
+                    .map(|i| 3 + ((i * 37 + s * 11) % 250) as u32)
+                    .collect()
+            })
+            .collect();
+        let prefill = |tokens: &[u32]| -> KvCache {
+            let mut cache = model.new_cache();
+            let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
+            out.eval().unwrap();
+            cache
+        };
+        // Sequence s in the batch, and the same sequence decoded alone by
+        // the row-by-row path.
+        let mut batched: Vec<KvCache> = prompts.iter().map(|p| prefill(p)).collect();
+        let mut alone: Vec<KvCache> = prompts.iter().map(|p| prefill(p)).collect();
+        let none = AdapterStack::new();
+        // Who decodes at each step: 0 and 1; 2 joins; 1 leaves; 3 takes its
+        // place; 1 comes back; all four.
+        let steps: [&[usize]; 8] = [
+            &[0, 1],
+            &[0, 1],
+            &[0, 1, 2],
+            &[0, 2],
+            &[2, 0, 3],
+            &[3, 1, 0, 2],
+            &[1],
+            &[0, 1, 2, 3],
+        ];
+        let mut kept = None;
+        for (step, members) in steps.iter().enumerate() {
+            let tokens: Vec<u32> = members
+                .iter()
+                .map(|&s| 5 + (step * 13 + s) as u32)
+                .collect();
+            let mut refs: Vec<&mut KvCache> = Vec::new();
+            // Caches in the order of `members`.
+            let mut pool: Vec<Option<&mut KvCache>> = batched.iter_mut().map(Some).collect();
+            for &s in members.iter() {
+                refs.push(pool[s].take().unwrap());
+            }
+            let adapters = vec![&none; members.len()];
+            let got = model.decode(&tokens, &mut refs, &adapters).unwrap();
+            for (b, &s) in members.iter().enumerate() {
+                let want = model
+                    .forward(&[&[tokens[b]]], &mut [&mut alone[s]])
+                    .unwrap();
+                want.eval().unwrap();
+                let diff = max_diff(&got[b * vocab..(b + 1) * vocab], want.as_slice::<f32>());
+                assert!(
+                    diff < 1e-4,
+                    "{architecture:?} step {step}, sequence {s}: logits differ by {diff}"
+                );
+            }
+            if step == 3 {
+                // A prompt cache taken mid-batch stays what it was.
+                kept = Some((batched[2].detached().unwrap(), alone[2].clone()));
+            }
+        }
+        for (s, (b, a)) in batched.iter().zip(&alone).enumerate() {
+            assert_eq!(b.offset, a.offset, "sequence {s}");
+            assert_eq!(b.nbytes(), a.nbytes(), "sequence {s}'s reported bytes");
+            let b = b.settled();
+            for (lb, la) in b.layers.iter().zip(&a.layers) {
+                // Copies: slab rows are strided views.
+                let dense = |a: mlx_rs::Array| {
+                    let a = a.contiguous().unwrap();
+                    a.eval().unwrap();
+                    a
+                };
+                let (kb, vb) = lb.mlx_arrays().unwrap().unwrap();
+                let (ka, va) = la.mlx_arrays().unwrap().unwrap();
+                assert_eq!(kb.shape(), ka.shape());
+                let (kb, vb, ka, va) = (dense(kb), dense(vb), dense(ka), dense(va));
+                assert!(max_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
+                assert!(max_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
+            }
+        }
+        let (kept, reference) = kept.unwrap();
+        assert_eq!(kept.offset, reference.offset);
+        let mut kept = kept;
+        let mut reference = reference;
+        let next = model.forward(&[&[9]], &mut [&mut kept]).unwrap();
+        let want = model.forward(&[&[9]], &mut [&mut reference]).unwrap();
+        next.eval().unwrap();
+        want.eval().unwrap();
+        assert!(max_diff(next.as_slice::<f32>(), want.as_slice::<f32>()) < 1e-4);
+    }
+}
