@@ -27,7 +27,7 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
         let model = LoadedModel::load(dir.path()).unwrap().transformer;
         let vocab = model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = [30usize, 7, 19, 3]
+        let prompts: Vec<Vec<u32>> = [30usize, 7, 19, 3, 60, 5, 8, 9, 10, 11]
             .iter()
             .enumerate()
             .map(|(s, &n)| {
@@ -48,8 +48,10 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         let mut alone: Vec<KvCache> = prompts.iter().map(|p| prefill(p)).collect();
         let none = AdapterStack::new();
         // Who decodes at each step: 0 and 1; 2 joins; 1 leaves; 3 takes its
-        // place; 1 comes back; all four.
-        let steps: [&[usize]; 8] = [
+        // place; 1 comes back; 1 alone; four; 4, longer than any, joins
+        // (the rows shift right); ten (rows are added); one (the holes go);
+        // three.
+        let steps: [&[usize]; 12] = [
             &[0, 1],
             &[0, 1],
             &[0, 1, 2],
@@ -58,6 +60,10 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
             &[3, 1, 0, 2],
             &[1],
             &[0, 1, 2, 3],
+            &[4, 0],
+            &[5, 6, 7, 8, 9, 0, 1, 2, 3, 4],
+            &[2],
+            &[2, 9, 4],
         ];
         let mut kept = None;
         for (step, members) in steps.iter().enumerate() {

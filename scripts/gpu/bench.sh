@@ -31,7 +31,7 @@ url="http://127.0.0.1:$port"
 python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency \
     --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
     --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
-python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 | tee "$out/mlxgate-prefill.json"
+python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 | tee "$out/mlxgate-prefill.json" || true
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
 for peer in ${GPU_BENCH_PEERS-transformers mlx-lm}; do
     python3 "$root/scripts/gpu/bench_peers.py" "$peer" "$model" --batches "${GPU_BENCH_STREAMS:-1,8,32,128}" \

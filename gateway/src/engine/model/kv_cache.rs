@@ -560,6 +560,8 @@ impl KvCache {
                 *array = array.contiguous()?;
             }
         }
+        // Evaluated now: a pending copy would hold the whole slab until then.
+        mlx_rs::transforms::eval(own.arrays())?;
         Ok(own)
     }
 

@@ -5,8 +5,7 @@
 //! 128 sequences (one RoPE with a position per row, one write, one masked
 //! attention), where attending row by row costs nodes, and on a GPU kernel
 //! launches, in proportion to the batch. Rows whose sequence left the batch
-//! become holes (computed, masked, ignored) until a newcomer takes them;
-//! the slab is rebuilt only when newcomers do not fit.
+//! become holes (computed, masked, ignored) until a newcomer takes them.
 //!
 //! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
 //! path on there too (tests check it against decoding alone).
@@ -203,9 +202,12 @@ impl Transformer {
         Ok(out)
     }
 
-    /// The slab row of each cache: where it already is, a hole for each
-    /// newcomer (its positions copied in), or a new slab when they do not
-    /// fit. Rows no cache claims become holes.
+    /// The slab row of each cache: where it already is, else a hole that
+    /// its positions are copied into (right-aligned). The slab changes by a
+    /// node or two per layer, never row by row: rows no cache claims become
+    /// holes; too many holes are dropped; a newcomer longer than the rows in
+    /// use shifts them right; missing rows are added blank; columns every
+    /// row has left behind are cut off.
     fn place(
         &self,
         held: &mut Option<DecodeSlab>,
@@ -237,25 +239,76 @@ impl Transformer {
         for &b in &newcomers {
             caches[b].settle();
         }
-        let fits = held.as_ref().is_some_and(|slab| {
-            let holes = slab.rows.iter().filter(|r| r.is_none()).count();
-            let longest = newcomers
-                .iter()
-                .map(|&b| caches[b].offset)
-                .max()
-                .unwrap_or(0);
-            // Too many holes waste each step's work: rebuild instead.
-            holes >= newcomers.len()
-                && longest <= slab.end
-                && slab.rows.len() <= 2 * caches.len().max(4)
-        });
-        if !fits {
-            return self.rebuild(held, caches, &rows_of);
-        }
-        let slab = held.as_mut().expect("fits");
+        let longest = newcomers
+            .iter()
+            .map(|&b| caches[b].offset)
+            .max()
+            .unwrap_or(0);
+        let slab = match held {
+            Some(slab) => slab,
+            None => held.insert(self.blank_slab(longest)?),
+        };
         let mut layers: Vec<(Array, Array)> = slab.arrays.layers.clone();
+        let each = |layers: &mut Vec<(Array, Array)>, f: &dyn Fn(&Array) -> MlxResult<Array>| {
+            layers.iter_mut().try_for_each(|(k, v)| -> MlxResult<()> {
+                *k = f(k)?;
+                *v = f(v)?;
+                Ok(())
+            })
+        };
+        // Holes beyond what the newcomers need waste each step's work.
+        let needed = caches.len().max(4);
+        if slab.rows.len() > 2 * needed {
+            let keep: Vec<usize> = (0..slab.rows.len())
+                .filter(|&r| slab.rows[r].is_some())
+                .collect();
+            let index = Array::from_slice(
+                &keep.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+                &[keep.len() as i32],
+            );
+            each(&mut layers, &|a| a.take_axis(&index, 0))?;
+            let renumber: Vec<Option<usize>> = {
+                let mut map = vec![None; slab.rows.len()];
+                for (new, &old) in keep.iter().enumerate() {
+                    map[old] = Some(new);
+                }
+                map
+            };
+            for row in rows_of.iter_mut().flatten() {
+                *row = renumber[*row].expect("a claimed row is kept");
+            }
+            slab.rows = keep.iter().map(|&r| slab.rows[r]).collect();
+        }
+        if longest > slab.end {
+            let shift = longest - slab.end;
+            each(&mut layers, &|a| {
+                let mut shape = a.shape().to_vec();
+                shape[2] = shift as i32;
+                concatenate(&[zeros_dtype(&shape, a.dtype())?, a.clone()], 2)
+            })?;
+            slab.end += shift;
+            slab.capacity += shift;
+            for start in slab.rows.iter_mut().flatten() {
+                *start += shift;
+            }
+        }
+        let holes = slab.rows.iter().filter(|r| r.is_none()).count();
+        if holes < newcomers.len() {
+            let more = newcomers.len() - holes;
+            each(&mut layers, &|a| {
+                let mut shape = a.shape().to_vec();
+                shape[0] = more as i32;
+                concatenate(&[a.clone(), zeros_dtype(&shape, a.dtype())?], 0)
+            })?;
+            slab.rows.extend(std::iter::repeat_n(None, more));
+        }
+        let dtype = super::super::compute_dtype();
         for &b in &newcomers {
-            let hole = slab.rows.iter().position(Option::is_none).expect("counted");
+            let hole = slab
+                .rows
+                .iter()
+                .position(Option::is_none)
+                .expect("made room");
             let length = caches[b].offset;
             let start = slab.end - length;
             if length > 0 {
@@ -264,15 +317,13 @@ impl Transformer {
                         .mlx_arrays()?
                         .expect("a settled cache holds its positions");
                     let at = [hole as i32, 0, start as i32, 0];
-                    *keys = slice_update(keys, &k, &at)?;
-                    *values = slice_update(values, &v, &at)?;
+                    *keys = slice_update(keys, &k.as_dtype(dtype)?, &at)?;
+                    *values = slice_update(values, &v.as_dtype(dtype)?, &at)?;
                 }
             }
             slab.rows[hole] = Some(start);
             rows_of[b] = Some(hole);
         }
-        let mut layers = layers;
-        // Columns every row has left behind are cut off.
         let first = slab
             .rows
             .iter()
@@ -282,10 +333,7 @@ impl Transformer {
             .unwrap_or(slab.end);
         if first >= COMPACT_AFTER {
             let cut = first as i32;
-            for (keys, values) in &mut layers {
-                *keys = keys.index((.., .., cut.., ..));
-                *values = values.index((.., .., cut.., ..));
-            }
+            each(&mut layers, &|a| Ok(a.index((.., .., cut.., ..))))?;
             slab.end -= first;
             slab.capacity -= first;
             for start in slab.rows.iter_mut().flatten() {
@@ -299,64 +347,24 @@ impl Transformer {
         Ok(rows_of.into_iter().map(|r| r.expect("placed")).collect())
     }
 
-    /// A new slab holding exactly `caches`, in their order, right-aligned.
-    fn rebuild(
-        &self,
-        held: &mut Option<DecodeSlab>,
-        caches: &mut [&mut KvCache],
-        rows_of: &[Option<usize>],
-    ) -> MlxResult<Vec<usize>> {
-        // Rows still in the old slab read from it; everyone settles.
-        for (b, cache) in caches.iter_mut().enumerate() {
-            if rows_of[b].is_some() {
-                cache.settle();
-            }
-        }
-        let end = caches.iter().map(|c| c.offset).max().unwrap_or(0);
-        let capacity = end + SPARE_COLUMNS;
+    /// An empty slab (no rows) `end` columns in use and room to grow.
+    fn blank_slab(&self, end: usize) -> MlxResult<DecodeSlab> {
         let c = &self.config;
         let dtype = super::super::compute_dtype();
-        let (kv_heads, head_dim) = (c.kv_heads as i32, c.head_dim as i32);
-        let blank = |columns: usize| -> MlxResult<Array> {
-            zeros_dtype(&[1, kv_heads, columns as i32, head_dim], dtype)
-        };
-        let mut layers = Vec::with_capacity(self.blocks.len());
-        for index in 0..self.blocks.len() {
-            let mut key_rows = Vec::with_capacity(caches.len());
-            let mut value_rows = Vec::with_capacity(caches.len());
-            for cache in caches.iter() {
-                let pad = end - cache.offset;
-                let mut keys = Vec::with_capacity(3);
-                let mut values = Vec::with_capacity(3);
-                if pad > 0 {
-                    keys.push(blank(pad)?);
-                    values.push(blank(pad)?);
-                }
-                if let Some((k, v)) = cache.layers[index].mlx_arrays()? {
-                    keys.push(k.as_dtype(dtype)?);
-                    values.push(v.as_dtype(dtype)?);
-                }
-                keys.push(blank(SPARE_COLUMNS)?);
-                values.push(blank(SPARE_COLUMNS)?);
-                key_rows.push(concatenate(&keys, 2)?);
-                value_rows.push(concatenate(&values, 2)?);
-            }
-            layers.push((concatenate(&key_rows, 0)?, concatenate(&value_rows, 0)?));
-        }
-        let rows = caches
-            .iter()
-            .map(|cache| Some(end - cache.offset))
-            .collect();
-        *held = Some(DecodeSlab {
+        let capacity = end + SPARE_COLUMNS;
+        let shape = [0, c.kv_heads as i32, capacity as i32, c.head_dim as i32];
+        let layers = (0..self.blocks.len())
+            .map(|_| Ok((zeros_dtype(&shape, dtype)?, zeros_dtype(&shape, dtype)?)))
+            .collect::<MlxResult<Vec<_>>>()?;
+        Ok(DecodeSlab {
             arrays: Arc::new(SlabArrays {
                 id: next_id(),
                 layers,
             }),
             capacity,
             end,
-            rows,
-        });
-        Ok((0..caches.len()).collect())
+            rows: Vec::new(),
+        })
     }
 
     /// More columns at the end of every layer's arrays.
