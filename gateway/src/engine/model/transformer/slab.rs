@@ -26,6 +26,8 @@ use crate::mlx::ops::slice_update;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
 const SPARE_COLUMNS: usize = 256;
+/// Attention's key length is a multiple of this (see `slab_step`).
+const KEY_BUCKET: usize = 128;
 /// Leading columns every row has left behind, past which they are cut off.
 const COMPACT_AFTER: usize = 512;
 
@@ -98,14 +100,18 @@ impl Transformer {
             offsets[row] = caches[b].offset as i32;
             row_adapters[row] = adapters[b];
         }
+        // Attention reads the columns in use rounded up to a multiple of
+        // KEY_BUCKET, so its shape, and with it MLX's cached CUDA graphs and
+        // attention plans, changes once in KEY_BUCKET steps, not every step.
+        let span = (end + 1).next_multiple_of(KEY_BUCKET).min(slab.capacity);
         // Row r attends to its columns start..=end; a hole to column `end`
         // alone (its output is ignored; a row with nothing would give NaN).
-        let mut valid = vec![false; width * (end + 1)];
+        let mut valid = vec![false; width * span];
         for (row, start) in slab.rows.iter().enumerate() {
             let from = start.unwrap_or(end);
-            valid[row * (end + 1) + from..(row + 1) * (end + 1)].fill(true);
+            valid[row * span + from..=row * span + end].fill(true);
         }
-        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, end as i32 + 1]);
+        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, span as i32]);
         let offsets = Array::from_slice(&offsets, &[width as i32]);
         let inputs: Vec<[u32; 1]> = row_tokens.iter().map(|&t| [t]).collect();
         let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
@@ -150,7 +156,7 @@ impl Transformer {
             let column = [0, 0, end as i32, 0];
             let keys = slice_update(all_keys, &k, &column)?;
             let values = slice_update(all_values, &v, &column)?;
-            let used = 0..end as i32 + 1;
+            let used = 0..span as i32;
             let attended = scaled_dot_product_attention(
                 &q,
                 keys.index((.., .., used.clone(), ..)),
