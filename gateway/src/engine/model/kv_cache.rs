@@ -477,7 +477,8 @@ impl KvStore {
 /// Every layer's keys and values of a batch decoding together on a GPU,
 /// after one step: `[rows, kv_heads, columns, head_dim]` per layer. Never
 /// changed once made (the next step makes new arrays), so caches may share
-/// it and keep reading their rows.
+/// it and keep reading their rows. Shared by `Rc`: caches, like MLX arrays,
+/// stay on their engine's thread.
 pub struct SlabArrays {
     /// Tells apart the slabs of successive steps.
     pub id: u64,
@@ -488,7 +489,7 @@ pub struct SlabArrays {
 /// `row`, columns `start..end` of every layer of `slab`.
 #[derive(Clone)]
 pub struct SlabRow {
-    pub slab: Arc<SlabArrays>,
+    pub slab: std::rc::Rc<SlabArrays>,
     pub row: usize,
     pub start: usize,
     pub end: usize,

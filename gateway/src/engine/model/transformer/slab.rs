@@ -10,7 +10,7 @@
 //! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
 //! path on there too (tests check it against decoding alone).
 
-use std::sync::Arc;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use mlx_rs::Array;
@@ -33,7 +33,7 @@ const COMPACT_AFTER: usize = 512;
 
 /// The batch's slab between steps.
 pub(super) struct DecodeSlab {
-    arrays: Arc<SlabArrays>,
+    arrays: Rc<SlabArrays>,
     /// Columns each layer's arrays hold; the first `end` are in use.
     capacity: usize,
     end: usize,
@@ -189,7 +189,7 @@ impl Transformer {
         )?;
         let out = logits.as_slice::<f32>().to_vec();
 
-        slab.arrays = Arc::new(SlabArrays {
+        slab.arrays = Rc::new(SlabArrays {
             id: next_id(),
             layers,
         });
@@ -224,7 +224,7 @@ impl Transformer {
             let mut claimed = vec![false; slab.rows.len()];
             for (b, cache) in caches.iter().enumerate() {
                 let Some(at) = &cache.slab else { continue };
-                let here = Arc::ptr_eq(&at.slab, &slab.arrays)
+                let here = Rc::ptr_eq(&at.slab, &slab.arrays)
                     && at.end == slab.end
                     && slab.rows[at.row] == Some(at.start)
                     && !claimed[at.row];
@@ -346,7 +346,7 @@ impl Transformer {
                 *start -= first;
             }
         }
-        slab.arrays = Arc::new(SlabArrays {
+        slab.arrays = Rc::new(SlabArrays {
             id: next_id(),
             layers,
         });
@@ -363,7 +363,7 @@ impl Transformer {
             .map(|_| Ok((zeros_dtype(&shape, dtype)?, zeros_dtype(&shape, dtype)?)))
             .collect::<MlxResult<Vec<_>>>()?;
         Ok(DecodeSlab {
-            arrays: Arc::new(SlabArrays {
+            arrays: Rc::new(SlabArrays {
                 id: next_id(),
                 layers,
             }),
@@ -386,7 +386,7 @@ impl Transformer {
             ));
         }
         slab.capacity += SPARE_COLUMNS;
-        slab.arrays = Arc::new(SlabArrays {
+        slab.arrays = Rc::new(SlabArrays {
             id: next_id(),
             layers,
         });
