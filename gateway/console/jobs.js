@@ -28,14 +28,26 @@ const KINDS = {
   },
   dataset: {
     admin: true,
-    help: 'A JSONL file through a dataset-transform policy into train.jsonl, valid.jsonl and rejected.jsonl.',
+    help: 'JSONL (.gz, .zst), CSV or Parquet files through a pipeline of steps into train, valid, test and rejected files.',
+    // One of `policy` (a single step) and `steps` is required.
+    oneOf: ['policy', 'steps'],
     fields: [
-      F.text('input', { req: true, wide: true, hint: 'a JSONL file under [jobs] allowed_paths' }),
+      F.text('input', { req: true, wide: true, hint: 'a file, folder or glob under [jobs] allowed_paths' }),
       F.text('output_dir', { req: true, wide: true, hint: 'a folder under [jobs] allowed_paths' }),
-      F.text('policy', { req: true, list: 'transforms', hint: 'a dataset-transform policy' }),
-      F.int('batch_size', 1, 1024, { ph: '32' }),
+      F.text('policy', { list: 'transforms', hint: 'one dataset-transform policy, or use steps' }),
+      F.json('steps', {
+        wide: true,
+        array: true,
+        hint: 'e.g. [{"policy": "alpaca"}, {"dedupe": ["messages"]}, {"filter_length": {"model": "…", "max_tokens": 2048}}]',
+      }),
+      F.choice('output_format', ['', 'jsonl', 'parquet'], { ph: 'jsonl', strings: true }),
       F.num('valid_ratio', 0, 0.99, { ph: '0' }),
+      F.num('test_ratio', 0, 0.99, { ph: '0' }),
+      F.bool('shuffle', { hint: 'seeded shuffle before the split' }),
       F.int('seed', 0, Number.MAX_SAFE_INTEGER, { ph: '0' }),
+      F.int('batch_size', 1, 1024, { ph: '32' }),
+      F.int('workers', 0, 64, { ph: '0: one per core' }),
+      F.choice('bad_records', ['', 'fail', 'reject'], { ph: 'fail', strings: true }),
     ],
   },
   quantize: {
@@ -89,7 +101,7 @@ export function formToConfig(kind, values) {
     }
     if (f.type === 'text') config[f.name] = String(raw).trim();
     else if (f.type === 'bool') config[f.name] = true;
-    else if (f.type === 'choice') config[f.name] = Number(raw);
+    else if (f.type === 'choice') config[f.name] = f.strings ? String(raw) : Number(raw);
     else if (f.type === 'int' || f.type === 'num') {
       const v = Number(raw);
       const range = `${f.min}..=${f.max}`;
@@ -98,15 +110,26 @@ export function formToConfig(kind, values) {
       else if (v < f.min || v > f.max || (f.exclusiveMin && v <= f.min)) errors[f.name] = `\`${f.name}\` must be in ${range}`;
       else config[f.name] = v;
     } else if (f.type === 'json') {
+      const what = f.array ? 'array' : 'object';
       try {
         const v = JSON.parse(raw);
-        if (!v || typeof v !== 'object' || Array.isArray(v)) throw new Error('not an object');
+        if (!v || typeof v !== 'object' || Array.isArray(v) !== !!f.array) throw new Error(`not an ${what}`);
         if (f.name === 'extra') config = { ...config, ...v };
         else config[f.name] = v;
       } catch (e) {
-        errors[f.name] = `\`${f.name}\` must be a JSON object (${e.message})`;
+        errors[f.name] = `\`${f.name}\` must be a JSON ${what} (${e.message})`;
       }
     }
+  }
+  if (kind === 'dataset' && (config.valid_ratio ?? 0) + (config.test_ratio ?? 0) >= 1) {
+    errors.test_ratio = '`valid_ratio` + `test_ratio` must be below 1 (the rest is train)';
+  }
+  const oneOf = KINDS[kind].oneOf;
+  if (oneOf) {
+    const set = oneOf.filter((name) => config[name] !== undefined);
+    const [first, second] = oneOf;
+    if (set.length === 0 && !errors[first] && !errors[second]) errors[first] = `set \`${first}\` or \`${second}\``;
+    if (set.length > 1) errors[second] = `set \`${first}\` or \`${second}\`, not both`;
   }
   return { config, errors };
 }
@@ -162,7 +185,7 @@ function SubmitForm({ session, transforms, onSubmitted }) {
       control = html`<select ...${common} value=${val} onChange=${(e) => set(f.name, e.currentTarget.value)}>
         ${f.options.map((o) => html`<option value=${o}>${o || `default (${f.ph})`}</option>`)}</select>`;
     } else if (f.type === 'json') {
-      control = html`<textarea rows="2" ...${common} value=${val} placeholder="{}" onInput=${(e) => set(f.name, e.currentTarget.value)}></textarea>`;
+      control = html`<textarea rows="2" ...${common} value=${val} placeholder=${f.array ? '[]' : '{}'} onInput=${(e) => set(f.name, e.currentTarget.value)}></textarea>`;
     } else {
       // Numbers are typed as text so that a wrong value reaches our check
       // (and its message) instead of the browser's silent constraint.

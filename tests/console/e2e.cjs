@@ -431,13 +431,16 @@ async function uploadPolicy({ file, name, kind, query = '', config = '' }) {
     return outcomes.join(', ');
   });
 
-  await check('policies: a dataset job with the transform reaches done', async () => {
-    await submitJob('dataset', {
-      input: env.DATASET_INPUT,
-      output_dir: env.DATASET_OUTPUT_DIR,
-      policy: transform,
-      valid_ratio: '0.2',
-    });
+  await check('policies: the dataset form asks for policy or steps, then a pipeline job reaches done', async () => {
+    await submitJob('dataset', { input: env.DATASET_INPUT, output_dir: env.DATASET_OUTPUT_DIR });
+    const missing = await page.locator(tid('job-field-error-policy')).textContent({ timeout: 5000 });
+    assert(missing.includes('`policy` or `steps`'), `the form's error reads "${missing}"`);
+    await jobField('steps', JSON.stringify([{ policy: transform }, { dedupe: ['messages'] }]));
+    await jobField('valid_ratio', '0.2');
+    await jobField('test_ratio', '0.1');
+    await jobField('shuffle', true);
+    await jobField('output_format', 'jsonl');
+    await page.click(tid('job-submit'));
     const id = await jobPageId();
     const status = await waitJobFinal(JOB_TIMEOUT);
     const events = await page.locator(tid('job-event')).count();
