@@ -5,17 +5,14 @@
 //! sequence decoded alone, and its cache reads back what a plain cache holds.
 //! Its own test binary: the switch is read once per process.
 
+#[path = "float_common/mod.rs"]
+mod float_common;
+
+use float_common::max_abs_diff;
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::lora::AdapterStack;
 use mlxgate::engine::model::KvCache;
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 #[test]
 fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
@@ -84,7 +81,7 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
                     .forward(&[&[tokens[b]]], &mut [&mut alone[s]])
                     .unwrap();
                 want.eval().unwrap();
-                let diff = max_diff(&got[b * vocab..(b + 1) * vocab], want.as_slice::<f32>());
+                let diff = max_abs_diff(&got[b * vocab..(b + 1) * vocab], want.as_slice::<f32>());
                 assert!(
                     diff < 1e-4,
                     "{architecture:?} step {step}, sequence {s}: logits differ by {diff}"
@@ -110,8 +107,8 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
                 let (ka, va) = la.mlx_arrays().unwrap().unwrap();
                 assert_eq!(kb.shape(), ka.shape());
                 let (kb, vb, ka, va) = (dense(kb), dense(vb), dense(ka), dense(va));
-                assert!(max_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
-                assert!(max_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
+                assert!(max_abs_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
+                assert!(max_abs_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
             }
         }
         let (kept, reference) = kept.unwrap();
@@ -122,6 +119,6 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         let want = model.forward(&[&[9]], &mut [&mut reference]).unwrap();
         next.eval().unwrap();
         want.eval().unwrap();
-        assert!(max_diff(next.as_slice::<f32>(), want.as_slice::<f32>()) < 1e-4);
+        assert!(max_abs_diff(next.as_slice::<f32>(), want.as_slice::<f32>()) < 1e-4);
     }
 }

@@ -3,6 +3,10 @@
 //! architecture, including Gemma 3's sliding windows), batched decode equals
 //! one-at-a-time decode, and the packaged SmolLM2 answers sensibly.
 
+#[path = "float_common/mod.rs"]
+mod float_common;
+
+use float_common::max_abs_diff;
 use std::path::PathBuf;
 
 use mlx_rs::Array;
@@ -16,13 +20,6 @@ use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 fn logits(array: &Array) -> Vec<f32> {
     array.eval().unwrap();
     array.as_slice::<f32>().to_vec()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn tiny(architecture: Architecture) -> (tempfile::TempDir, LoadedModel) {
@@ -57,7 +54,7 @@ fn cached_decoding_matches_a_full_prefill_for_every_architecture() {
             last = Some(model.forward(&[&[*token]], &mut [&mut cache]).unwrap());
         }
         let incremental = logits(&last.unwrap());
-        let diff = max_diff(&full, &incremental);
+        let diff = max_abs_diff(&full, &incremental);
         assert!(
             diff < 1e-4,
             "{architecture:?}: cached decode differs from prefill by {diff}"
@@ -90,8 +87,8 @@ fn batched_decode_equals_separate_decode() {
     let alone_a = logits(&model.forward(&[&[5]], &mut [&mut solo_a]).unwrap());
     let alone_b = logits(&model.forward(&[&[9]], &mut [&mut solo_b]).unwrap());
     let vocab = alone_a.len();
-    assert!(max_diff(&batched[..vocab], &alone_a) < 1e-4);
-    assert!(max_diff(&batched[vocab..], &alone_b) < 1e-4);
+    assert!(max_abs_diff(&batched[..vocab], &alone_a) < 1e-4);
+    assert!(max_abs_diff(&batched[vocab..], &alone_b) < 1e-4);
 }
 
 fn collect(engine: &EngineHandle, request: GenerateRequest) -> (String, FinishReason, usize) {
@@ -248,7 +245,7 @@ fn converted_directory_gives_the_same_logits_as_the_gguf() {
     let from_dir = first_logits(LoadedModel::load(out.path()).unwrap());
     // The directory uses half-split RoPE on un-permuted q/k rows; the GGUF
     // path uses interleaved RoPE on llama.cpp's permuted rows: same maths.
-    let diff = max_diff(&from_gguf, &from_dir);
+    let diff = max_abs_diff(&from_gguf, &from_dir);
     assert!(diff < 1e-3, "GGUF and converted logits differ by {diff}");
 }
 

@@ -6,6 +6,10 @@
 //! scripts/setup.sh`; those tests skip with a notice when the files are
 //! absent).
 
+#[path = "float_common/mod.rs"]
+mod float_common;
+
+use float_common::max_abs_diff;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -773,13 +777,6 @@ fn top(logits: &[f32], n: usize) -> Vec<usize> {
     ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     ids.truncate(n);
     ids
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// First-step logits of Gemma: the exact weights reproduce Python mlx-lm's

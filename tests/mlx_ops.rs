@@ -2,6 +2,10 @@
 //! quantized matmul agrees with dequantize + matmul, and the packaged SmolLM2
 //! GGUF loads through MLX with its quantized layout intact.
 
+#[path = "float_common/mod.rs"]
+mod float_common;
+
+use float_common::max_abs_diff;
 use std::path::PathBuf;
 
 use mlx_rs::Array;
@@ -22,14 +26,6 @@ fn values(count: usize, seed: u64) -> Vec<f32> {
             ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -26,6 +26,26 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 
+# ---------------------------------------------------------------- config
+
+def parse_config(config: str, policy: str, fields=None) -> dict:
+    """An `init`'s config as a JSON object ({} when empty). A config that is
+    not JSON, or (when `fields` is given) has a field not among them,
+    refuses the upload with a message naming `policy`."""
+    from componentize_py_types import Err
+
+    try:
+        cfg = json.loads(config) if config.strip() else {}
+    except ValueError as e:
+        raise Err(f"{policy} config: {e}")
+    if not isinstance(cfg, dict):
+        raise Err(f"{policy} config: not a JSON object")
+    unknown = sorted(set(cfg) - set(fields)) if fields is not None else []
+    if unknown:
+        raise Err(f"{policy} config: unknown field `{unknown[0]}`")
+    return cfg
+
+
 # ---------------------------------------------------------------- datasets
 
 def keep(record) -> "object":

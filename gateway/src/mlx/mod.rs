@@ -4,7 +4,6 @@
 //! `tokio::task::spawn_blocking`.
 
 pub mod kernels;
-pub mod ops;
 mod runtime;
 
 pub use runtime::{Backend, CUDA_ENV_DEFAULTS, CudaDevice, RuntimeInfo, set_process_defaults};

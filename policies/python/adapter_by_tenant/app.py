@@ -9,10 +9,7 @@ on the requested base model. Config:
 Unknown tenant: `default` when set, otherwise no opinion (None).
 """
 
-import json
-
-from componentize_py_types import Err
-from mlxgate_policy import adapters, facts
+from mlxgate_policy import adapters, facts, parse_config
 
 # The bindings may make a new AdapterSelector object for each call: the
 # config set by `init` lives in the module.
@@ -22,14 +19,7 @@ CONFIG = {}
 class AdapterSelector:
     def init(self, config: str) -> None:
         global CONFIG
-        try:
-            cfg = json.loads(config) if config.strip() else {}
-        except ValueError as e:
-            raise Err(f"adapter-by-tenant config: {e}")
-        unknown = set(cfg) - {"tenants", "default"}
-        if unknown:
-            raise Err(f"adapter-by-tenant config: unknown field `{sorted(unknown)[0]}`")
-        CONFIG = cfg
+        CONFIG = parse_config(config, "adapter-by-tenant", {"tenants", "default"})
 
     def select(self, raw, infos):
         f, _ = facts(raw)

@@ -12,10 +12,8 @@ only when the key has none is the configured header consulted. Config:
 `unknown` is "reject" (403) or "pass" (serve the requested model locally).
 """
 
-import json
-
 from componentize_py_types import Err
-from mlxgate_policy import facts, local, reject, set_priority, upstream
+from mlxgate_policy import facts, local, parse_config, reject, set_priority, upstream
 from wit_world.imports.types import FactSet
 
 
@@ -27,10 +25,7 @@ CONFIG = {}
 class Router:
     def init(self, config: str) -> None:
         global CONFIG
-        try:
-            cfg = json.loads(config) if config.strip() else {}
-        except ValueError as e:
-            raise Err(f"tenant-router config: {e}")
+        cfg = parse_config(config, "tenant-router")
         for name, t in cfg.get("tenants", {}).items():
             if "local" in t and "upstream" in t:
                 raise Err(f"tenant `{name}`: set `local` or `upstream`, not both")

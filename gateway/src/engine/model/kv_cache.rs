@@ -480,8 +480,6 @@ impl KvStore {
 /// it and keep reading their rows. Shared by `Rc`: caches, like MLX arrays,
 /// stay on their engine's thread.
 pub struct SlabArrays {
-    /// Tells apart the slabs of successive steps.
-    pub id: u64,
     pub layers: Vec<(Array, Array)>,
 }
 

@@ -75,7 +75,7 @@ fn choose_dtype(gpu: bool, asked: Option<&str>) -> Result<Dtype, String> {
         other => {
             return Err(format!(
                 "MLXGATE_DTYPE=`{other}` is not one of float32, bfloat16, float16: using {}",
-                prompt_cache_dtype_name(default)
+                crate::engine::prompt_cache::tensors::dtype_name(default)
             ));
         }
     };
@@ -85,10 +85,6 @@ fn choose_dtype(gpu: bool, asked: Option<&str>) -> Result<Dtype, String> {
         ));
     }
     Ok(dtype)
-}
-
-fn prompt_cache_dtype_name(dtype: Dtype) -> &'static str {
-    crate::engine::prompt_cache::tensors::dtype_name(dtype)
 }
 
 /// Loads a GGUF file's transformer. The tokenizer is built separately from the

@@ -11,18 +11,16 @@
 //! path on there too (tests check it against decoding alone).
 
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use mlx_rs::Array;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, scaled_dot_product_attention};
-use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
 use super::{Transformer, token_ids};
 use crate::engine::lora::{self, AdapterStack, Projection};
 use crate::engine::model::kv_cache::{KvCache, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
-use crate::mlx::ops::slice_update;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
 const SPARE_COLUMNS: usize = 256;
@@ -49,11 +47,6 @@ pub(super) fn enabled() -> bool {
         crate::mlx::Backend::detect() != crate::mlx::Backend::Cpu
             || std::env::var("MLXGATE_DECODE_SLAB").is_ok_and(|v| v == "1")
     })
-}
-
-fn next_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Transformer {
@@ -153,9 +146,8 @@ impl Transformer {
             let q = block.rotate_rows(&q, c, &offsets)?;
             let k = block.rotate_rows(&k, c, &offsets)?;
             let (all_keys, all_values) = &slab.arrays.layers[index];
-            let column = [0, 0, end as i32, 0];
-            let keys = slice_update(all_keys, &k, &column)?;
-            let values = slice_update(all_values, &v, &column)?;
+            let keys = written(all_keys, &k, 0, end)?;
+            let values = written(all_values, &v, 0, end)?;
             let used = 0..span as i32;
             let attended = scaled_dot_product_attention(
                 &q,
@@ -189,10 +181,7 @@ impl Transformer {
         )?;
         let out = logits.as_slice::<f32>().to_vec();
 
-        slab.arrays = Rc::new(SlabArrays {
-            id: next_id(),
-            layers,
-        });
+        slab.arrays = Rc::new(SlabArrays { layers });
         slab.end += 1;
         for (b, cache) in caches.iter_mut().enumerate() {
             let row = rows_of[b];
@@ -322,9 +311,8 @@ impl Transformer {
                     let (k, v) = layer
                         .mlx_arrays()?
                         .expect("a settled cache holds its positions");
-                    let at = [hole as i32, 0, start as i32, 0];
-                    *keys = slice_update(keys, &k.as_dtype(dtype)?, &at)?;
-                    *values = slice_update(values, &v.as_dtype(dtype)?, &at)?;
+                    *keys = written(keys, &k.as_dtype(dtype)?, hole, start)?;
+                    *values = written(values, &v.as_dtype(dtype)?, hole, start)?;
                 }
             }
             slab.rows[hole] = Some(start);
@@ -346,10 +334,7 @@ impl Transformer {
                 *start -= first;
             }
         }
-        slab.arrays = Rc::new(SlabArrays {
-            id: next_id(),
-            layers,
-        });
+        slab.arrays = Rc::new(SlabArrays { layers });
         Ok(rows_of.into_iter().map(|r| r.expect("placed")).collect())
     }
 
@@ -363,10 +348,7 @@ impl Transformer {
             .map(|_| Ok((zeros_dtype(&shape, dtype)?, zeros_dtype(&shape, dtype)?)))
             .collect::<MlxResult<Vec<_>>>()?;
         Ok(DecodeSlab {
-            arrays: Rc::new(SlabArrays {
-                id: next_id(),
-                layers,
-            }),
+            arrays: Rc::new(SlabArrays { layers }),
             capacity,
             end,
             rows: Vec::new(),
@@ -386,12 +368,20 @@ impl Transformer {
             ));
         }
         slab.capacity += SPARE_COLUMNS;
-        slab.arrays = Rc::new(SlabArrays {
-            id: next_id(),
-            layers,
-        });
+        slab.arrays = Rc::new(SlabArrays { layers });
         Ok(())
     }
+}
+
+/// `all` (`[rows, heads, columns, dim]`) with `part` written in from `row`
+/// and `column` on: one slice update (the result is a new array; `all`,
+/// which caches may still read, is unchanged).
+fn written(all: &Array, part: &Array, row: usize, column: usize) -> MlxResult<Array> {
+    let (row, column) = (row as i32, column as i32);
+    let (rows, columns) = (part.shape()[0], part.shape()[2]);
+    let mut all = all.clone();
+    all.try_index_mut((row..row + rows, .., column..column + columns, ..), part)?;
+    Ok(all)
 }
 
 /// A cache whose positions now live in the slab drops its own arrays (only
