@@ -12,6 +12,7 @@ use float_common::max_abs_diff;
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::lora::AdapterStack;
 use mlxgate::engine::model::KvCache;
+use mlxgate::engine::model::transformer::GreedyPick;
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
 #[test]
@@ -75,13 +76,43 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
                 refs.push(pool[s].take().unwrap());
             }
             let adapters = vec![&none; members.len()];
+            let wants: Vec<Vec<f32>> = members
+                .iter()
+                .enumerate()
+                .map(|(b, &s)| {
+                    let want = model
+                        .forward(&[&[tokens[b]]], &mut [&mut alone[s]])
+                        .unwrap();
+                    want.eval().unwrap();
+                    want.as_slice::<f32>().to_vec()
+                })
+                .collect();
+            if step % 3 == 2 {
+                // Every third step the device picks greedily; even rows may
+                // not choose the first row's favourite, which the ban moves.
+                let banned = [argmax(&wants[0]) as u32];
+                let ban_rows: Vec<bool> = (0..members.len()).map(|b| b % 2 == 0).collect();
+                let pick = GreedyPick {
+                    banned: &banned,
+                    ban_rows: &ban_rows,
+                };
+                assert!(model.decodes_in_slab(&adapters));
+                let got = model
+                    .decode_greedy(&tokens, &mut refs, &adapters, &pick)
+                    .unwrap();
+                for (b, want) in wants.iter().enumerate() {
+                    let mut want = want.clone();
+                    if ban_rows[b] {
+                        want[banned[0] as usize] = f32::NEG_INFINITY;
+                    }
+                    assert_eq!(got[b], argmax(&want) as u32, "step {step}, row {b}");
+                }
+                continue;
+            }
             let got = model.decode(&tokens, &mut refs, &adapters).unwrap();
             for (b, &s) in members.iter().enumerate() {
-                let want = model
-                    .forward(&[&[tokens[b]]], &mut [&mut alone[s]])
-                    .unwrap();
-                want.eval().unwrap();
-                let diff = max_abs_diff(&got[b * vocab..(b + 1) * vocab], want.as_slice::<f32>());
+                let want = &wants[b];
+                let diff = max_abs_diff(&got[b * vocab..(b + 1) * vocab], want);
                 assert!(
                     diff < 1e-4,
                     "{architecture:?} step {step}, sequence {s}: logits differ by {diff}"
@@ -95,7 +126,7 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         for (s, (b, a)) in batched.iter().zip(&alone).enumerate() {
             assert_eq!(b.offset, a.offset, "sequence {s}");
             assert_eq!(b.nbytes(), a.nbytes(), "sequence {s}'s reported bytes");
-            let b = b.settled();
+            let b = b.settled().unwrap();
             for (lb, la) in b.layers.iter().zip(&a.layers) {
                 // Copies: slab rows are strided views.
                 let dense = |a: mlx_rs::Array| {
@@ -121,4 +152,15 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         want.eval().unwrap();
         assert!(max_abs_diff(next.as_slice::<f32>(), want.as_slice::<f32>()) < 1e-4);
     }
+}
+
+/// The index of the largest value, the first on ties (as the host sampler).
+fn argmax(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best
 }

@@ -151,7 +151,8 @@ pub struct SchedulerConfig {
     /// CPU with SmolLM2, a 2,245-token prompt beside 4 streams: 16 kept
     /// their p99 gap within 1.9x of unloaded with its first token after
     /// 12.5 s; 32 gave 2.1-3.3x and 10 s). A prompt with nothing else
-    /// running goes in chunks of 512.
+    /// running goes in chunks of 512, or of this where it is larger (a GPU
+    /// prefills 2,048 tokens about as fast as 512).
     pub prefill_chunk: usize,
     /// MiB the running sequences' KV caches may hold per model (default
     /// 4096); past it the newest sequence is preempted and recomputed when

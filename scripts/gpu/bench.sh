@@ -8,7 +8,9 @@
 #   scripts/gpu/bench.sh MODEL_DIR OUT_DIR
 #   GPU_BENCH_PEERS="transformers mlx-lm"   which peers (mlx-lm needs PYTHONPATH
 #                                          with the mlx and mlx-lm packages)
-#   GPU_BENCH_STREAMS=1,8,32,128  GPU_BENCH_DURATION=10
+#   GPU_BENCH_STREAMS=1,8,32,128  GPU_BENCH_DURATION=10  GPU_BENCH_PREFILL_CHUNK=512
+#   GPU_BENCH_TRACE=1    log every engine step's timings and summarise them
+#                        (scripts/gpu/steps_summary.py) into OUT_DIR/steps.txt
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 model=$1 out=$2
@@ -21,18 +23,24 @@ max_concurrent_requests_per_key = 0
 [scheduler]
 max_batch = 128
 max_queued = 512
-prefill_chunk = 512
+prefill_chunk = ${GPU_BENCH_PREFILL_CHUNK:-512}
 kv_cache_mb = 40000
 TOML
+if [ "${GPU_BENCH_TRACE:-0}" = 1 ]; then
+    export MLXGATE_LOG_FORMAT=json RUST_LOG=info,mlxgate::engine::steps=debug
+fi
 "$MLXGATE" serve -c "$out/gateway.toml" -p "$port" -m "$model" --data-dir "$out/data" > "$out/gateway.log" 2>&1 &
 gw=$!
 trap 'kill $gw 2>/dev/null || true' EXIT
 url="http://127.0.0.1:$port"
+python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 --wait-ready 600 | tee "$out/mlxgate-prefill.json" || true
 python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency \
     --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
     --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
-python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 | tee "$out/mlxgate-prefill.json" || true
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
+if [ "${GPU_BENCH_TRACE:-0}" = 1 ]; then
+    python3 "$root/scripts/gpu/steps_summary.py" "$out/gateway.log" | tee "$out/steps.txt"
+fi
 for peer in ${GPU_BENCH_PEERS-transformers mlx-lm}; do
     python3 "$root/scripts/gpu/bench_peers.py" "$peer" "$model" --batches "${GPU_BENCH_STREAMS:-1,8,32,128}" \
         2>"$out/$peer.err" | tee "$out/$peer.json" || tail -5 "$out/$peer.err"

@@ -4,7 +4,7 @@ prompt tokens with max_tokens 1, timed from send to answer (after one
 warm-up of the same length; every prompt's words differ, so no prompt cache
 helps). Prints {"prefill_tokens", "prefill_tok_s"}.
 
-    bench_prefill.py URL [TOKENS]
+    bench_prefill.py URL [TOKENS] [--wait-ready SECONDS]
 """
 import json
 import random
@@ -23,9 +23,28 @@ def ask(url, model, words):
     return r["usage"]["prompt_tokens"], time.perf_counter() - t
 
 
+def wait_ready(url, seconds):
+    """Polls /readyz until the model is loaded (or the time is up)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"{url} was not ready after {seconds} s")
+        time.sleep(0.5)
+
+
 def main():
-    url = sys.argv[1]
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+    args = sys.argv[1:]
+    if "--wait-ready" in args:
+        at = args.index("--wait-ready")
+        wait_ready(args[0], float(args[at + 1]))
+        del args[at:at + 2]
+    url = args[0]
+    tokens = int(args[1]) if len(args) > 1 else 2048
     model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
     rng = random.Random(1)
     vocab = "sea river stone light cloud green quiet number table window paper garden music winter summer city road".split()

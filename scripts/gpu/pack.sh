@@ -21,6 +21,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
+for tool in patchelf zstd strip; do
+    command -v "$tool" >/dev/null || { echo "pack.sh needs $tool: apt-get install patchelf zstd binutils" >&2; exit 1; }
+done
 version=$(sed -n "s/^MLX_VERSION=//p" scripts/setup.sh)
 version=${version:-0.32.2}
 wheels="$root/.deps/gpu-wheels"

@@ -454,7 +454,9 @@ pub fn try_request(
 /// Writes `raw`, then reads one response (by Content-Length, chunked, or to EOF).
 pub fn raw_exchange(addr: SocketAddr, raw: &[u8]) -> std::io::Result<Response> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    // Generous: a fresh GPU's first requests compile MLX's CUDA kernels
+    // (a finetune test's first chat there took over 30 s).
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     stream.write_all(raw)?;
     let mut r = BufReader::new(stream);
     let mut line = String::new();

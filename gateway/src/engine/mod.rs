@@ -308,6 +308,7 @@ impl EngineHandle {
             .name(name)
             .spawn(move || {
                 kernels::prepare_engine_thread(options.kernels);
+                crate::mlx::limit_gpu_buffer_cache();
                 let model = match load_for_serving(&path) {
                     Ok(model) => model,
                     Err(error) => {

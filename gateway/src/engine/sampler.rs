@@ -52,6 +52,29 @@ impl Sampler {
         self.params.ignore_eos
     }
 
+    /// Whether this sampler's choice is the most likely token and nothing
+    /// else (greedy, no bias or penalty), so a device may pick it.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature <= 0.0
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
+    /// Notes `token`, picked elsewhere (see [`Sampler::is_plain_greedy`]),
+    /// as [`Sampler::sample`] notes its own picks.
+    pub fn record(&mut self, token: u32) -> Choice {
+        *self.generated.entry(token).or_default() += 1;
+        self.seen.insert(token);
+        Choice {
+            token,
+            logprob: None,
+            top: Vec::new(),
+        }
+    }
+
     pub fn sample(&mut self, logits: &mut [f32], logprobs: Option<usize>) -> Choice {
         self.apply_penalties(logits);
         let token = if self.params.temperature <= 0.0 {
@@ -70,14 +93,11 @@ impl Sampler {
                 (Some(logits[token] - log_z), top)
             }
         };
-        let choice = Choice {
-            token: token as u32,
+        Choice {
             logprob,
             top,
-        };
-        *self.generated.entry(choice.token).or_default() += 1;
-        self.seen.insert(choice.token);
-        choice
+            ..self.record(token as u32)
+        }
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {

@@ -38,6 +38,7 @@ use super::api::{EngineError, FinishReason, GenerateEvent, SamplingParams, Token
 use super::constrain::Constraint;
 use super::fair_queue::FairQueue;
 use super::lora::{self, Adapter, AdapterInfo, AdapterStack};
+use super::model::transformer::{Decoded, GreedyPick};
 use super::model::{KvCache, Transformer};
 use super::output::{Detokenizer, Filtered, StopFilter};
 use super::prompt_cache::file::{LayerBytes, MappedFile};
@@ -411,7 +412,7 @@ impl Scheduler {
                 // Alone, a prompt goes in big chunks; beside running
                 // streams, in small ones so their next tokens are not held up.
                 let chunk = if running.is_empty() {
-                    PREFILL_CHUNK
+                    PREFILL_CHUNK.max(self.options.prefill_chunk)
                 } else {
                     self.options.prefill_chunk
                 };
@@ -908,10 +909,20 @@ impl Scheduler {
         cache: &mut KvCache,
         adapters: &AdapterStack,
     ) -> Result<Array, mlx_rs::error::Exception> {
+        let started = Instant::now();
         let out = self
             .model
             .forward_with_adapters(&[tokens], &mut [&mut *cache], &[adapters])?;
+        let built = started.elapsed();
         mlx_rs::transforms::eval(std::iter::once(&out).chain(cache.arrays()))?;
+        tracing::debug!(
+            target: "mlxgate::engine::steps",
+            tokens = tokens.len(),
+            cached = cache.offset - tokens.len(),
+            build_ms = built.as_secs_f64() * 1e3,
+            eval_ms = (started.elapsed() - built).as_secs_f64() * 1e3,
+            "prefill chunk"
+        );
         Ok(out)
     }
 
@@ -940,22 +951,49 @@ impl Scheduler {
                 None => {}
             }
         }
+        let started = Instant::now();
         let tokens: Vec<u32> = running.iter().map(|seq| seq.last_token).collect();
-        let mut all = {
+        // Where every row wants its most likely token, the device picks it.
+        let greedy = running.iter().all(|seq| {
+            seq.constraint.is_none() && seq.logprobs.is_none() && seq.sampler.is_plain_greedy()
+        });
+        let ban_rows: Vec<bool> = running.iter().map(|s| s.sampler.ignores_eos()).collect();
+        let mut decoded = {
             let (stacks, mut caches): (Vec<&AdapterStack>, Vec<&mut KvCache>) = running
                 .iter_mut()
                 .map(|seq| (&seq.adapters, &mut seq.cache))
                 .unzip();
-            self.model.decode(&tokens, &mut caches, &stacks)?
+            if greedy && self.model.decodes_in_slab(&stacks) {
+                let pick = GreedyPick {
+                    banned: &self.codec.eos_ids,
+                    ban_rows: &ban_rows,
+                };
+                Decoded::Tokens(
+                    self.model
+                        .decode_greedy(&tokens, &mut caches, &stacks, &pick)?,
+                )
+            } else {
+                Decoded::Logits(self.model.decode(&tokens, &mut caches, &stacks)?)
+            }
         };
-        let vocab = all.len() / running.len();
+        let rows = running.len();
         let mut keep = Vec::with_capacity(running.len());
         let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {
             seq.history.push(seq.last_token);
-            let logits = &mut all[index * vocab..(index + 1) * vocab];
             // Sampling and detokenizing are one sequence's own work.
-            match guarded(|| self.accept(&mut seq, logits)) {
+            let accepted = match &mut decoded {
+                Decoded::Logits(all) => {
+                    let vocab = all.len() / rows;
+                    let logits = &mut all[index * vocab..(index + 1) * vocab];
+                    guarded(|| self.accept(&mut seq, logits))
+                }
+                Decoded::Tokens(picked) => guarded(|| {
+                    let choice = seq.sampler.record(picked[index]);
+                    self.advance(&mut seq, choice)
+                }),
+            };
+            match accepted {
                 Ok(true) => keep.push(seq),
                 Ok(false) => finished.push(seq),
                 Err(why) => {
@@ -965,11 +1003,21 @@ impl Scheduler {
             }
         }
         *running = keep;
+        let sampled = started.elapsed();
+        let finishing = finished.len();
         // A finished conversation's cache serves its next turn.
         for seq in finished {
             self.memory
                 .insert(&seq.cache_scope, &seq.adapters_key, seq.history, seq.cache);
         }
+        tracing::debug!(
+            target: "mlxgate::engine::steps",
+            sequences = tokens.len(),
+            forward_and_sample_ms = sampled.as_secs_f64() * 1e3,
+            finished = finishing,
+            keep_finished_ms = (started.elapsed() - sampled).as_secs_f64() * 1e3,
+            "decode step"
+        );
         Ok(())
     }
 
@@ -995,6 +1043,12 @@ impl Scheduler {
             let _ = seq.events.send(Err(EngineError::Internal(error)));
             return false;
         }
+        self.advance(seq, choice)
+    }
+
+    /// Takes `choice` as `seq`'s next token: emits what is safe to show;
+    /// false when finished.
+    fn advance(&self, seq: &mut Sequence, choice: Choice) -> bool {
         seq.generated += 1;
         seq.last_token = choice.token;
         let context_full = seq.prompt_len + seq.generated >= self.model.config.context_length;

@@ -6,4 +6,7 @@
 pub mod kernels;
 mod runtime;
 
-pub use runtime::{Backend, CUDA_ENV_DEFAULTS, CudaDevice, RuntimeInfo, set_process_defaults};
+pub use runtime::{
+    Backend, CUDA_ENV_DEFAULTS, CudaDevice, GPU_BUFFER_CACHE_MB, RuntimeInfo,
+    limit_gpu_buffer_cache, set_process_defaults,
+};

@@ -475,22 +475,40 @@ impl KvStore {
 }
 
 /// Every layer's keys and values of a batch decoding together on a GPU,
-/// after one step: `[rows, kv_heads, columns, head_dim]` per layer. Never
-/// changed once made (the next step makes new arrays), so caches may share
-/// it and keep reading their rows. Shared by `Rc`: caches, like MLX arrays,
-/// stay on their engine's thread.
+/// as of its last step (`epoch`): `[rows, kv_heads, columns, head_dim]` per
+/// layer. The caches in that step read their rows here. A step takes the
+/// arrays out while it runs, so that the slab's only holder is MLX's graph
+/// and the new position is written in place (MLX donates a buffer nobody
+/// else holds) instead of copying the whole slab, then puts the new ones
+/// back. Shared by `Rc`: caches, like MLX arrays, stay on their engine's
+/// thread.
+#[derive(Default)]
 pub struct SlabArrays {
-    pub layers: Vec<(Array, Array)>,
+    pub layers: std::cell::RefCell<Vec<(Array, Array)>>,
+    pub epoch: std::cell::Cell<u64>,
 }
 
 /// Where a cache's positions live while it decodes in a GPU batch: row
-/// `row`, columns `start..end` of every layer of `slab`.
+/// `row`, columns `start..end` of every layer of `slab`, valid while the
+/// slab is at `epoch`. Once a step goes on without this cache (the row
+/// may then be reused or moved), its positions are in `lease`.
 #[derive(Clone)]
 pub struct SlabRow {
     pub slab: std::rc::Rc<SlabArrays>,
     pub row: usize,
     pub start: usize,
     pub end: usize,
+    pub epoch: u64,
+    pub lease: std::rc::Rc<RowLease>,
+}
+
+/// A slab row's tie to the caches it belongs to (shared with the slab): a
+/// step that finds the row unclaimed while a cache still holds the lease
+/// leaves a copy of the row's positions here, `[1, kv_heads, positions,
+/// head_dim]` per layer, before the row is reused.
+#[derive(Default)]
+pub struct RowLease {
+    pub copy: std::cell::RefCell<Option<Vec<(Array, Array)>>>,
 }
 
 /// The cache of one sequence across all layers.
@@ -520,30 +538,47 @@ impl KvCache {
     }
 
     /// Moves positions held in a batch's slab into the layers, as views of
-    /// the slab (no copy). Every reader of `layers` calls it first.
-    pub fn settle(&mut self) {
-        let Some(slab) = self.slab.take() else {
-            return;
+    /// the slab (no copy). Every reader of `layers` calls it first. Fails
+    /// when those positions were lost with a failed step.
+    pub fn settle(&mut self) -> MlxResult<()> {
+        let Some(at) = self.slab.take() else {
+            return Ok(());
         };
-        let (row, start, end) = (slab.row as i32, slab.start as i32, slab.end as i32);
-        for (layer, (keys, values)) in self.layers.iter_mut().zip(&slab.slab.layers) {
+        if let Some(copy) = at.lease.copy.borrow().as_ref() {
+            for (layer, (keys, values)) in self.layers.iter_mut().zip(copy) {
+                layer.keys = Some(keys.clone());
+                layer.values = Some(values.clone());
+                layer.native = None;
+                layer.start = 0;
+            }
+            return Ok(());
+        }
+        let slab = at.slab.layers.borrow();
+        if at.epoch != at.slab.epoch.get() || slab.len() != self.layers.len() {
+            return Err(mlx_rs::error::Exception::custom(
+                "this sequence's keys and values were lost with a failed decode step",
+            ));
+        }
+        let (row, start, end) = (at.row as i32, at.start as i32, at.end as i32);
+        for (layer, (keys, values)) in self.layers.iter_mut().zip(slab.iter()) {
             let view = |all: &Array| all.index((row..row + 1, .., start..end, ..));
             layer.keys = Some(view(keys));
             layer.values = Some(view(values));
             layer.native = None;
             layer.start = 0;
         }
+        Ok(())
     }
 
     /// This cache with its positions in its own layers: [`KvCache::settle`]
     /// on a copy when they are in a slab.
-    pub fn settled(&self) -> std::borrow::Cow<'_, KvCache> {
+    pub fn settled(&self) -> MlxResult<std::borrow::Cow<'_, KvCache>> {
         if self.slab.is_none() {
-            return std::borrow::Cow::Borrowed(self);
+            return Ok(std::borrow::Cow::Borrowed(self));
         }
         let mut own = self.clone();
-        own.settle();
-        std::borrow::Cow::Owned(own)
+        own.settle()?;
+        Ok(std::borrow::Cow::Owned(own))
     }
 
     /// This cache in buffers of its own, for keeping after its sequence
@@ -553,7 +588,7 @@ impl KvCache {
             return Ok(self.clone());
         }
         let mut own = self.clone();
-        own.settle();
+        own.settle()?;
         for layer in &mut own.layers {
             for array in [&mut layer.keys, &mut layer.values].into_iter().flatten() {
                 *array = array.contiguous()?;
@@ -579,6 +614,7 @@ impl KvCache {
             Some(slab) => slab
                 .slab
                 .layers
+                .borrow()
                 .iter()
                 .map(|(k, v)| {
                     let per_column =
@@ -607,7 +643,7 @@ impl KvCache {
     /// `tokens` must come from [`KvCache::reusable`].
     pub fn truncated(&self, tokens: usize) -> MlxResult<KvCache> {
         debug_assert_eq!(self.reusable(tokens), tokens);
-        let this = self.settled();
+        let this = self.settled()?;
         let mut layers = Vec::with_capacity(this.layers.len());
         for layer in &this.layers {
             let mut layer = layer.clone();
@@ -629,7 +665,7 @@ impl KvCache {
     /// position, views, no copy). `None` when a layer no longer holds what
     /// the next step needs (a sliding layer trimmed by the failed step).
     pub fn rewound(&self, tokens: usize) -> Option<KvCache> {
-        let this = self.settled();
+        let this = self.settled().ok()?;
         let mut layers = Vec::with_capacity(this.layers.len());
         for layer in &this.layers {
             // What a layer holds between steps: every position, or the

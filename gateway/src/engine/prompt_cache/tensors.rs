@@ -48,10 +48,14 @@ fn array_bytes(array: &Array) -> MlxResult<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Copies every layer's keys and values out of MLX, for a file.
+/// Copies every layer's keys and values out of MLX, for a file, in the
+/// compute dtype the file's fingerprint names: a layer can hold another
+/// (float32 keys of a float32 fixture model on a bfloat16 GPU), and its
+/// bytes must match the dtype the file declares.
 pub fn export(cache: &KvCache) -> MlxResult<Vec<LayerBytes>> {
+    let dtype = crate::engine::model::compute_dtype();
     cache
-        .settled()
+        .settled()?
         .layers
         .iter()
         .map(|layer| {
@@ -64,8 +68,8 @@ pub fn export(cache: &KvCache) -> MlxResult<Vec<LayerBytes>> {
                 window: layer.window,
                 start: layer.start,
                 shape: keys.shape().iter().map(|&d| d as usize).collect(),
-                keys: array_bytes(&keys)?,
-                values: array_bytes(&values)?,
+                keys: array_bytes(&keys.as_dtype(dtype)?)?,
+                values: array_bytes(&values.as_dtype(dtype)?)?,
             })
         })
         .collect()

@@ -223,6 +223,21 @@ impl Block {
     }
 }
 
+/// What a decode step hands back: every row's float32 logits, or each
+/// row's token where the device picked them.
+pub enum Decoded {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
+/// A greedy pick on the device (see [`Transformer::decode_greedy`]): the
+/// rows (`ban_rows[b]`) that may not choose any token of `banned` (their
+/// requests ignore end-of-sequence).
+pub struct GreedyPick<'a> {
+    pub banned: &'a [u32],
+    pub ban_rows: &'a [bool],
+}
+
 /// Where one sequence's queries and cached keys sit: its first new
 /// position, its new positions, and the position of its cache's first key.
 #[derive(Clone, Copy)]
@@ -386,8 +401,11 @@ impl Transformer {
         if native && let Some(decoder) = self.native_decoder() {
             return decoder.step(&self.config, tokens, caches, adapters);
         }
-        if slab::enabled() && self.blocks.iter().all(|b| b.sliding_window.is_none()) {
-            return self.decode_in_slab(tokens, caches, adapters);
+        if self.decodes_in_slab(adapters) {
+            return match self.decode_in_slab(tokens, caches, adapters, None)? {
+                Decoded::Logits(logits) => Ok(logits),
+                Decoded::Tokens(_) => unreachable!("no pick was asked for"),
+            };
         }
         let inputs: Vec<[u32; 1]> = tokens.iter().map(|&token| [token]).collect();
         let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
@@ -396,6 +414,37 @@ impl Transformer {
             std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
         )?;
         Ok(logits.as_slice::<f32>().to_vec())
+    }
+
+    /// Whether [`Transformer::decode`] of a batch with these adapters runs
+    /// through the slab (a GPU, or `MLXGATE_DECODE_SLAB=1`), where
+    /// [`Transformer::decode_greedy`] can pick tokens on the device.
+    pub fn decodes_in_slab(&self, adapters: &[&AdapterStack]) -> bool {
+        let native = kernels::thread_choice() == KernelChoice::Native
+            && adapters.iter().all(|stack| lora::is_native(stack))
+            && self.native_decoder().is_some();
+        !native && slab::enabled() && self.blocks.iter().all(|b| b.sliding_window.is_none())
+    }
+
+    /// [`Transformer::decode`] for a batch whose every row picks its most
+    /// likely token (greedy, with nothing else to apply): the device picks,
+    /// each row of `pick.ban_rows` never choosing a token of `pick.banned`,
+    /// and only the tokens come back, not `[B * vocab]` floats (at 32 rows
+    /// that read and the host's argmax were a fifth of a GPU step). Ties go
+    /// to the lowest token id, as on the host. Only where
+    /// [`Transformer::decodes_in_slab`] holds.
+    pub fn decode_greedy(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+        pick: &GreedyPick,
+    ) -> MlxResult<Vec<u32>> {
+        debug_assert!(self.decodes_in_slab(adapters));
+        match self.decode_in_slab(tokens, caches, adapters, Some(pick))? {
+            Decoded::Tokens(tokens) => Ok(tokens),
+            Decoded::Logits(_) => unreachable!("a pick was asked for"),
+        }
     }
 
     /// Builds the native decode step's weights now (repacking takes up to a
@@ -438,7 +487,7 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         for cache in caches.iter_mut() {
-            cache.settle();
+            cache.settle()?;
         }
         let ids = token_ids(tokens);
         let length = ids.shape()[1];

@@ -318,7 +318,7 @@ impl NativeDecoder {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
         for cache in caches.iter_mut() {
-            cache.settle();
+            cache.settle()?;
         }
         let lora = RowAdapters::new(adapters, tokens.len());
         let (c, head_dim) = (config, config.head_dim);

@@ -7,6 +7,12 @@
 //! launches, in proportion to the batch. Rows whose sequence left the batch
 //! become holes (computed, masked, ignored) until a newcomer takes them.
 //!
+//! A step writes its new column in place: the slab's arrays are taken out
+//! of [`SlabArrays`] while the step's graph runs, so MLX donates their
+//! buffers instead of copying every layer's whole slab (at 128 rows of a
+//! 3B model, ~10 GB a step). `MLXGATE_SLAB_DONATE=0` keeps them held (a
+//! copy a step), to measure the difference.
+//!
 //! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
 //! path on there too (tests check it against decoding alone).
 
@@ -17,9 +23,9 @@ use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, scaled_dot_product_a
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
-use super::{Transformer, token_ids};
+use super::{Decoded, GreedyPick, Transformer, token_ids};
 use crate::engine::lora::{self, AdapterStack, Projection};
-use crate::engine::model::kv_cache::{KvCache, SlabArrays, SlabRow};
+use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
@@ -29,15 +35,32 @@ const KEY_BUCKET: usize = 128;
 /// Leading columns every row has left behind, past which they are cut off.
 const COMPACT_AFTER: usize = 512;
 
+/// Keys and values, one pair per layer.
+type KeysValues = Vec<(Array, Array)>;
+
 /// The batch's slab between steps.
 pub(super) struct DecodeSlab {
+    /// The arrays, shared with the caches of the last step's sequences.
     arrays: Rc<SlabArrays>,
     /// Columns each layer's arrays hold; the first `end` are in use.
     capacity: usize,
     end: usize,
-    /// Each row's first column (its sequence's position 0); `None` for a
-    /// hole. A row in use ends at `end`.
-    rows: Vec<Option<usize>>,
+    /// The rows in use, `None` for a hole.
+    rows: Vec<Option<RowInUse>>,
+}
+
+/// A slab row in use: its first column (its sequence's position 0; it ends
+/// at `end`) and its lease, shared with the caches it belongs to.
+struct RowInUse {
+    start: usize,
+    lease: Rc<RowLease>,
+}
+
+/// Whether a step lets MLX write into the slab's buffers in place
+/// (`MLXGATE_SLAB_DONATE`, default on).
+fn donate() -> bool {
+    static DONATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DONATE.get_or_init(|| std::env::var("MLXGATE_SLAB_DONATE").map_or(true, |v| v != "0"))
 }
 
 /// Whether decode steps go through a slab: on a GPU, or when asked.
@@ -58,12 +81,13 @@ impl Transformer {
         tokens: &[u32],
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
-    ) -> MlxResult<Vec<f32>> {
+        pick: Option<&GreedyPick>,
+    ) -> MlxResult<Decoded> {
         let mut held = self
             .slab
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let result = self.slab_step(&mut held, tokens, caches, adapters);
+        let result = self.slab_step(&mut held, tokens, caches, adapters, pick);
         if result.is_err() {
             *held = None;
         }
@@ -76,8 +100,10 @@ impl Transformer {
         tokens: &[u32],
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
-    ) -> MlxResult<Vec<f32>> {
-        let rows_of = self.place(held, caches)?;
+        pick: Option<&GreedyPick>,
+    ) -> MlxResult<Decoded> {
+        let started = std::time::Instant::now();
+        let (rows_of, copies) = self.place(held, caches)?;
         let slab = held.as_mut().expect("placed");
         if slab.end >= slab.capacity {
             self.grow(slab)?;
@@ -96,34 +122,148 @@ impl Transformer {
         // Attention reads the columns in use rounded up to a multiple of
         // KEY_BUCKET, so its shape, and with it MLX's cached CUDA graphs and
         // attention plans, changes once in KEY_BUCKET steps, not every step.
+        // Columns before every row's first are skipped the same way, in
+        // whole buckets (they are left behind until the slab compacts).
         let span = (end + 1).next_multiple_of(KEY_BUCKET).min(slab.capacity);
+        let first = first_column(&slab.rows).unwrap_or(end);
+        let skip = (first / KEY_BUCKET * KEY_BUCKET).min(span.saturating_sub(KEY_BUCKET));
+        let keys_read = span - skip;
         // Row r attends to its columns start..=end; a hole to column `end`
         // alone (its output is ignored; a row with nothing would give NaN).
-        let mut valid = vec![false; width * span];
-        for (row, start) in slab.rows.iter().enumerate() {
-            let from = start.unwrap_or(end);
-            valid[row * span + from..=row * span + end].fill(true);
+        let mut valid = vec![false; width * keys_read];
+        for (row, in_use) in slab.rows.iter().enumerate() {
+            let from = in_use.as_ref().map_or(end, |r| r.start) - skip;
+            valid[row * keys_read + from..=row * keys_read + end - skip].fill(true);
         }
-        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, span as i32]);
+        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, keys_read as i32]);
         let offsets = Array::from_slice(&offsets, &[width as i32]);
         let inputs: Vec<[u32; 1]> = row_tokens.iter().map(|&t| [t]).collect();
         let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
 
-        let c = &self.config;
-        let (rows, heads, kv_heads, head_dim) = (
-            width as i32,
-            c.heads as i32,
-            c.kv_heads as i32,
-            c.head_dim as i32,
+        let rows = width as i32;
+        let slab_arrays = Rc::clone(&slab.arrays);
+        let order: Vec<u32> = rows_of.iter().map(|&r| r as u32).collect();
+        let order = Array::from_slice(&order, &[order.len() as i32]);
+        let previous = std::mem::take(&mut *slab_arrays.layers.borrow_mut());
+        let graph = self.slab_graph(
+            &previous,
+            &sequences,
+            (&offsets, &mask, &order),
+            &row_adapters,
+            (rows, end, skip, span),
         );
+        let (logits, layers) = match graph {
+            Ok(graph) => graph,
+            Err(error) => {
+                *slab_arrays.layers.borrow_mut() = previous;
+                return Err(error);
+            }
+        };
+        let picked = match pick {
+            Some(pick) => Some(self.pick_greedy(&logits, pick)?),
+            None => None,
+        };
+        let result = picked.as_ref().unwrap_or(&logits);
+        // The graph is now the slab's only holder (see the module's doc).
+        let kept = if donate() {
+            drop(previous);
+            None
+        } else {
+            Some(previous)
+        };
+        let built = started.elapsed();
+        // Copies of rows left behind are made now: pending, they would hold
+        // the slab they read.
+        mlx_rs::transforms::eval(
+            std::iter::once(result).chain(layers.iter().chain(&copies).flat_map(|(k, v)| [k, v])),
+        )?;
+        drop(kept);
+        let evaluated = started.elapsed();
+        let out = match &picked {
+            Some(tokens) => Decoded::Tokens(tokens.as_slice::<u32>().to_vec()),
+            None => Decoded::Logits(logits.as_slice::<f32>().to_vec()),
+        };
+        tracing::debug!(
+            target: "mlxgate::engine::steps",
+            sequences = tokens.len(),
+            rows = width,
+            columns = slab.capacity,
+            span,
+            keys_read,
+            build_ms = built.as_secs_f64() * 1e3,
+            eval_ms = (evaluated - built).as_secs_f64() * 1e3,
+            read_ms = (started.elapsed() - evaluated).as_secs_f64() * 1e3,
+            active_mb = mlx_rs::memory::active_memory().unwrap_or(0) >> 20,
+            cached_mb = mlx_rs::memory::cache_memory().unwrap_or(0) >> 20,
+            "slab decode step"
+        );
+
+        *slab_arrays.layers.borrow_mut() = layers;
+        let epoch = slab_arrays.epoch.get() + 1;
+        slab_arrays.epoch.set(epoch);
+        slab.end += 1;
+        for (b, cache) in caches.iter_mut().enumerate() {
+            let row = rows_of[b];
+            clear_layers(cache);
+            cache.offset += 1;
+            let in_use = slab.rows[row].as_ref().expect("a batch row is in use");
+            cache.slab = Some(SlabRow {
+                slab: Rc::clone(&slab_arrays),
+                row,
+                start: in_use.start,
+                end: slab.end,
+                epoch,
+                lease: Rc::clone(&in_use.lease),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Each row's most likely token of `logits` (`[B, vocab]`), as uint32,
+    /// `pick.banned` masked out of the rows `pick.ban_rows` marks.
+    fn pick_greedy(&self, logits: &Array, pick: &GreedyPick) -> MlxResult<Array> {
+        let rows = pick.ban_rows.len() as i32;
+        let scores = if pick.ban_rows.iter().any(|&b| b) && !pick.banned.is_empty() {
+            let vocab = logits.shape()[1];
+            let mut is_banned = vec![false; vocab as usize];
+            for &id in pick.banned {
+                if let Some(slot) = is_banned.get_mut(id as usize) {
+                    *slot = true;
+                }
+            }
+            let is_banned = Array::from_slice(&is_banned, &[1, vocab]);
+            let ban_rows = Array::from_slice(pick.ban_rows, &[rows, 1]);
+            let banned = mlx_rs::ops::logical_and(&ban_rows, &is_banned)?;
+            mlx_rs::ops::select(&banned, Array::from_f32(f32::NEG_INFINITY), logits)?
+        } else {
+            logits.clone()
+        };
+        mlx_rs::ops::indexing::argmax_axis(&scores, 1, false)?.as_dtype(mlx_rs::Dtype::Uint32)
+    }
+
+    /// The step's graph over the slab's arrays `held`: float32 logits of
+    /// the rows in `order` (the callers' order), and each layer's keys and
+    /// values with this step's column (`end`) written. Per slab row: its
+    /// token (`sequences`), position (`offsets`), adapters, and the columns
+    /// it attends to (`mask`, over the key columns `skip..span`).
+    fn slab_graph(
+        &self,
+        held: &[(Array, Array)],
+        sequences: &[&[u32]],
+        (offsets, mask, order): (&Array, &Array, &Array),
+        row_adapters: &[&AdapterStack],
+        (rows, end, skip, span): (i32, usize, usize, usize),
+    ) -> MlxResult<(Array, Vec<(Array, Array)>)> {
+        let c = &self.config;
+        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
-        let mut x = self.embed_ids(&token_ids(&sequences))?;
+        let mut x = self.embed_ids(&token_ids(sequences))?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let a = &block.attention;
             let project = |linear: &super::Linear, projection, x: &Array| {
-                lora::apply(linear.forward(x)?, x, index, projection, &row_adapters)
+                lora::apply(linear.forward(x)?, x, index, projection, row_adapters)
             };
             let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
                 let mut y = y.reshape(&[rows, 1, n, head_dim])?;
@@ -143,18 +283,18 @@ impl Transformer {
                 &a.k_norm,
             )?;
             let v = split(project(&a.v_proj, Projection::V, &normed)?, kv_heads, &None)?;
-            let q = block.rotate_rows(&q, c, &offsets)?;
-            let k = block.rotate_rows(&k, c, &offsets)?;
-            let (all_keys, all_values) = &slab.arrays.layers[index];
+            let q = block.rotate_rows(&q, c, offsets)?;
+            let k = block.rotate_rows(&k, c, offsets)?;
+            let (all_keys, all_values) = &held[index];
             let keys = written(all_keys, &k, 0, end)?;
             let values = written(all_values, &v, 0, end)?;
-            let used = 0..span as i32;
+            let used = skip as i32..span as i32;
             let attended = scaled_dot_product_attention(
                 &q,
                 keys.index((.., .., used.clone(), ..)),
                 values.index((.., .., used, ..)),
                 c.attention_scale(),
-                Some(ScaledDotProductAttentionMask::Array(&mask)),
+                Some(ScaledDotProductAttentionMask::Array(mask)),
                 None,
             )?
             .transpose_axes(&[0, 2, 1, 3])?
@@ -165,66 +305,71 @@ impl Transformer {
             }
             x = add(&x, &attended)?;
             let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
-            let mut mlp = self.mlp(&block.mlp, index, &normed, &row_adapters)?;
+            let mut mlp = self.mlp(&block.mlp, index, &normed, row_adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
             x = add(&x, &mlp)?;
             layers.push((keys, values));
         }
-        let order: Vec<u32> = rows_of.iter().map(|&r| r as u32).collect();
-        let last = x.index((.., 0, ..));
-        let last = last.take_axis(Array::from_slice(&order, &[order.len() as i32]), 0)?;
+        let last = x.index((.., 0, ..)).take_axis(order, 0)?;
         let logits = self.logits_of_hidden(&rms_norm(&last, Some(&self.final_norm), eps)?)?;
-        mlx_rs::transforms::eval(
-            std::iter::once(&logits).chain(layers.iter().flat_map(|(k, v)| [k, v])),
-        )?;
-        let out = logits.as_slice::<f32>().to_vec();
-
-        slab.arrays = Rc::new(SlabArrays { layers });
-        slab.end += 1;
-        for (b, cache) in caches.iter_mut().enumerate() {
-            let row = rows_of[b];
-            clear_layers(cache);
-            cache.offset += 1;
-            cache.slab = Some(SlabRow {
-                slab: slab.arrays.clone(),
-                row,
-                start: slab.rows[row].expect("a batch row is in use"),
-                end: slab.end,
-            });
-        }
-        Ok(out)
+        Ok((logits, layers))
     }
 
     /// The slab row of each cache: where it already is, else a hole that
     /// its positions are copied into (right-aligned). The slab changes by a
     /// node or two per layer, never row by row: rows no cache claims become
-    /// holes; too many holes are dropped; a newcomer longer than the rows in
-    /// use shifts them right; missing rows are added blank; columns every
-    /// row has left behind are cut off.
+    /// holes (a copy of each goes to its lease while some cache still holds
+    /// it, returned to be evaluated with the step); too many holes are
+    /// dropped; a newcomer longer than the rows in use shifts them right;
+    /// missing rows are added blank; columns every row has left behind are
+    /// cut off.
     fn place(
         &self,
         held: &mut Option<DecodeSlab>,
         caches: &mut [&mut KvCache],
-    ) -> MlxResult<Vec<usize>> {
+    ) -> MlxResult<(Vec<usize>, KeysValues)> {
         let mut rows_of: Vec<Option<usize>> = vec![None; caches.len()];
+        let mut copies = Vec::new();
         if let Some(slab) = held.as_mut() {
             let mut claimed = vec![false; slab.rows.len()];
             for (b, cache) in caches.iter().enumerate() {
                 let Some(at) = &cache.slab else { continue };
                 let here = Rc::ptr_eq(&at.slab, &slab.arrays)
+                    && at.epoch == slab.arrays.epoch.get()
                     && at.end == slab.end
-                    && slab.rows[at.row] == Some(at.start)
+                    && slab.rows[at.row]
+                        .as_ref()
+                        .is_some_and(|r| Rc::ptr_eq(&r.lease, &at.lease) && r.start == at.start)
                     && !claimed[at.row];
                 if here {
                     claimed[at.row] = true;
                     rows_of[b] = Some(at.row);
                 }
             }
+            let current = slab.arrays.layers.borrow();
             for (row, claimed) in claimed.into_iter().enumerate() {
-                if !claimed {
-                    slab.rows[row] = None;
+                if claimed {
+                    continue;
+                }
+                let Some(left) = slab.rows[row].take() else {
+                    continue;
+                };
+                // The slab's own handle is one holder; any other is a cache.
+                if Rc::strong_count(&left.lease) > 1 && !current.is_empty() {
+                    let (r, start, end) = (row as i32, left.start as i32, slab.end as i32);
+                    let copy = current
+                        .iter()
+                        .map(|(k, v)| {
+                            let own = |all: &Array| {
+                                all.index((r..r + 1, .., start..end, ..)).contiguous()
+                            };
+                            Ok((own(k)?, own(v)?))
+                        })
+                        .collect::<MlxResult<Vec<_>>>()?;
+                    copies.extend(copy.iter().cloned());
+                    *left.lease.copy.borrow_mut() = Some(copy);
                 }
             }
         }
@@ -232,7 +377,7 @@ impl Transformer {
             .filter(|&b| rows_of[b].is_none())
             .collect();
         for &b in &newcomers {
-            caches[b].settle();
+            caches[b].settle()?;
         }
         let longest = newcomers
             .iter()
@@ -243,7 +388,7 @@ impl Transformer {
             Some(slab) => slab,
             None => held.insert(self.blank_slab(longest)?),
         };
-        let mut layers: Vec<(Array, Array)> = slab.arrays.layers.clone();
+        let mut layers: Vec<(Array, Array)> = slab.arrays.layers.borrow().clone();
         let each = |layers: &mut Vec<(Array, Array)>, f: &dyn Fn(&Array) -> MlxResult<Array>| {
             layers.iter_mut().try_for_each(|(k, v)| -> MlxResult<()> {
                 *k = f(k)?;
@@ -272,7 +417,7 @@ impl Transformer {
             for row in rows_of.iter_mut().flatten() {
                 *row = renumber[*row].expect("a claimed row is kept");
             }
-            slab.rows = keep.iter().map(|&r| slab.rows[r]).collect();
+            slab.rows = keep.iter().map(|&r| slab.rows[r].take()).collect();
         }
         if longest > slab.end {
             let shift = longest - slab.end;
@@ -283,8 +428,8 @@ impl Transformer {
             })?;
             slab.end += shift;
             slab.capacity += shift;
-            for start in slab.rows.iter_mut().flatten() {
-                *start += shift;
+            for in_use in slab.rows.iter_mut().flatten() {
+                in_use.start += shift;
             }
         }
         let holes = slab.rows.iter().filter(|r| r.is_none()).count();
@@ -295,7 +440,7 @@ impl Transformer {
                 shape[0] = more as i32;
                 concatenate(&[a.clone(), zeros_dtype(&shape, a.dtype())?], 0)
             })?;
-            slab.rows.extend(std::iter::repeat_n(None, more));
+            slab.rows.extend(std::iter::repeat_with(|| None).take(more));
         }
         let dtype = super::super::compute_dtype();
         for &b in &newcomers {
@@ -315,27 +460,25 @@ impl Transformer {
                     *values = written(values, &v.as_dtype(dtype)?, hole, start)?;
                 }
             }
-            slab.rows[hole] = Some(start);
+            slab.rows[hole] = Some(RowInUse {
+                start,
+                lease: Rc::default(),
+            });
             rows_of[b] = Some(hole);
         }
-        let first = slab
-            .rows
-            .iter()
-            .flatten()
-            .min()
-            .copied()
-            .unwrap_or(slab.end);
+        let first = first_column(&slab.rows).unwrap_or(slab.end);
         if first >= COMPACT_AFTER {
             let cut = first as i32;
             each(&mut layers, &|a| Ok(a.index((.., .., cut.., ..))))?;
             slab.end -= first;
             slab.capacity -= first;
-            for start in slab.rows.iter_mut().flatten() {
-                *start -= first;
+            for in_use in slab.rows.iter_mut().flatten() {
+                in_use.start -= first;
             }
         }
-        slab.arrays = Rc::new(SlabArrays { layers });
-        Ok(rows_of.into_iter().map(|r| r.expect("placed")).collect())
+        *slab.arrays.layers.borrow_mut() = layers;
+        let rows_of = rows_of.into_iter().map(|r| r.expect("placed")).collect();
+        Ok((rows_of, copies))
     }
 
     /// An empty slab (no rows) `end` columns in use and room to grow.
@@ -348,7 +491,10 @@ impl Transformer {
             .map(|_| Ok((zeros_dtype(&shape, dtype)?, zeros_dtype(&shape, dtype)?)))
             .collect::<MlxResult<Vec<_>>>()?;
         Ok(DecodeSlab {
-            arrays: Rc::new(SlabArrays { layers }),
+            arrays: Rc::new(SlabArrays {
+                layers: layers.into(),
+                epoch: Default::default(),
+            }),
             capacity,
             end,
             rows: Vec::new(),
@@ -357,8 +503,9 @@ impl Transformer {
 
     /// More columns at the end of every layer's arrays.
     fn grow(&self, slab: &mut DecodeSlab) -> MlxResult<()> {
-        let mut layers = Vec::with_capacity(slab.arrays.layers.len());
-        for (keys, values) in &slab.arrays.layers {
+        let mut held = slab.arrays.layers.borrow_mut();
+        let mut layers = Vec::with_capacity(held.len());
+        for (keys, values) in held.iter() {
             let mut shape = keys.shape().to_vec();
             shape[2] = SPARE_COLUMNS as i32;
             let spare = zeros_dtype(&shape, keys.dtype())?;
@@ -367,10 +514,15 @@ impl Transformer {
                 concatenate(&[values.clone(), spare], 2)?,
             ));
         }
+        *held = layers;
         slab.capacity += SPARE_COLUMNS;
-        slab.arrays = Rc::new(SlabArrays { layers });
         Ok(())
     }
+}
+
+/// The first column any row in use starts at.
+fn first_column(rows: &[Option<RowInUse>]) -> Option<usize> {
+    rows.iter().flatten().map(|r| r.start).min()
 }
 
 /// `all` (`[rows, heads, columns, dim]`) with `part` written in from `row`
