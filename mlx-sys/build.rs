@@ -198,6 +198,7 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .file(kernels.join("activation.cpp"))
         .file(kernels.join("dense.cpp"))
         .file(kernels.join("encoder_attention.cpp"))
+        .file(kernels.join("distributed.cpp"))
         .compile("mlxgate_kernels");
 }
 

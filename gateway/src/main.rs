@@ -83,6 +83,10 @@ enum Command {
     /// that mlxgate and Python mlx-lm both load. Quantized tensors stay
     /// quantized unless --quantize asks for another width.
     Convert(ConvertArgs),
+    /// One greedy completion of a raw prompt, without a server; with
+    /// --distributed (or --hostfile/--rank) the model is split over an MLX
+    /// process group, every rank running this command.
+    Generate(mlxgate::cli::generate::GenerateArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -395,6 +399,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cache(cmd) => mlxgate::cli::cache::run(cmd),
         Command::Adapters(cmd) => mlxgate::cli::adapters::run(cmd),
         Command::Usage(args) => mlxgate::cli::usage::run(args),
+        Command::Generate(args) => {
+            init_tracing(cli.log_format);
+            mlxgate::cli::generate::run(args)
+        }
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};
             let requantize = match &args.quantize {

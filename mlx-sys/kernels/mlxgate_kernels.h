@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "mlx/c/array.h"
+#include "mlx/c/distributed_group.h"
 #include "mlx/c/stream.h"
 
 #ifdef __cplusplus
@@ -194,6 +195,24 @@ int mlxgate_gelu(
     const mlx_stream s,
     char* error,
     size_t error_len);
+
+/* MLX's distributed init (`backend`: "ring", "nccl", "mpi", "jaccl" or
+ * "any"; NULL = "any"), storing the group in `res` (start it with
+ * mlx_distributed_group_new(), free it with mlx_distributed_group_free()).
+ * Returns 0, or 1 with the exception's text in `error` (mlx-c reports it
+ * only to its error handler). MLX caches the group per backend name: a
+ * later call returns the same group until mlxgate_distributed_reset(). */
+int mlxgate_distributed_init(
+    const char* backend,
+    bool strict,
+    mlx_distributed_group* res,
+    char* error,
+    size_t error_len);
+
+/* Forgets every cached distributed group (MLX's clear_backends), so that a
+ * group whose peer was lost can be formed again in this process. Call only
+ * when no collective is running. */
+void mlxgate_distributed_reset(void);
 
 #ifdef __cplusplus
 }

@@ -7,6 +7,7 @@
 
 pub mod adapters;
 pub mod cache;
+pub mod generate;
 pub mod jobs;
 pub mod policy;
 pub mod remote;

@@ -10,6 +10,7 @@ mod constrain;
 mod fair_queue;
 use constrain::Constraint;
 pub mod convert;
+pub mod distributed;
 mod doctor;
 pub mod embed;
 pub mod lora;
@@ -243,7 +244,14 @@ pub fn load_text_codec(path: &Path) -> Result<TextCodec, LoadError> {
 /// weight evaluated and the native decode step's weights built, so the
 /// first request pays for neither.
 fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
-    let model = LoadedModel::load(path)?;
+    let mut model = LoadedModel::load(path)?;
+    // In a process group (`distributed::join`), this rank's part of it.
+    if let Some(group) = distributed::group() {
+        model.transformer = model.transformer.sharded(group)?;
+        if let Some(plan) = model.transformer.shard_label() {
+            tracing::info!(model = %model.id, %plan, "model split over processes");
+        }
+    }
     mlx_rs::transforms::eval(model.transformer.parameters())
         .map_err(|error| LoadError::Mlx(error.to_string()))?;
     model.transformer.prepare_native_decode();

@@ -237,6 +237,8 @@ fn check_shape(name: &str, array: &Array, expected: &[usize]) -> Result<(), Load
 }
 
 /// A weight matrix `[out, in]` as stored: dense, or MLX affine-quantized.
+/// Clones share the arrays.
+#[derive(Clone)]
 pub enum Kernel {
     Dense(Array),
     Quantized {
@@ -386,6 +388,7 @@ pub fn dequantize_affine(
 }
 
 /// `y = x W^T + b`.
+#[derive(Clone)]
 pub struct Linear {
     pub kernel: Kernel,
     pub bias: Option<Array>,
@@ -402,6 +405,7 @@ impl Linear {
 }
 
 /// Token embeddings; also the output projection when embeddings are tied.
+#[derive(Clone)]
 pub struct Embedding {
     pub kernel: Kernel,
 }

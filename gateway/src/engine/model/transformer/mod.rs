@@ -11,6 +11,7 @@ use mlx_rs::ops::{add, concatenate, multiply};
 use mlx_rs::{Array, Dtype};
 
 mod native;
+mod sharded;
 mod slab;
 
 use std::sync::OnceLock;
@@ -259,6 +260,8 @@ pub struct Transformer {
     native: OnceLock<Option<NativeDecoder>>,
     /// The decode batch's keys and values on a GPU (see `slab`).
     slab: std::sync::Mutex<Option<slab::DecodeSlab>>,
+    /// This rank's part of a model split over processes (see `sharded`).
+    tp: Option<sharded::TensorParallel>,
 }
 
 impl Transformer {
@@ -292,6 +295,7 @@ impl Transformer {
             lm_head,
             native: OnceLock::new(),
             slab: std::sync::Mutex::new(None),
+            tp: None,
         })
     }
 
@@ -423,7 +427,10 @@ impl Transformer {
         let native = kernels::thread_choice() == KernelChoice::Native
             && adapters.iter().all(|stack| lora::is_native(stack))
             && self.native_decoder().is_some();
-        !native && slab::enabled() && self.blocks.iter().all(|b| b.sliding_window.is_none())
+        !native
+            && self.tp.is_none()
+            && slab::enabled()
+            && self.blocks.iter().all(|b| b.sliding_window.is_none())
     }
 
     /// [`Transformer::decode`] for a batch whose every row picks its most
@@ -466,7 +473,12 @@ impl Transformer {
             .map(NativeDecoder::weight_bytes_per_token)
     }
 
+    /// The native decode step's weights; never for a shard, whose step needs
+    /// the all-sums the native step lacks.
     fn native_decoder(&self) -> Option<&NativeDecoder> {
+        if self.tp.is_some() {
+            return None;
+        }
         self.native
             .get_or_init(|| match NativeDecoder::new(self) {
                 Ok(decoder) => decoder,
@@ -571,6 +583,7 @@ impl Transformer {
             lm_head: self.lm_head.as_ref().map(dense).transpose()?,
             native: OnceLock::new(),
             slab: std::sync::Mutex::new(None),
+            tp: None,
         })
     }
 
@@ -584,6 +597,11 @@ impl Transformer {
         ids: &Array,
         residual: &dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>,
     ) -> MlxResult<Array> {
+        if self.tp.is_some() {
+            return Err(mlx_rs::error::Exception::custom(
+                "training and embeddings are not available on a model split over processes",
+            ));
+        }
         let c = &self.config;
         let mut x = self.embed_ids(ids)?;
         let shape = x.shape().to_vec();
@@ -677,7 +695,7 @@ impl Transformer {
         let gate = project(&mlp.gate_proj, Projection::Gate, x)?;
         let up = project(&mlp.up_proj, Projection::Up, x)?;
         let gated = gated_activation(self.config.family, &gate, &up, Gradients::NotNeeded)?;
-        project(&mlp.down_proj, Projection::Down, &gated)
+        self.all_ranks(project(&mlp.down_proj, Projection::Down, &gated)?, true)
     }
 
     fn attention(
@@ -754,7 +772,8 @@ impl Transformer {
             concatenate(&outputs, 0)?
         };
         let merged = attended.reshape(&[batch, length, heads * head_dim])?;
-        project(&a.o_proj, Projection::O, &merged)
+        let split = self.tp.as_ref().is_some_and(|tp| tp.attention_split);
+        self.all_ranks(project(&a.o_proj, Projection::O, &merged)?, split)
     }
 }
 

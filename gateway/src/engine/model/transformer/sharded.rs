@@ -1,0 +1,129 @@
+//! This process's part of a model split over several (tensor parallelism,
+//! `engine::distributed`): its slices of each layer's projections, the
+//! forward pass's head and feature counts cut to them, and an all-sum over
+//! the group after o_proj (where attention is split) and after down_proj.
+//! Norms, embeddings and the output head stay whole on every rank, so every
+//! rank ends a step with the same logits and picks the same tokens.
+
+use std::sync::Arc;
+
+use mlx_rs::Array;
+
+use super::{Attention, Block, Mlp, Transformer};
+use crate::engine::distributed::plan::{AttentionMode, ShardPlan};
+use crate::engine::distributed::shard::{column_parallel, row_parallel};
+use crate::engine::model::LoadError;
+use crate::engine::model::weights::{Kernel, Linear, MlxResult};
+use crate::mlx::distributed::DistGroup;
+
+/// The group a sharded model sums over, and whether its attention is split
+/// (else every rank computes all heads and only the MLP is summed).
+pub(super) struct TensorParallel {
+    group: Arc<DistGroup>,
+    pub(super) attention_split: bool,
+    plan: ShardPlan,
+}
+
+/// A quantized matrix's group size (its columns can only be cut on group
+/// bounds); 0 when dense.
+fn group_of(linear: &Linear) -> usize {
+    match &linear.kernel {
+        Kernel::Quantized { group_size, .. } => *group_size as usize,
+        Kernel::Dense(_) => 0,
+    }
+}
+
+impl Transformer {
+    /// `y` summed over every rank where `summed` (a row-parallel
+    /// projection's partial sums); unchanged on a model that is not split.
+    pub(super) fn all_ranks(&self, y: Array, summed: bool) -> MlxResult<Array> {
+        match &self.tp {
+            Some(tp) if summed => tp.group.all_sum(&y),
+            _ => Ok(y),
+        }
+    }
+
+    /// The plan of a split model (`None` when whole), for logs.
+    pub fn shard_label(&self) -> Option<String> {
+        self.tp.as_ref().map(|tp| tp.plan.label())
+    }
+
+    /// This rank's part of the model, split over `group` (see the module's
+    /// doc). Refuses shapes that cannot be split evenly enough (a plan
+    /// error names why).
+    pub fn sharded(&self, group: Arc<DistGroup>) -> Result<Transformer, LoadError> {
+        let mlx = |e: mlx_rs::error::Exception| LoadError::Mlx(e.to_string());
+        let first = self
+            .blocks
+            .first()
+            .ok_or(LoadError::MissingConfig("layers"))?;
+        let plan = ShardPlan::new(
+            &self.config,
+            group.rank(),
+            group.size(),
+            AttentionMode::Auto,
+            group_of(&first.attention.o_proj),
+            group_of(&first.mlp.down_proj).max(32),
+        )
+        .map_err(|e| LoadError::ShapeMismatch {
+            name: "model".into(),
+            detail: format!("cannot split over {} processes: {e}", group.size()),
+        })?;
+        let split = plan.attention_is_split();
+        let keep_bias = plan.keeps_row_parallel_bias();
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let a = &b.attention;
+            let attention = if split {
+                Attention {
+                    q_proj: column_parallel(&a.q_proj, plan.q_rows()).map_err(mlx)?,
+                    k_proj: column_parallel(&a.k_proj, plan.kv_rows()).map_err(mlx)?,
+                    v_proj: column_parallel(&a.v_proj, plan.kv_rows()).map_err(mlx)?,
+                    o_proj: row_parallel(&a.o_proj, plan.q_rows(), keep_bias).map_err(mlx)?,
+                    q_norm: a.q_norm.clone(),
+                    k_norm: a.k_norm.clone(),
+                }
+            } else {
+                Attention {
+                    q_proj: a.q_proj.clone(),
+                    k_proj: a.k_proj.clone(),
+                    v_proj: a.v_proj.clone(),
+                    o_proj: a.o_proj.clone(),
+                    q_norm: a.q_norm.clone(),
+                    k_norm: a.k_norm.clone(),
+                }
+            };
+            let m = &b.mlp;
+            blocks.push(Block {
+                input_norm: b.input_norm.clone(),
+                attention,
+                post_attention_norm: b.post_attention_norm.clone(),
+                pre_mlp_norm: b.pre_mlp_norm.clone(),
+                mlp: Mlp {
+                    gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
+                    up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
+                    down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias)
+                        .map_err(mlx)?,
+                },
+                post_mlp_norm: b.post_mlp_norm.clone(),
+                sliding_window: b.sliding_window,
+                rope_theta: b.rope_theta,
+                rope_scale: b.rope_scale,
+            });
+        }
+        Ok(Transformer {
+            config: plan.local_config(&self.config),
+            embed: self.embed.clone(),
+            blocks,
+            final_norm: self.final_norm.clone(),
+            lm_head: self.lm_head.clone(),
+            native: std::sync::OnceLock::new(),
+            slab: std::sync::Mutex::new(None),
+            tp: Some(TensorParallel {
+                group,
+                attention_split: split,
+                plan,
+            }),
+        })
+    }
+}

@@ -1,0 +1,159 @@
+//! MLX's distributed groups and collectives (mx.distributed), through mlx-c
+//! 0.7.0 (`mlx_distributed_*`, already in mlx-sys's bindings) and two shims
+//! of ours (`mlxgate_distributed_init` for the error text, and
+//! `mlxgate_distributed_reset` for MLX's `clear_backends`).
+//!
+//! The ring backend reads `MLX_RANK` and `MLX_HOSTFILE` (a path to a JSON
+//! list of `"ip:port"` lists, index = rank) when `init` runs; the caller sets
+//! them once at process start (see `cluster::hosts`). A collective is a node
+//! of MLX's lazy graph; the work and any communication error happen at
+//! `eval`, where mlx-rs returns the error (e.g. "[ring] connection to a peer
+//! was lost"). After such an error the group must not be used again: a later
+//! collective on a ring connection whose thread gave up waits forever. See
+//! `engine::distributed::collective` for the policy built on that.
+
+use std::ffi::{CStr, CString, c_char};
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Stream};
+
+/// A communication group: this process's rank among `size` processes.
+/// Dropping it frees our handle; the group itself lives on in MLX's cache
+/// until [`reset_backends`].
+pub struct DistGroup {
+    raw: mlx_sys::mlx_distributed_group,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: the handle owns a heap `mlx::core::distributed::Group` (a
+// shared_ptr to the implementation); rank/size are fixed, and collectives
+// are only built from the engine thread that owns the model. Moving the
+// handle between threads is sound; sharing it is only done read-only.
+unsafe impl Send for DistGroup {}
+unsafe impl Sync for DistGroup {}
+
+impl DistGroup {
+    /// Whether MLX was built with `backend` ("ring", "nccl", "mpi", "jaccl"
+    /// or "any").
+    pub fn is_available(backend: &str) -> bool {
+        let Ok(name) = CString::new(backend) else {
+            return false;
+        };
+        // SAFETY: a valid NUL-terminated string for the call's duration.
+        unsafe { mlx_sys::mlx_distributed_is_available(name.as_ptr()) }
+    }
+
+    /// Initialises `backend` strictly (an error, never a size-1 group, when
+    /// the environment does not describe a group). Blocks until every peer
+    /// has connected: the ring accepts without a timeout (sever this rank's
+    /// listening socket to give up, see `cluster::sever`).
+    pub fn init(backend: &str) -> Result<DistGroup, Exception> {
+        let name = CString::new(backend).map_err(|e| Exception::custom(e.to_string()))?;
+        let mut error = [0 as c_char; 512];
+        // SAFETY: `raw` starts empty (NULL ctx); on success the shim stores a
+        // new Group in it, which we own; on failure it stays empty or is freed.
+        unsafe {
+            let mut raw = mlx_sys::mlx_distributed_group_new();
+            let status = mlx_sys::mlxgate_distributed_init(
+                name.as_ptr(),
+                true,
+                &mut raw,
+                error.as_mut_ptr(),
+                error.len(),
+            );
+            if status != 0 {
+                mlx_sys::mlx_distributed_group_free(raw);
+                let message = CStr::from_ptr(error.as_ptr()).to_string_lossy();
+                return Err(Exception::custom(format!(
+                    "distributed init ({backend}): {message}"
+                )));
+            }
+            let rank = mlx_sys::mlx_distributed_group_rank(raw);
+            let size = mlx_sys::mlx_distributed_group_size(raw);
+            if rank < 0 || size < 1 {
+                mlx_sys::mlx_distributed_group_free(raw);
+                return Err(Exception::custom(format!(
+                    "distributed init ({backend}): rank {rank} of {size}"
+                )));
+            }
+            Ok(DistGroup {
+                raw,
+                rank: rank as usize,
+                size: size as usize,
+            })
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The elementwise sum of `x` over every rank (same shape and dtype on
+    /// all of them), as a lazy node on this thread's stream.
+    pub fn all_sum(&self, x: &Array) -> Result<Array, Exception> {
+        self.collective("all_sum", x, |res, x, group, stream| unsafe {
+            mlx_sys::mlx_distributed_all_sum(res, x, group, stream)
+        })
+    }
+
+    /// Every rank's `x` concatenated along axis 0, in rank order.
+    pub fn all_gather(&self, x: &Array) -> Result<Array, Exception> {
+        self.collective("all_gather", x, |res, x, group, stream| unsafe {
+            mlx_sys::mlx_distributed_all_gather(res, x, group, stream)
+        })
+    }
+
+    fn collective(
+        &self,
+        what: &str,
+        x: &Array,
+        op: impl FnOnce(
+            *mut mlx_sys::mlx_array,
+            mlx_sys::mlx_array,
+            mlx_sys::mlx_distributed_group,
+            mlx_sys::mlx_stream,
+        ) -> i32,
+    ) -> Result<Array, Exception> {
+        let stream = Stream::thread_local_or_default();
+        // SAFETY: `res` starts empty and on success owns a new array, passed
+        // to `Array::from_ptr`; `x`, the group and the stream outlive the call.
+        unsafe {
+            let mut res = mlx_sys::mlx_array_new();
+            if op(&mut res, x.as_ptr(), self.raw, stream.as_ref().as_ptr()) == 0 {
+                Ok(Array::from_ptr(res))
+            } else {
+                mlx_sys::mlx_array_free(res);
+                // mlx-c reported the message to mlx-rs's handler, which we
+                // cannot read; building the node fails only for bad shapes.
+                Err(Exception::custom(format!(
+                    "mlx_distributed_{what} failed for shape {:?} {:?}",
+                    x.shape(),
+                    x.dtype()
+                )))
+            }
+        }
+    }
+}
+
+impl Drop for DistGroup {
+    fn drop(&mut self) {
+        // SAFETY: `raw` was filled by init and is freed once, here.
+        unsafe {
+            mlx_sys::mlx_distributed_group_free(self.raw);
+        }
+    }
+}
+
+/// Forgets MLX's cached groups, so the next [`DistGroup::init`] builds a new
+/// one (new sockets, same ports: the ring listens with SO_REUSEADDR). Call it
+/// after every `DistGroup` and every array whose graph reaches a collective
+/// has been dropped, and only when no collective is running.
+pub fn reset_backends() {
+    // SAFETY: no arguments; MLX's own lock-free map reset.
+    unsafe { mlx_sys::mlxgate_distributed_reset() }
+}
