@@ -24,23 +24,7 @@ fn span(r: &Range<usize>) -> Range<i32> {
 
 /// Output rows `rows` of every stored array.
 pub fn kernel_rows(kernel: &Kernel, rows: Range<usize>) -> MlxResult<Kernel> {
-    let cut = |a: &Array| own(a.index(span(&rows)));
-    Ok(match kernel {
-        Kernel::Dense(w) => Kernel::Dense(cut(w)?),
-        Kernel::Quantized {
-            weight,
-            scales,
-            biases,
-            group_size,
-            bits,
-        } => Kernel::Quantized {
-            weight: cut(weight)?,
-            scales: cut(scales)?,
-            biases: cut(biases)?,
-            group_size: *group_size,
-            bits: *bits,
-        },
-    })
+    kernel.clone().map_rows(|a| own(a.index(span(&rows))))
 }
 
 /// Input columns `cols`: for quantized storage both bounds must be
