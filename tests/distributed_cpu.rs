@@ -2,13 +2,14 @@
 //! (`mlxgate generate --hostfile --rank`, tensor parallelism): both ranks
 //! print the same greedy tokens as one process holding the whole model, for
 //! prompts of different lengths; a rank whose peer never comes fails with
-//! an error that names what to check instead of hanging.
+//! an error that names what to check, and one whose peer dies mid-way fails
+//! at once, instead of hanging.
 
 #[path = "support/mod.rs"]
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -24,18 +25,12 @@ const PROMPTS: [&str; 3] = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ];
 
-/// Runs `mlxgate generate` with `extra` arguments; its output, or a panic
-/// once `limit` has passed (the child is killed).
-fn generate(model: &Path, prompt: &str, extra: &[String], limit: Duration) -> Output {
-    let mut child = Command::new(support::BIN)
-        .args([
-            "generate",
-            "--json",
-            "--max-tokens",
-            "24",
-            "--prompt",
-            prompt,
-        ])
+/// Starts `mlxgate generate --json` of `tokens` tokens with `extra`
+/// arguments.
+fn spawn_generate(model: &Path, prompt: &str, tokens: usize, extra: &[String]) -> Child {
+    Command::new(support::BIN)
+        .args(["generate", "--json", "--prompt", prompt])
+        .args(["--max-tokens", &tokens.to_string()])
         .arg("-m")
         .arg(model)
         .args(extra)
@@ -44,20 +39,39 @@ fn generate(model: &Path, prompt: &str, extra: &[String], limit: Duration) -> Ou
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn mlxgate generate");
+        .expect("spawn mlxgate generate")
+}
+
+/// The child's output, killing it first if it runs past `limit`.
+fn wait_at_most(mut child: Child, limit: Duration) -> Output {
     let deadline = Instant::now() + limit;
-    while child.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "mlxgate generate {extra:?} ran past {limit:?}; stderr:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+    while child.try_wait().expect("wait").is_none() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
+    let _ = child.kill();
     child.wait_with_output().expect("output")
+}
+
+/// 24 greedy tokens of `prompt`; panics if the command runs past `limit`.
+fn generate(model: &Path, prompt: &str, extra: &[String], limit: Duration) -> Output {
+    let started = Instant::now();
+    let out = wait_at_most(spawn_generate(model, prompt, 24, extra), limit);
+    assert!(
+        started.elapsed() < limit,
+        "mlxgate generate {extra:?} ran past {limit:?}; stderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// `--hostfile` and `--rank` arguments.
+fn rank_args(hosts: &Path, rank: usize) -> Vec<String> {
+    vec![
+        "--hostfile".to_owned(),
+        hosts.display().to_string(),
+        "--rank".to_owned(),
+        rank.to_string(),
+    ]
 }
 
 fn answer(out: &Output) -> Value {
@@ -86,14 +100,7 @@ fn two_ranks_give_the_single_process_greedy_tokens() {
     for prompt in PROMPTS {
         let alone = answer(&generate(&model, prompt, &[], Duration::from_secs(60)));
         let hosts = host_file(dir.path(), 2);
-        let rank = |r: usize| {
-            vec![
-                "--hostfile".to_owned(),
-                hosts.display().to_string(),
-                "--rank".to_owned(),
-                r.to_string(),
-            ]
-        };
+        let rank = |r: usize| rank_args(&hosts, r);
         let (model1, prompt1, rank1) = (model.clone(), prompt.to_owned(), rank(1));
         let other = std::thread::spawn(move || {
             generate(&model1, &prompt1, &rank1, Duration::from_secs(120))
@@ -129,17 +136,43 @@ fn a_rank_whose_peer_never_comes_fails_with_a_clear_error() {
     let hosts = host_file(dir.path(), 2);
     // Rank 1 alone: MLX's ring keeps trying to reach rank 0 (about 30 s),
     // then gives up; the command must then fail and say what to check.
-    let args = vec![
-        "--hostfile".to_owned(),
-        hosts.display().to_string(),
-        "--rank".to_owned(),
-        "1".to_owned(),
-    ];
-    let out = generate(&smollm2(), "Hello", &args, Duration::from_secs(90));
+    let out = generate(
+        &smollm2(),
+        "Hello",
+        &rank_args(&hosts, 1),
+        Duration::from_secs(90),
+    );
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("cannot join the MLX process group"),
+        "stderr: {stderr}"
+    );
+}
+
+#[test]
+fn a_rank_whose_peer_dies_mid_generation_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = host_file(dir.path(), 2);
+    let prompt = "Once upon a time";
+    let spawn = |rank: usize| spawn_generate(&smollm2(), prompt, 2000, &rank_args(&hosts, rank));
+    let mut worker = spawn(1);
+    let leader = spawn(0);
+    // Both are decoding after a moment (loading takes a fraction of a
+    // second); then the worker dies.
+    std::thread::sleep(Duration::from_secs(3));
+    worker.kill().unwrap();
+    let killed = Instant::now();
+    let out = wait_at_most(leader, Duration::from_secs(15));
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "rank 0 hung after its peer died"
+    );
+    let _ = worker.wait();
+    assert!(!out.status.success(), "rank 0 finished 2000 tokens in 3 s?");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("connection to a peer was lost"),
         "stderr: {stderr}"
     );
 }

@@ -83,7 +83,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stream = engine.generate(request).context("generate")?;
     let (mut text, mut tokens, mut first) = (String::new(), Vec::new(), None);
     while let Some(event) = stream.blocking_next() {
-        match event.context("generation failed")? {
+        match event.context("while generating")? {
             GenerateEvent::Delta {
                 text: piece,
                 tokens: ids,
