@@ -39,6 +39,11 @@ pub fn doctor_report(model: &Path) -> String {
                 );
             }
         }
+        let _ = writeln!(
+            out,
+            "buffer cache:   {} MB of freed GPU buffers kept for reuse (MLXGATE_MLX_CACHE_MB)",
+            crate::mlx::gpu_buffer_cache_mb()
+        );
     }
     let _ = writeln!(
         out,
@@ -49,6 +54,19 @@ pub fn doctor_report(model: &Path) -> String {
         out,
         "kernels:        {} quantized matmul (MLXGATE_KERNELS=mlx|native; native needs AVX2/FMA and the CPU backend)",
         KernelChoice::default_for_process().label()
+    );
+    let backends: Vec<&str> = ["ring", "nccl", "mpi"]
+        .into_iter()
+        .filter(|b| crate::mlx::distributed::DistGroup::is_available(b))
+        .collect();
+    let _ = writeln!(
+        out,
+        "distributed:    {} (`mlxgate generate --help`: one model over several processes)",
+        if backends.is_empty() {
+            "no MLX backend".to_owned()
+        } else {
+            format!("MLX backends {}", backends.join(", "))
+        }
     );
     let library = info.library.as_deref().map(|p| p.display().to_string());
     let _ = writeln!(

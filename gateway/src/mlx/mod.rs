@@ -8,6 +8,6 @@ pub mod kernels;
 mod runtime;
 
 pub use runtime::{
-    Backend, CUDA_ENV_DEFAULTS, CudaDevice, GPU_BUFFER_CACHE_MB, RuntimeInfo,
+    Backend, CUDA_ENV_DEFAULTS, CudaDevice, RuntimeInfo, gpu_buffer_cache_mb,
     limit_gpu_buffer_cache, set_process_defaults,
 };

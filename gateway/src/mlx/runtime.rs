@@ -122,6 +122,15 @@ pub fn set_process_defaults() {
 /// MLX's buffer cache on a GPU when `MLXGATE_MLX_CACHE_MB` is unset.
 pub const GPU_BUFFER_CACHE_MB: usize = 4096;
 
+/// The GPU buffer cache bound in MB: `MLXGATE_MLX_CACHE_MB`, else
+/// [`GPU_BUFFER_CACHE_MB`].
+pub fn gpu_buffer_cache_mb() -> usize {
+    std::env::var("MLXGATE_MLX_CACHE_MB")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(GPU_BUFFER_CACHE_MB)
+}
+
 /// Bounds MLX's cache of freed buffers on a GPU (once per process; the CPU
 /// keeps MLX's default) to `MLXGATE_MLX_CACHE_MB`, else
 /// [`GPU_BUFFER_CACHE_MB`]. By default MLX keeps freed buffers up to its
@@ -136,11 +145,7 @@ pub fn limit_gpu_buffer_cache() -> Option<usize> {
         if Backend::detect() == Backend::Cpu {
             return None;
         }
-        let mb = std::env::var("MLXGATE_MLX_CACHE_MB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(GPU_BUFFER_CACHE_MB);
-        let bytes = mb << 20;
+        let bytes = gpu_buffer_cache_mb() << 20;
         match mlx_rs::memory::set_cache_limit(bytes) {
             Ok(_) => Some(bytes),
             Err(error) => {
