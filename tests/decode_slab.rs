@@ -2,7 +2,10 @@
 //! slab per layer, `transformer::slab`), run here on MLX's CPU backend with
 //! `MLXGATE_DECODE_SLAB=1`: through sequences joining, leaving, returning
 //! and a prompt cache kept from one of them, each step's logits equal that
-//! sequence decoded alone, and its cache reads back what a plain cache holds.
+//! sequence decoded alone (every third step the device picks greedily
+//! instead, some rows barred from a token, and each pick equals the host's
+//! argmax of the sequence decoded alone), and its cache reads back what a
+//! plain cache holds.
 //! Its own test binary: the switch is read once per process.
 
 #[path = "float_common/mod.rs"]
