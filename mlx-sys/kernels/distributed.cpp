@@ -1,7 +1,6 @@
-// mlxgate: the two pieces of MLX's distributed API that mlx-c 0.7.0 lacks
-// or reports without a message: a strict `init` that returns the exception
-// text (for /readyz and logs), and `clear_backends` (so a ring whose peer was
-// lost can be initialised again in the same process).
+// mlxgate: MLX's distributed `init` with the exception's text returned
+// (mlx-c 0.7.0 reports it only to its error handler), so that a rank that
+// cannot join its group says why.
 //
 // Collectives themselves go through mlx-c (`mlx_distributed_all_sum` ...),
 // which bindgen already exposes.
@@ -41,13 +40,5 @@ extern "C" int mlxgate_distributed_init(
   } catch (...) {
     write_error(error, error_len, "unknown error in distributed init");
     return 1;
-  }
-}
-
-extern "C" void mlxgate_distributed_reset(void) {
-  try {
-    mlx::core::distributed::clear_backends();
-  } catch (...) {
-    // Nothing to report: a later init says what is wrong.
   }
 }

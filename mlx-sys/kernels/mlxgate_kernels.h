@@ -201,18 +201,13 @@ int mlxgate_gelu(
  * mlx_distributed_group_new(), free it with mlx_distributed_group_free()).
  * Returns 0, or 1 with the exception's text in `error` (mlx-c reports it
  * only to its error handler). MLX caches the group per backend name: a
- * later call returns the same group until mlxgate_distributed_reset(). */
+ * later call returns the same group. */
 int mlxgate_distributed_init(
     const char* backend,
     bool strict,
     mlx_distributed_group* res,
     char* error,
     size_t error_len);
-
-/* Forgets every cached distributed group (MLX's clear_backends), so that a
- * group whose peer was lost can be formed again in this process. Call only
- * when no collective is running. */
-void mlxgate_distributed_reset(void);
 
 #ifdef __cplusplus
 }

@@ -1,16 +1,14 @@
-//! MLX's distributed groups and collectives (mx.distributed), through mlx-c
-//! 0.7.0 (`mlx_distributed_*`, already in mlx-sys's bindings) and two shims
-//! of ours (`mlxgate_distributed_init` for the error text, and
-//! `mlxgate_distributed_reset` for MLX's `clear_backends`).
+//! MLX's distributed groups and their all-sum (mx.distributed), through
+//! mlx-c 0.7.0 (`mlx_distributed_*`, already in mlx-sys's bindings) and one
+//! shim of ours, `mlxgate_distributed_init`, which keeps the text of MLX's
+//! error (mlx-c reports it only to its error handler).
 //!
 //! The ring backend reads `MLX_RANK` and `MLX_HOSTFILE` (a path to a JSON
-//! list of `"ip:port"` lists, index = rank) when `init` runs; the caller sets
-//! them once at process start (see `cluster::hosts`). A collective is a node
-//! of MLX's lazy graph; the work and any communication error happen at
-//! `eval`, where mlx-rs returns the error (e.g. "[ring] connection to a peer
-//! was lost"). After such an error the group must not be used again: a later
-//! collective on a ring connection whose thread gave up waits forever. See
-//! `engine::distributed::collective` for the policy built on that.
+//! list of `"ip:port"` lists, index = rank) when `init` runs. A collective
+//! is a node of MLX's lazy graph; the work and any communication error
+//! happen at `eval`, where mlx-rs returns the error (e.g. "[ring]
+//! connection to a peer was lost"). MLX's ring has no timeout of its own,
+//! and a group whose peer was lost is not to be used again.
 
 use std::ffi::{CStr, CString, c_char};
 
@@ -18,8 +16,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Stream};
 
 /// A communication group: this process's rank among `size` processes.
-/// Dropping it frees our handle; the group itself lives on in MLX's cache
-/// until [`reset_backends`].
+/// Dropping it frees our handle; MLX keeps the group itself for the
+/// process's life.
 pub struct DistGroup {
     raw: mlx_sys::mlx_distributed_group,
     rank: usize,
@@ -96,42 +94,25 @@ impl DistGroup {
     /// The elementwise sum of `x` over every rank (same shape and dtype on
     /// all of them), as a lazy node on this thread's stream.
     pub fn all_sum(&self, x: &Array) -> Result<Array, Exception> {
-        self.collective("all_sum", x, |res, x, group, stream| unsafe {
-            mlx_sys::mlx_distributed_all_sum(res, x, group, stream)
-        })
-    }
-
-    /// Every rank's `x` concatenated along axis 0, in rank order.
-    pub fn all_gather(&self, x: &Array) -> Result<Array, Exception> {
-        self.collective("all_gather", x, |res, x, group, stream| unsafe {
-            mlx_sys::mlx_distributed_all_gather(res, x, group, stream)
-        })
-    }
-
-    fn collective(
-        &self,
-        what: &str,
-        x: &Array,
-        op: impl FnOnce(
-            *mut mlx_sys::mlx_array,
-            mlx_sys::mlx_array,
-            mlx_sys::mlx_distributed_group,
-            mlx_sys::mlx_stream,
-        ) -> i32,
-    ) -> Result<Array, Exception> {
         let stream = Stream::thread_local_or_default();
         // SAFETY: `res` starts empty and on success owns a new array, passed
         // to `Array::from_ptr`; `x`, the group and the stream outlive the call.
         unsafe {
             let mut res = mlx_sys::mlx_array_new();
-            if op(&mut res, x.as_ptr(), self.raw, stream.as_ref().as_ptr()) == 0 {
+            let status = mlx_sys::mlx_distributed_all_sum(
+                &mut res,
+                x.as_ptr(),
+                self.raw,
+                stream.as_ref().as_ptr(),
+            );
+            if status == 0 {
                 Ok(Array::from_ptr(res))
             } else {
                 mlx_sys::mlx_array_free(res);
                 // mlx-c reported the message to mlx-rs's handler, which we
                 // cannot read; building the node fails only for bad shapes.
                 Err(Exception::custom(format!(
-                    "mlx_distributed_{what} failed for shape {:?} {:?}",
+                    "all_sum failed for shape {:?} {:?}",
                     x.shape(),
                     x.dtype()
                 )))
@@ -147,13 +128,4 @@ impl Drop for DistGroup {
             mlx_sys::mlx_distributed_group_free(self.raw);
         }
     }
-}
-
-/// Forgets MLX's cached groups, so the next [`DistGroup::init`] builds a new
-/// one (new sockets, same ports: the ring listens with SO_REUSEADDR). Call it
-/// after every `DistGroup` and every array whose graph reaches a collective
-/// has been dropped, and only when no collective is running.
-pub fn reset_backends() {
-    // SAFETY: no arguments; MLX's own lock-free map reset.
-    unsafe { mlx_sys::mlxgate_distributed_reset() }
 }

@@ -135,9 +135,9 @@ pub fn gpu_buffer_cache_mb() -> usize {
 /// keeps MLX's default) to `MLXGATE_MLX_CACHE_MB`, else
 /// [`GPU_BUFFER_CACHE_MB`]. By default MLX keeps freed buffers up to its
 /// whole memory limit; a continuous batch frees buffers of ever-changing
-/// sizes (KV slabs of every width), so on an H100 the cache reached 70 GB
-/// under 128 streams, after which every evaluation waited on MLX's memory
-/// reclaiming: ~250-500 ms a step or prefill, for good (6 ms before).
+/// sizes (KV slabs of every width): on an H100 under 128 streams the cache
+/// reached 47-70 GB, and from then on every evaluation took 250-500 ms, a
+/// step or a prefill, for good (6 ms before); with the bound it did not.
 /// Returns the limit set, in bytes.
 pub fn limit_gpu_buffer_cache() -> Option<usize> {
     static LIMIT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();

@@ -19,15 +19,6 @@ use std::ops::Range;
 
 use crate::engine::model::config::ModelConfig;
 
-/// What the operator asked for (`[distributed] attention`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AttentionMode {
-    #[default]
-    Auto,
-    Split,
-    Replicate,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttentionShard {
     /// This rank's kv heads (its query heads follow: `kv * group`).
@@ -55,10 +46,6 @@ pub enum PlanError {
     BadRank { rank: usize, world: usize },
     #[error("{heads} query heads are not a multiple of {kv_heads} kv heads")]
     BadGqa { heads: usize, kv_heads: usize },
-    #[error(
-        "attention = \"split\" needs at least {world} kv heads (the model has {kv_heads}) and group-aligned o_proj columns"
-    )]
-    CannotSplitAttention { world: usize, kv_heads: usize },
     #[error("intermediate size {size} has {units} units of {align}: fewer than {world} ranks")]
     FfnTooSmall {
         size: usize,
@@ -84,7 +71,6 @@ impl ShardPlan {
         c: &ModelConfig,
         rank: usize,
         world: usize,
-        mode: AttentionMode,
         o_group: usize,
         ffn_align: usize,
     ) -> Result<ShardPlan, PlanError> {
@@ -105,26 +91,18 @@ impl ShardPlan {
                 let col = kv_start * group * c.head_dim;
                 o_group == 0 || col.is_multiple_of(o_group)
             });
-        let attention = match (mode, splittable) {
-            (AttentionMode::Replicate, _) => AttentionShard::Replicated {
-                why: "attention = \"replicate\"".into(),
-            },
-            (_, true) => AttentionShard::Split {
+        let attention = if splittable {
+            AttentionShard::Split {
                 kv: part(c.kv_heads, rank, world),
-            },
-            (AttentionMode::Split, false) => {
-                return Err(PlanError::CannotSplitAttention {
-                    world,
-                    kv_heads: c.kv_heads,
-                });
             }
-            (AttentionMode::Auto, false) => AttentionShard::Replicated {
+        } else {
+            AttentionShard::Replicated {
                 why: if c.kv_heads < world {
                     format!("{} kv heads < {world} ranks", c.kv_heads)
                 } else {
                     format!("o_proj columns miss its groups of {o_group}")
                 },
-            },
+            }
         };
         let align = ffn_align.max(32);
         let size = c.intermediate_size;
@@ -194,18 +172,7 @@ impl ShardPlan {
         }
     }
 
-    /// The most kv heads any rank holds: what the KV budget is sized by.
-    pub fn max_kv_heads(&self) -> usize {
-        match &self.attention {
-            AttentionShard::Split { .. } => (0..self.world)
-                .map(|r| part(self.kv_heads, r, self.world).len())
-                .max()
-                .unwrap_or(self.kv_heads),
-            AttentionShard::Replicated { .. } => self.kv_heads,
-        }
-    }
-
-    /// For logs and the handshake fingerprint.
+    /// For logs.
     pub fn label(&self) -> String {
         let attention = match &self.attention {
             AttentionShard::Split { kv } => format!("kv heads {}..{}", kv.start, kv.end),
@@ -251,17 +218,16 @@ mod tests {
     #[test]
     fn smollm2_splits_its_three_kv_groups_one_to_two() {
         let c = config(9, 3, 576, 1536);
-        let r0 = ShardPlan::new(&c, 0, 2, AttentionMode::Auto, 32, 32).unwrap();
-        let r1 = ShardPlan::new(&c, 1, 2, AttentionMode::Auto, 32, 32).unwrap();
+        let r0 = ShardPlan::new(&c, 0, 2, 32, 32).unwrap();
+        let r1 = ShardPlan::new(&c, 1, 2, 32, 32).unwrap();
         assert_eq!((r0.kv_heads(), r1.kv_heads()), (0..1, 1..3));
         assert_eq!((r0.q_rows(), r1.q_rows()), (0..192, 192..576));
         assert_eq!((r0.kv_rows(), r1.kv_rows()), (0..64, 64..192));
         assert_eq!((r0.ffn.clone(), r1.ffn.clone()), (0..768, 768..1536));
         assert_eq!(r0.local_config(&c).heads, 3);
         assert_eq!(r1.local_config(&c).heads, 6);
-        assert_eq!(r0.max_kv_heads(), 2);
         // Four ranks: 3 kv heads cannot go round; the MLP still splits.
-        let r3 = ShardPlan::new(&c, 3, 4, AttentionMode::Auto, 32, 32).unwrap();
+        let r3 = ShardPlan::new(&c, 3, 4, 32, 32).unwrap();
         assert!(!r3.attention_is_split());
         assert_eq!(r3.ffn, 1152..1536);
     }
@@ -269,7 +235,7 @@ mod tests {
     #[test]
     fn qwen25_half_splits_on_32_groups_but_not_on_k_quant_super_blocks() {
         let c = config(14, 2, 896, 4864);
-        let r1 = ShardPlan::new(&c, 1, 2, AttentionMode::Auto, 32, 32).unwrap();
+        let r1 = ShardPlan::new(&c, 1, 2, 32, 32).unwrap();
         assert_eq!(r1.q_rows(), 448..896);
         assert_eq!(r1.ffn, 2432..4864);
         assert_eq!(r1.ffn.start % 32, 0);
@@ -278,7 +244,7 @@ mod tests {
             0,
             "down_proj's Q6_K/Q4_K super-blocks straddle the cut"
         );
-        let r3 = ShardPlan::new(&c, 3, 4, AttentionMode::Auto, 32, 32).unwrap();
+        let r3 = ShardPlan::new(&c, 3, 4, 32, 32).unwrap();
         assert!(!r3.attention_is_split());
         assert_eq!(r3.ffn, 3648..4864);
     }
@@ -287,18 +253,17 @@ mod tests {
     fn gemma3_270m_replicates_its_single_kv_head() {
         let mut c = config(4, 1, 640, 2048);
         c.head_dim = 256;
-        let plan = ShardPlan::new(&c, 0, 2, AttentionMode::Auto, 32, 32).unwrap();
+        let plan = ShardPlan::new(&c, 0, 2, 32, 32).unwrap();
         assert!(!plan.attention_is_split());
         assert_eq!(plan.q_rows(), 0..1024);
         assert_eq!(plan.ffn, 0..1024);
-        assert!(ShardPlan::new(&c, 0, 2, AttentionMode::Split, 32, 32).is_err());
     }
 
     #[test]
     fn unaligned_o_columns_fall_back_to_replicated_attention() {
         // Group-128 storage, head_dim 64, 7 q heads per rank: 448 % 128 != 0.
         let c = config(14, 2, 896, 4864);
-        let plan = ShardPlan::new(&c, 0, 2, AttentionMode::Auto, 128, 128).unwrap();
+        let plan = ShardPlan::new(&c, 0, 2, 128, 128).unwrap();
         assert!(!plan.attention_is_split());
         assert_eq!(plan.ffn, 0..2432);
     }

@@ -24,6 +24,7 @@ use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 use crate::mlx::kernels::{self, KernelChoice};
 use native::NativeDecoder;
 
+#[derive(Clone)]
 struct Attention {
     q_proj: Linear,
     k_proj: Linear,
@@ -34,12 +35,14 @@ struct Attention {
     k_norm: Option<Array>,
 }
 
+#[derive(Clone)]
 struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
 }
 
+#[derive(Clone)]
 struct Block {
     input_norm: Array,
     attention: Attention,
@@ -400,9 +403,7 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Vec<f32>> {
-        let native = kernels::thread_choice() == KernelChoice::Native
-            && adapters.iter().all(|stack| lora::is_native(stack));
-        if native && let Some(decoder) = self.native_decoder() {
+        if let Some(decoder) = self.native_step(adapters) {
             return decoder.step(&self.config, tokens, caches, adapters);
         }
         if self.decodes_in_slab(adapters) {
@@ -424,10 +425,7 @@ impl Transformer {
     /// through the slab (a GPU, or `MLXGATE_DECODE_SLAB=1`), where
     /// [`Transformer::decode_greedy`] can pick tokens on the device.
     pub fn decodes_in_slab(&self, adapters: &[&AdapterStack]) -> bool {
-        let native = kernels::thread_choice() == KernelChoice::Native
-            && adapters.iter().all(|stack| lora::is_native(stack))
-            && self.native_decoder().is_some();
-        !native
+        self.native_step(adapters).is_none()
             && self.tp.is_none()
             && slab::enabled()
             && self.blocks.iter().all(|b| b.sliding_window.is_none())
@@ -471,6 +469,15 @@ impl Transformer {
         }
         self.native_decoder()
             .map(NativeDecoder::weight_bytes_per_token)
+    }
+
+    /// The native decode step, where it takes a batch with these adapters:
+    /// this thread runs the native kernels and every adapter has its
+    /// native copy (f32 activations).
+    fn native_step(&self, adapters: &[&AdapterStack]) -> Option<&NativeDecoder> {
+        let native = kernels::thread_choice() == KernelChoice::Native
+            && adapters.iter().all(|stack| lora::is_native(stack));
+        native.then(|| self.native_decoder()).flatten()
     }
 
     /// The native decode step's weights; never for a shard, whose step needs

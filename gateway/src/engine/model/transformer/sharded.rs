@@ -10,7 +10,7 @@ use std::sync::Arc;
 use mlx_rs::Array;
 
 use super::{Attention, Block, Mlp, Transformer};
-use crate::engine::distributed::plan::{AttentionMode, ShardPlan};
+use crate::engine::distributed::plan::ShardPlan;
 use crate::engine::distributed::shard::{column_parallel, row_parallel};
 use crate::engine::model::LoadError;
 use crate::engine::model::weights::{Kernel, Linear, MlxResult};
@@ -61,7 +61,6 @@ impl Transformer {
             &self.config,
             group.rank(),
             group.size(),
-            AttentionMode::Auto,
             group_of(&first.attention.o_proj),
             group_of(&first.mlp.down_proj).max(32),
         )
@@ -84,31 +83,18 @@ impl Transformer {
                     k_norm: a.k_norm.clone(),
                 }
             } else {
-                Attention {
-                    q_proj: a.q_proj.clone(),
-                    k_proj: a.k_proj.clone(),
-                    v_proj: a.v_proj.clone(),
-                    o_proj: a.o_proj.clone(),
-                    q_norm: a.q_norm.clone(),
-                    k_norm: a.k_norm.clone(),
-                }
+                a.clone()
             };
             let m = &b.mlp;
             blocks.push(Block {
-                input_norm: b.input_norm.clone(),
                 attention,
-                post_attention_norm: b.post_attention_norm.clone(),
-                pre_mlp_norm: b.pre_mlp_norm.clone(),
                 mlp: Mlp {
                     gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
                     up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
                     down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias)
                         .map_err(mlx)?,
                 },
-                post_mlp_norm: b.post_mlp_norm.clone(),
-                sliding_window: b.sliding_window,
-                rope_theta: b.rope_theta,
-                rope_scale: b.rope_scale,
+                ..b.clone()
             });
         }
         Ok(Transformer {

@@ -9,9 +9,8 @@
 //!
 //! A step writes its new column in place: the slab's arrays are taken out
 //! of [`SlabArrays`] while the step's graph runs, so MLX donates their
-//! buffers instead of copying every layer's whole slab (at 128 rows of a
-//! 3B model, ~10 GB a step). `MLXGATE_SLAB_DONATE=0` keeps them held (a
-//! copy a step), to measure the difference.
+//! buffers instead of copying every layer's whole slab (by its shapes,
+//! about 10 GB a step at 128 rows of ~700 columns of a 3B model).
 //!
 //! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
 //! path on there too (tests check it against decoding alone).
@@ -54,13 +53,6 @@ pub(super) struct DecodeSlab {
 struct RowInUse {
     start: usize,
     lease: Rc<RowLease>,
-}
-
-/// Whether a step lets MLX write into the slab's buffers in place
-/// (`MLXGATE_SLAB_DONATE`, default on).
-fn donate() -> bool {
-    static DONATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DONATE.get_or_init(|| std::env::var("MLXGATE_SLAB_DONATE").map_or(true, |v| v != "0"))
 }
 
 /// Whether decode steps go through a slab: on a GPU, or when asked.
@@ -159,25 +151,16 @@ impl Transformer {
                 return Err(error);
             }
         };
-        let picked = match pick {
-            Some(pick) => Some(self.pick_greedy(&logits, pick)?),
-            None => None,
-        };
+        let picked = pick.map(|p| self.pick_greedy(&logits, p)).transpose()?;
         let result = picked.as_ref().unwrap_or(&logits);
         // The graph is now the slab's only holder (see the module's doc).
-        let kept = if donate() {
-            drop(previous);
-            None
-        } else {
-            Some(previous)
-        };
+        drop(previous);
         let built = started.elapsed();
         // Copies of rows left behind are made now: pending, they would hold
         // the slab they read.
         mlx_rs::transforms::eval(
             std::iter::once(result).chain(layers.iter().chain(&copies).flat_map(|(k, v)| [k, v])),
         )?;
-        drop(kept);
         let evaluated = started.elapsed();
         let out = match &picked {
             Some(tokens) => Decoded::Tokens(tokens.as_slice::<u32>().to_vec()),
