@@ -31,7 +31,7 @@ fn main() {
         (49152, 576, 8, "8-bit output head 49152x576", 100),
     ] {
         let (codes, scales, biases) =
-            quantize(&random(&[rows as i32, cols as i32], 1), 32, bits).expect("quantize");
+            quantize(random(&[rows as i32, cols as i32], 1), 32, bits).expect("quantize");
         let packed =
             PackedMatrix::new(&codes, &f16_values(&scales), &f16_values(&biases), 32, bits)
                 .expect("packable");

@@ -201,3 +201,185 @@ fn a_rank_whose_peer_dies_mid_generation_fails_at_once() {
         "stderr: {stderr}"
     );
 }
+
+/// Rank 1 of the served group `hosts` / `control`.
+fn spawn_worker(hosts: &Path, control: &str) -> Child {
+    Command::new(support::BIN)
+        .args(["worker", "--rank", "1", "--control", control, "--hostfile"])
+        .arg(hosts)
+        .arg("-m")
+        .arg(smollm2())
+        .env("MLXGATE_KERNEL_THREADS", "1")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn mlxgate worker")
+}
+
+/// A greedy chat answer of 24 tokens from the server.
+fn served_answer(server: &support::Server, question: &str) -> String {
+    let r = server.post_json(
+        "/v1/chat/completions",
+        &serde_json::json!({
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The same answer from one process holding the whole model.
+fn answer_alone(question: &str) -> String {
+    let out = wait_at_most(
+        Command::new(support::BIN)
+            .args([
+                "generate",
+                "--chat",
+                "--max-tokens",
+                "24",
+                "--prompt",
+                question,
+            ])
+            .arg("-m")
+            .arg(smollm2())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim_end_matches('\n')
+        .to_owned()
+}
+
+#[test]
+fn a_served_group_answers_fails_fast_when_a_worker_dies_and_resumes_when_it_returns() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = host_file(dir.path(), 2);
+    let control = format!("127.0.0.1:{}", support::free_port());
+    let mut server = support::ServerBuilder::new()
+        .model(smollm2())
+        .arg("--hostfile")
+        .arg(hosts.display().to_string())
+        .arg("--control")
+        .arg(control.clone())
+        .env("MLXGATE_KERNEL_THREADS", "1")
+        .spawn();
+    server.wait_healthy();
+    let waiting = server.get("/readyz");
+    assert_eq!(waiting.status, 503);
+    assert!(
+        waiting.text().contains("waiting for the workers"),
+        "{}",
+        waiting.text()
+    );
+
+    let mut worker = spawn_worker(&hosts, &control);
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    let questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+    ];
+    let alone: Vec<String> = questions.iter().map(|q| answer_alone(q)).collect();
+    // Alone, then both at once (one batch of two rows on every rank).
+    assert_eq!(served_answer(&server, questions[0]), alone[0]);
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = questions
+            .iter()
+            .map(|q| s.spawn(|| served_answer(&server, q)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    // Features that would need a second copy of a cache on the workers are
+    // refused up front.
+    let two = server.post_json(
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+    );
+    assert_eq!(two.status, 400, "{}", two.text());
+
+    // A long stream, then the worker dies under it.
+    let mut stream = std::net::TcpStream::connect(server.addr).unwrap();
+    let body = serde_json::json!({
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 2000, "ignore_eos": true, "stream": true, "temperature": 0,
+    })
+    .to_string();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(6).filter(|w| w == b"data: ").count() < 5 {
+        let n = stream.read(&mut buf).expect("the stream started");
+        assert!(
+            n > 0,
+            "the stream ended early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    worker.kill().unwrap();
+    let killed = Instant::now();
+    let _ = worker.wait();
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("the stream hung after the worker died: {e}"),
+        }
+    }
+    let ended = killed.elapsed();
+    let text = String::from_utf8_lossy(&seen);
+    assert!(
+        ended < Duration::from_secs(5),
+        "the stream took {ended:?} to end"
+    );
+    assert!(text.contains("event: error"), "{text}");
+    assert!(text.contains("process group"), "{text}");
+
+    // Not ready, and a new request is refused at once.
+    let not_ready = server.wait_for_status("/readyz", 503, Duration::from_secs(2));
+    assert!(
+        not_ready.text().contains("lost a worker"),
+        "{}",
+        not_ready.text()
+    );
+    let asked = Instant::now();
+    let refused = server.post_json(
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
+    assert!(asked.elapsed() < Duration::from_secs(1));
+    refused.api_error(503, "server_error", "engine_unavailable");
+
+    // Starting the worker again restores service, with the same answers.
+    let mut worker = spawn_worker(&hosts, &control);
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    assert_eq!(served_answer(&server, questions[1]), alone[1]);
+    let _ = worker.kill();
+    let _ = worker.wait();
+}

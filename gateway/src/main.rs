@@ -47,8 +47,12 @@ enum Command {
     /// (loopback hosts only, unless the config sets allow_open_inference =
     /// true) and /admin/*, /api/* are closed. SIGINT/SIGTERM stop accepting
     /// and let in-flight requests finish within shutdown_grace_secs.
+    ///
+    /// With --hostfile and --control, the model is split over the ranks of
+    /// an MLX process group: this process is rank 0 and serves HTTP, the
+    /// others run `mlxgate worker`; /readyz is 503 while a worker is missing.
     #[command(after_long_help = SERVE_EXAMPLE)]
-    Serve(ConfigArgs),
+    Serve(ServeArgs),
     /// Manage API keys.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -87,6 +91,18 @@ enum Command {
     /// --distributed (or --hostfile/--rank) the model is split over an MLX
     /// process group, every rank running this command.
     Generate(mlxgate::cli::generate::GenerateArgs),
+    /// One rank (1 or more) of a model split over processes and served by
+    /// rank 0 (`serve --hostfile --control`): it takes the same steps on
+    /// its slice of the model, as rank 0 tells it.
+    Worker(mlxgate::cli::group::WorkerArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    #[command(flatten)]
+    group: mlxgate::cli::group::GroupArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -363,7 +379,9 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
-            let config = args.resolve()?;
+            let config = args.config.resolve()?;
+            // Before any thread starts: it sets MLX's environment.
+            mlxgate::cli::group::lead(&args.group)?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -402,6 +420,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => {
             init_tracing(cli.log_format);
             mlxgate::cli::generate::run(args)
+        }
+        Command::Worker(args) => {
+            init_tracing(cli.log_format);
+            mlxgate::cli::group::run_worker(args)
         }
         Command::Convert(args) => {
             use mlxgate::engine::convert::{Requantize, convert_gguf};

@@ -1,6 +1,7 @@
 // mlxgate: MLX's distributed `init` with the exception's text returned
 // (mlx-c 0.7.0 reports it only to its error handler), so that a rank that
-// cannot join its group says why.
+// cannot join its group says why; and `clear_backends`, which mlx-c lacks,
+// so that rank 0 of a served group can form it again after a worker died.
 //
 // Collectives themselves go through mlx-c (`mlx_distributed_all_sum` ...),
 // which bindgen already exposes.
@@ -40,5 +41,13 @@ extern "C" int mlxgate_distributed_init(
   } catch (...) {
     write_error(error, error_len, "unknown error in distributed init");
     return 1;
+  }
+}
+
+extern "C" void mlxgate_distributed_reset(void) {
+  try {
+    mlx::core::distributed::clear_backends();
+  } catch (...) {
+    // Nothing to report: the next init says what is wrong.
   }
 }

@@ -209,6 +209,12 @@ int mlxgate_distributed_init(
     char* error,
     size_t error_len);
 
+/* Forgets every cached distributed group (MLX's clear_backends), so that a
+ * group whose peer was lost can be formed again in this process: the old
+ * group is destroyed (sockets closed, threads joined) once the last handle
+ * to it is freed. Call only when no collective is running. */
+void mlxgate_distributed_reset(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -204,7 +204,7 @@ impl ModelRegistry {
 
     /// Why `/readyz` is not 200, or `None` when every model is ready.
     pub fn not_ready_reason(&self) -> Option<String> {
-        let reasons: Vec<String> = self
+        let mut reasons: Vec<String> = self
             .slots()
             .iter()
             .filter_map(|s| match &s.state {
@@ -218,6 +218,8 @@ impl ModelRegistry {
                 )),
             })
             .collect();
+        // A model split over processes serves only while its group does.
+        reasons.extend(crate::engine::distributed::lockstep::not_serving());
         (!reasons.is_empty()).then(|| format!("not ready: {}", reasons.join("; ")))
     }
 

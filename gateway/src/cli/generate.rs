@@ -59,12 +59,7 @@ pub struct GenerateArgs {
 /// MLX's environment.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if let (Some(hostfile), Some(rank)) = (&args.hostfile, args.rank) {
-        // SAFETY: called from `main` before this process starts a thread,
-        // so nothing reads the environment concurrently.
-        unsafe {
-            std::env::set_var("MLX_HOSTFILE", hostfile);
-            std::env::set_var("MLX_RANK", rank.to_string());
-        }
+        super::group::enter(hostfile, rank)?;
     }
     let rank = if args.distributed || args.hostfile.is_some() {
         tracing::info!(

@@ -353,6 +353,10 @@ pub enum EngineError {
     /// The engine thread has stopped (shutdown or a fatal MLX error).
     #[error("the model engine is not running")]
     Unavailable,
+    /// The model is split over processes and their group cannot serve now
+    /// (a worker was lost, or has not connected yet): why.
+    #[error("the model's process group cannot serve: {0}")]
+    ProcessGroup(String),
     /// The model's queue is full (`[scheduler] max_queued`).
     #[error(
         "The model is overloaded: {waiting} requests are already waiting. Retry after {} s (the Retry-After header), or send fewer requests at once.", retry_after.as_secs()

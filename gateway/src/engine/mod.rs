@@ -240,14 +240,22 @@ pub fn load_text_codec(path: &Path) -> Result<TextCodec, LoadError> {
     Err(LoadError::UnknownFormat(path.to_owned()))
 }
 
+/// How long rank 0 of a served group waits for its workers at start.
+const GROUP_FORM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Loads the model at `path` on the calling (engine) thread with every
 /// weight evaluated and the native decode step's weights built, so the
 /// first request pays for neither.
 fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
+    if let Some(leader) = distributed::lockstep::leader() {
+        leader
+            .wait_formed(GROUP_FORM_TIMEOUT)
+            .map_err(LoadError::Mlx)?;
+    }
     let mut model = LoadedModel::load(path)?;
     // In a process group (`distributed::join`), this rank's part of it.
     if let Some(group) = distributed::group() {
-        model.transformer = model.transformer.sharded(group)?;
+        model.transformer = model.transformer.sharded(&group)?;
         if let Some(plan) = model.transformer.shard_label() {
             tracing::info!(model = %model.id, %plan, "model split over processes");
         }
@@ -256,6 +264,12 @@ fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
         .map_err(|error| LoadError::Mlx(error.to_string()))?;
     model.transformer.prepare_native_decode();
     Ok(model)
+}
+
+/// This rank's slice of the model at `path`, loaded for a worker of a
+/// served process group (after it joined the group).
+pub fn load_shard(path: &Path) -> Result<model::Transformer, LoadError> {
+    load_for_serving(path).map(|model| model.transformer)
 }
 
 /// What clients are told of a loaded model.
@@ -509,6 +523,9 @@ impl EngineHandle {
         mut request: GenerateRequest,
         n: usize,
     ) -> Result<Vec<GenerationStream>, EngineError> {
+        if distributed::lockstep::leader().is_some() {
+            Self::check_split_request(&request, n)?;
+        }
         let prompt = self.prompt_tokens(std::mem::replace(
             &mut request.prompt,
             Prompt::Tokens(Vec::new()),
@@ -578,6 +595,29 @@ impl EngineHandle {
 impl EngineHandle {
     /// Refuses a request whose prompt plus `max_tokens` overflows the
     /// context, or that names an adapter not mounted.
+    /// What a model split over served processes cannot do, refused before
+    /// it is queued; and every request while its group cannot serve.
+    fn check_split_request(request: &GenerateRequest, n: usize) -> Result<(), EngineError> {
+        let unsupported = if n > 1 {
+            Some("n > 1")
+        } else if request.prompt_cache.is_some() {
+            Some("prompt_cache")
+        } else if !request.adapters.is_empty() {
+            Some("adapters")
+        } else {
+            None
+        };
+        if let Some(what) = unsupported {
+            return Err(EngineError::InvalidPrompt(format!(
+                "{what} is not available for a model split over processes (mlxgate serve --hostfile)"
+            )));
+        }
+        match distributed::lockstep::not_serving() {
+            Some(why) => Err(EngineError::ProcessGroup(why)),
+            None => Ok(()),
+        }
+    }
+
     fn check_fits(&self, prompt_len: usize, request: &GenerateRequest) -> Result<(), EngineError> {
         let context = self.inner.card.context_length;
         let wanted = request.max_tokens.unwrap_or(1).max(1);

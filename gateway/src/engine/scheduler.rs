@@ -208,9 +208,10 @@ enum Fault {
     Error,
 }
 
-/// The error a request gets when its work failed (an error or a panic).
+/// The error a request gets when its work failed (an error or a panic);
+/// its text already says "generation failed".
 fn generation_failed(why: &str) -> EngineError {
-    EngineError::Internal(format!("generation failed: {why}"))
+    EngineError::Internal(why.to_owned())
 }
 
 /// Ends a sequence's request with an internal error.
@@ -315,8 +316,14 @@ impl Scheduler {
         codec: Arc<TextCodec>,
         options: SchedulingOptions,
         admission: Arc<Admission>,
-        caching: Caching,
+        mut caching: Caching,
     ) -> Scheduler {
+        if model.is_split() {
+            // The workers of a served group keep one copy of each cache:
+            // prompt prefixes are neither kept nor saved to reuse.
+            caching.options.memory_bytes = 0;
+            caching.options.auto_save_min_tokens = None;
+        }
         let memory = MemoryCache::new(caching.options.memory_bytes, Arc::clone(&caching.stats));
         let model_id = caching.fingerprint.model.clone();
         let config = &model.config;

@@ -413,7 +413,9 @@ impl ApiError {
                 param: "messages".to_owned(),
                 code: "invalid_value",
             },
-            EngineError::Unavailable => ApiError::EngineUnavailable(e.to_string()),
+            EngineError::Unavailable | EngineError::ProcessGroup(_) => {
+                ApiError::EngineUnavailable(e.to_string())
+            }
             EngineError::Overloaded { retry_after, .. } => ApiError::Overloaded {
                 message: e.to_string(),
                 tenant_share: false,

@@ -1,14 +1,16 @@
 //! MLX's distributed groups and their all-sum (mx.distributed), through
-//! mlx-c 0.7.0 (`mlx_distributed_*`, already in mlx-sys's bindings) and one
-//! shim of ours, `mlxgate_distributed_init`, which keeps the text of MLX's
-//! error (mlx-c reports it only to its error handler).
+//! mlx-c 0.7.0 (`mlx_distributed_*`, already in mlx-sys's bindings) and two
+//! shims of ours: `mlxgate_distributed_init`, which keeps the text of MLX's
+//! error (mlx-c reports it only to its error handler), and
+//! `mlxgate_distributed_reset`, which lets a group be formed again.
 //!
 //! The ring backend reads `MLX_RANK` and `MLX_HOSTFILE` (a path to a JSON
 //! list of `"ip:port"` lists, index = rank) when `init` runs. A collective
 //! is a node of MLX's lazy graph; the work and any communication error
 //! happen at `eval`, where mlx-rs returns the error (e.g. "[ring]
 //! connection to a peer was lost"). MLX's ring has no timeout of its own,
-//! and a group whose peer was lost is not to be used again.
+//! and a group whose peer was lost is not to be used again: drop it,
+//! [`reset_backends`] and init anew.
 
 use std::ffi::{CStr, CString, c_char};
 
@@ -119,6 +121,15 @@ impl DistGroup {
             }
         }
     }
+}
+
+/// Forgets MLX's cached groups, so that the next [`DistGroup::init`] forms a
+/// new one (after a peer was lost). The old group closes its sockets once
+/// the last handle to it is dropped: drop ours first, and call this only
+/// when no collective is running.
+pub fn reset_backends() {
+    // SAFETY: no arguments; the shim catches every C++ exception.
+    unsafe { mlx_sys::mlxgate_distributed_reset() }
 }
 
 impl Drop for DistGroup {

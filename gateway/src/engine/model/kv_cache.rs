@@ -20,6 +20,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::weights::MlxResult;
+use crate::engine::distributed::lockstep::CacheTicket;
 use crate::mlx::kernels;
 
 /// One layer's cached keys and values, `[1, kv_heads, positions, head_dim]`.
@@ -520,6 +521,9 @@ pub struct KvCache {
     /// Set while the positions live in a GPU batch's slab instead of
     /// `layers` (see `transformer::slab`); [`KvCache::settle`] moves them back.
     pub slab: Option<SlabRow>,
+    /// On rank 0 of a served process group: the id the workers keep their
+    /// part of this cache under, until the last copy of the ticket drops.
+    pub ticket: Option<Arc<CacheTicket>>,
 }
 
 impl KvCache {
@@ -534,6 +538,7 @@ impl KvCache {
                 .collect(),
             offset: 0,
             slab: None,
+            ticket: None,
         }
     }
 
@@ -653,10 +658,13 @@ impl KvCache {
             }
             layers.push(layer);
         }
+        // A copy holds no ticket: the workers of a served group have no
+        // copy of their part (prompt reuse is off there).
         Ok(KvCache {
             layers,
             offset: tokens,
             slab: None,
+            ticket: None,
         })
     }
 
@@ -684,6 +692,7 @@ impl KvCache {
             layers,
             offset: tokens,
             slab: None,
+            ticket: None,
         })
     }
 }

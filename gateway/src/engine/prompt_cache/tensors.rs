@@ -150,6 +150,7 @@ pub fn import(file: Arc<MappedFile>) -> Result<Imported, String> {
             layers,
             offset: header.tokens.len(),
             slab: None,
+            ticket: None,
         },
         zero_copy,
     })

@@ -4,6 +4,7 @@
 //! and MLP run on the whole `[B, L, hidden]` batch (one matmul per weight);
 //! RoPE and attention run per sequence, since each has its own cache length.
 
+use mlx_rs::error::Exception;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::nn::{gelu_approximate, silu};
 use mlx_rs::ops::indexing::IndexOp;
@@ -20,6 +21,7 @@ use super::LoadError;
 use super::config::{Family, ModelConfig};
 use super::kv_cache::KvCache;
 use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
+use crate::engine::distributed::lockstep;
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 use crate::mlx::kernels::{self, KernelChoice};
 use native::NativeDecoder;
@@ -352,9 +354,19 @@ impl Transformer {
         }
     }
 
-    /// A fresh cache shaped for this model.
+    /// A fresh cache shaped for this model (on rank 0 of a served process
+    /// group, with the ticket the workers keep their part under).
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.blocks.iter().map(|b| b.sliding_window))
+        let mut cache = KvCache::new(self.blocks.iter().map(|b| b.sliding_window));
+        if self.tp.is_some() {
+            cache.ticket = lockstep::leader().map(|leader| leader.ticket());
+        }
+        cache
+    }
+
+    /// Whether this is one process's part of a model split over several.
+    pub fn is_split(&self) -> bool {
+        self.tp.is_some()
     }
 
     /// `(in, out)` features of every projection, for adapter mounts.
@@ -505,6 +517,17 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
+        // Rank 0 of a served group tells its workers first, and holds the
+        // group until the pass is evaluated.
+        let leader = lockstep::leader().filter(|_| self.tp.is_some());
+        let step = match leader {
+            Some(leader) => Some(
+                leader
+                    .begin_step(tokens, caches)
+                    .map_err(Exception::custom)?,
+            ),
+            None => None,
+        };
         for cache in caches.iter_mut() {
             cache.settle()?;
         }
@@ -538,7 +561,21 @@ impl Transformer {
             Some(head) => head.forward(&last)?,
             None => self.embed.as_logits(&last)?,
         };
-        logits.as_dtype(Dtype::Float32)
+        let logits = logits.as_dtype(Dtype::Float32)?;
+        if self.tp.is_some() {
+            // A split pass runs its all-sums now, while the group is held.
+            let evaluated = mlx_rs::transforms::eval(
+                std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
+            );
+            if let (Err(error), Some(leader)) = (&evaluated, leader) {
+                let why = lockstep::step_error(error);
+                leader.step_failed(&why);
+                return Err(Exception::custom(why));
+            }
+            evaluated?;
+        }
+        drop(step);
+        Ok(logits)
     }
 
     /// A copy whose linear layers and embedding hold dense (dequantized)

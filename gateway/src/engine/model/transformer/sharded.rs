@@ -5,21 +5,22 @@
 //! Norms, embeddings and the output head stay whole on every rank, so every
 //! rank ends a step with the same logits and picks the same tokens.
 
-use std::sync::Arc;
-
 use mlx_rs::Array;
+use mlx_rs::error::Exception;
 
 use super::{Attention, Block, Mlp, Transformer};
+use crate::engine::distributed;
 use crate::engine::distributed::plan::ShardPlan;
 use crate::engine::distributed::shard::{column_parallel, row_parallel};
 use crate::engine::model::LoadError;
 use crate::engine::model::weights::{Kernel, Linear, MlxResult};
 use crate::mlx::distributed::DistGroup;
 
-/// The group a sharded model sums over, and whether its attention is split
-/// (else every rank computes all heads and only the MLP is summed).
+/// Whether a sharded model's attention is split (else every rank computes
+/// all heads and only the MLP is summed), and its plan. It sums over the
+/// process's current group (`distributed::group`), which rank 0 replaces
+/// when it forms the group again after losing a worker.
 pub(super) struct TensorParallel {
-    group: Arc<DistGroup>,
     pub(super) attention_split: bool,
     plan: ShardPlan,
 }
@@ -38,7 +39,9 @@ impl Transformer {
     /// projection's partial sums); unchanged on a model that is not split.
     pub(super) fn all_ranks(&self, y: Array, summed: bool) -> MlxResult<Array> {
         match &self.tp {
-            Some(tp) if summed => tp.group.all_sum(&y),
+            Some(_) if summed => distributed::group()
+                .ok_or_else(|| Exception::custom("the process group is gone"))?
+                .all_sum(&y),
             _ => Ok(y),
         }
     }
@@ -51,7 +54,7 @@ impl Transformer {
     /// This rank's part of the model, split over `group` (see the module's
     /// doc). Refuses shapes that cannot be split evenly enough (a plan
     /// error names why).
-    pub fn sharded(&self, group: Arc<DistGroup>) -> Result<Transformer, LoadError> {
+    pub fn sharded(&self, group: &DistGroup) -> Result<Transformer, LoadError> {
         let mlx = |e: mlx_rs::error::Exception| LoadError::Mlx(e.to_string());
         let first = self
             .blocks
@@ -106,7 +109,6 @@ impl Transformer {
             native: std::sync::OnceLock::new(),
             slab: std::sync::Mutex::new(None),
             tp: Some(TensorParallel {
-                group,
                 attention_split: split,
                 plan,
             }),

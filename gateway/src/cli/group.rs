@@ -1,0 +1,110 @@
+//! Serving one model split over several processes: the flags `serve` takes
+//! to be rank 0 of a group, and `mlxgate worker`, every other rank
+//! (`engine::distributed::lockstep` says how they keep in step).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use crate::engine::distributed::lockstep::{self, Leader, WorkerOptions};
+use crate::mlx::kernels::{self, KernelChoice};
+
+/// `serve`'s flags for rank 0 of a process group.
+#[derive(clap::Args, Debug)]
+pub struct GroupArgs {
+    /// Split the model over the processes of this MLX ring host file (a
+    /// JSON list, one `["ip:port"]` per rank, as `mlx.launch` writes) and
+    /// serve it as rank 0; the other ranks run `mlxgate worker`.
+    #[arg(long, value_name = "FILE", requires = "control")]
+    pub hostfile: Option<PathBuf>,
+    /// Where rank 0 listens for its workers (and they connect), e.g.
+    /// 127.0.0.1:40100: a port of its own, not one of the host file's.
+    #[arg(long, value_name = "ADDR", requires = "hostfile")]
+    pub control: Option<SocketAddr>,
+}
+
+/// `mlxgate worker`: one rank other than 0 of a served group.
+#[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Example (two processes on this machine; rank 0 serves HTTP):
+  echo '[[\"127.0.0.1:40101\"], [\"127.0.0.1:40102\"]]' > hosts.json
+  mlxgate serve -m MODEL --hostfile hosts.json --control 127.0.0.1:40100 &
+  mlxgate worker -m MODEL --hostfile hosts.json --control 127.0.0.1:40100 --rank 1
+
+A worker exits when rank 0 closes its connection (rank 0 stopped, or the
+group lost a rank); start it again, with the others, to resume serving.")]
+pub struct WorkerArgs {
+    /// The model rank 0 serves: the same .gguf file or directory.
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// MLX's ring host file, the same as rank 0's.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: PathBuf,
+    /// This process's rank (1 or more).
+    #[arg(long)]
+    pub rank: usize,
+    /// Rank 0's control address (its --control).
+    #[arg(long, value_name = "ADDR")]
+    pub control: SocketAddr,
+}
+
+/// Points MLX's ring at `hostfile` as `rank`; returns how many ranks it
+/// lists. Call before any other thread starts (it sets the environment).
+pub fn enter(hostfile: &Path, rank: usize) -> anyhow::Result<usize> {
+    let text = std::fs::read_to_string(hostfile)
+        .with_context(|| format!("cannot read the host file {}", hostfile.display()))?;
+    let ranks: Vec<Vec<String>> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not an MLX ring host file (a JSON list of [\"ip:port\"] lists, one per rank)",
+            hostfile.display()
+        )
+    })?;
+    anyhow::ensure!(
+        rank < ranks.len(),
+        "rank {rank} is not in {} ({} ranks: 0 to {})",
+        hostfile.display(),
+        ranks.len(),
+        ranks.len().saturating_sub(1)
+    );
+    // SAFETY: called from `main` before this process starts a thread, so
+    // nothing reads the environment concurrently.
+    unsafe {
+        std::env::set_var("MLX_HOSTFILE", hostfile);
+        std::env::set_var("MLX_RANK", rank.to_string());
+    }
+    Ok(ranks.len())
+}
+
+/// Makes this process rank 0 of the group `args` names, if any: it waits
+/// for its workers on the control address. Before the runtime starts.
+pub fn lead(args: &GroupArgs) -> anyhow::Result<()> {
+    let (Some(hostfile), Some(control)) = (&args.hostfile, args.control) else {
+        return Ok(());
+    };
+    let world = enter(hostfile, 0)?;
+    Leader::start(control, world)
+        .with_context(|| format!("cannot listen for workers on {control}"))?;
+    Ok(())
+}
+
+/// Runs `mlxgate worker` until rank 0 lets it go; an error says why.
+pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.rank >= 1,
+        "rank 0 is the server: run `mlxgate serve --hostfile ... --control ...`"
+    );
+    let world = enter(&args.hostfile, args.rank)?;
+    kernels::prepare_engine_thread(KernelChoice::default_for_process());
+    let options = WorkerOptions {
+        model: args.model.clone(),
+        control: args.control,
+        rank: args.rank,
+        world,
+    };
+    lockstep::run_worker(&options, || {
+        crate::engine::load_shard(&args.model)
+            .map_err(|e| format!("cannot load {}: {e}", args.model.display()))
+    })
+    .map_err(anyhow::Error::msg)
+}
