@@ -42,6 +42,7 @@ pub use sampler::argmax;
 use scheduler::{Caching, Command, Fork, Job, Scheduler};
 use text::TextCodec;
 
+use crate::mlx::distributed::DistGroup;
 use crate::mlx::kernels::{self, KernelChoice};
 
 /// Runs `work`, turning a panic into an error message: a fault in one
@@ -193,6 +194,26 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     /// Loads a `.gguf` file or an HF / mlx-community directory. Blocking.
+    /// This process's part of the model at `path`, split over `group`: a
+    /// GGUF file cut tensor by tensor as it is read, other formats loaded
+    /// whole and cut.
+    pub fn load_shard(path: &Path, group: &DistGroup) -> Result<LoadedModel, LoadError> {
+        if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+            let file = model::GgufReader::open(path)
+                .map_err(|e| LoadError::Io(path.to_owned(), e.to_string()))?;
+            let transformer = model::load_gguf_shard(path, &file, group.rank(), group.size())?;
+            let codec = TextCodec::for_gguf_file(path, &file)?;
+            return Ok(LoadedModel {
+                transformer,
+                codec,
+                id: model::model_id(path),
+            });
+        }
+        let mut model = LoadedModel::load(path)?;
+        model.transformer = model.transformer.sharded(group)?;
+        Ok(model)
+    }
+
     pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let id = model::model_id(path);
         if path.is_dir() && path.join("config.json").is_file() {
@@ -252,17 +273,25 @@ fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
             .wait_formed(GROUP_FORM_TIMEOUT)
             .map_err(LoadError::Mlx)?;
     }
-    let mut model = LoadedModel::load(path)?;
     // In a process group (`distributed::join`), this rank's part of it.
-    if let Some(group) = distributed::group() {
-        model.transformer = model.transformer.sharded(&group)?;
-        if let Some(plan) = model.transformer.shard_label() {
-            tracing::info!(model = %model.id, %plan, "model split over processes");
+    let model = match distributed::group() {
+        Some(group) => {
+            let model = LoadedModel::load_shard(path, &group)?;
+            if let Some(plan) = model.transformer.shard_label() {
+                tracing::info!(model = %model.id, %plan, "model split over processes");
+            }
+            model
         }
-    }
+        None => LoadedModel::load(path)?,
+    };
     mlx_rs::transforms::eval(model.transformer.parameters())
         .map_err(|error| LoadError::Mlx(error.to_string()))?;
     model.transformer.prepare_native_decode();
+    // Loading freed buffers of every size (whole tensors decoded, cut or
+    // repacked); MLX would keep them all for reuse.
+    if let Err(error) = mlx_rs::memory::clear_cache() {
+        tracing::debug!(%error, "cannot clear MLX's buffer cache");
+    }
     Ok(model)
 }
 

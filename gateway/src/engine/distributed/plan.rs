@@ -186,11 +186,16 @@ impl ShardPlan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::engine::model::config::Family;
 
-    fn config(heads: usize, kv_heads: usize, hidden: usize, intermediate: usize) -> ModelConfig {
+    pub(crate) fn config(
+        heads: usize,
+        kv_heads: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> ModelConfig {
         ModelConfig {
             family: Family::Llama,
             hidden_size: hidden,

@@ -101,6 +101,56 @@ pub fn load_gguf(path: &Path, reader: &GgufReader) -> Result<Transformer, LoadEr
     Ok(model)
 }
 
+/// This rank's part of a GGUF model split over `world` processes: each
+/// tensor is cut to the rank's slice as it is read (always through our
+/// reader, whose layouts equal MLX's loader's for the types both read), so
+/// the rank never holds the whole model.
+pub fn load_gguf_shard(
+    path: &Path,
+    reader: &GgufReader,
+    rank: usize,
+    world: usize,
+) -> Result<Transformer, LoadError> {
+    use crate::engine::distributed::plan::ShardPlan;
+    use crate::engine::distributed::shard::TensorShard;
+    let config = gguf_config(reader)?;
+    let target = LayoutTarget::for_this_process();
+    // The plan a whole load would make: column groups of o and down.
+    let group_of = |name: &str| {
+        reader
+            .tensors()
+            .iter()
+            .find(|t| t.name == name)
+            .and_then(|t| gguf::mlx_quantization(t.kind, target))
+            .map_or(0, |layout| layout.group_size as usize)
+    };
+    let plan = ShardPlan::new(
+        &config,
+        rank,
+        world,
+        group_of("blk.0.attn_output.weight"),
+        group_of("blk.0.ffn_down.weight").max(32),
+    )
+    .map_err(|e| LoadError::ShapeMismatch {
+        name: "model".into(),
+        detail: format!("cannot split over {world} processes: {e}"),
+    })?;
+    let shard = TensorShard {
+        plan: &plan,
+        config: &config,
+    };
+    let mut weights = gguf::weight_map_sliced(reader, compute_dtype(), target, &mut |name, a| {
+        let kept = shard.keep(name, a)?;
+        // The whole tensor is freed; MLX would keep its buffer for reuse,
+        // and the rank would come to hold the whole model after all.
+        mlx_rs::memory::clear_cache()?;
+        Ok(kept)
+    })?;
+    let model = Transformer::build(plan.local_config(&config), &mut weights, true)?;
+    report_leftovers(path, &weights);
+    Ok(model.with_plan(plan))
+}
+
 /// A GGUF file's tensors under HF names: through MLX's loader when it reads
 /// every tensor type natively, else through our reader (which carries
 /// quantized blocks over exactly where `target` takes them, else

@@ -35,8 +35,8 @@ pub use blocks::{affine_blocks, decode_blocks};
 pub use metadata::GgufMetadata;
 pub use reader::GgufReader;
 pub use requantize::{
-    LayoutTarget, MlxLayout, RequantizeError, dense_weight_map, mlx_quantization, to_mlx_affine,
-    weight_map,
+    LayoutTarget, MlxLayout, RequantizeError, TensorSlicer, dense_weight_map, mlx_quantization,
+    to_mlx_affine, weight_map, weight_map_sliced,
 };
 pub use writer::{TensorData, write_gguf};
 

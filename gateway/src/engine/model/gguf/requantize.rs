@@ -102,13 +102,33 @@ pub fn weight_map(
     float_dtype: Dtype,
     target: LayoutTarget,
 ) -> Result<WeightMap, LoadError> {
-    read_weights(reader, float_dtype, Some(target))
+    read_weights(reader, float_dtype, Some(target), &mut keep_whole)
+}
+
+/// What [`weight_map_sliced`] keeps of a tensor (by its HF name): a slice
+/// of it, all of it, or nothing (`None`).
+pub type TensorSlicer<'a> = dyn FnMut(&str, Array) -> mlx_rs::error::Result<Option<Array>> + 'a;
+
+fn keep_whole(_: &str, array: Array) -> mlx_rs::error::Result<Option<Array>> {
+    Ok(Some(array))
+}
+
+/// [`weight_map`] where each tensor passes through `slice` as soon as it
+/// is read, so that only what it keeps stays in memory: a rank of a split
+/// model reads its slice of the file, never the whole model.
+pub fn weight_map_sliced(
+    reader: &GgufReader,
+    float_dtype: Dtype,
+    target: LayoutTarget,
+    slice: &mut TensorSlicer,
+) -> Result<WeightMap, LoadError> {
+    read_weights(reader, float_dtype, Some(target), slice)
 }
 
 /// Every tensor dense (no requantization): the exact decoded values, for
 /// measuring what requantization changes. Needs 4 bytes per parameter.
 pub fn dense_weight_map(reader: &GgufReader, float_dtype: Dtype) -> Result<WeightMap, LoadError> {
-    read_weights(reader, float_dtype, None)
+    read_weights(reader, float_dtype, None, &mut keep_whole)
 }
 
 /// `quantized`: the target of 2-D quantized tensors, or `None` to decode
@@ -117,8 +137,15 @@ fn read_weights(
     reader: &GgufReader,
     float_dtype: Dtype,
     quantized: Option<LayoutTarget>,
+    slice: &mut TensorSlicer,
 ) -> Result<WeightMap, LoadError> {
     let mut tensors = HashMap::with_capacity(reader.tensors().len() * 3);
+    let mut keep = |info: &TensorInfo, name: String, array: Array| -> Result<(), LoadError> {
+        if let Some(kept) = slice(&name, array).map_err(|e| tensor_error(reader, info, e))? {
+            tensors.insert(name, kept);
+        }
+        Ok(())
+    };
     for info in reader.tensors() {
         let name = gguf_to_hf_name(&info.name).unwrap_or_else(|| info.name.clone());
         let shape = info.shape();
@@ -134,9 +161,9 @@ fn read_weights(
                 let (weight, scales, biases) = to_mlx_affine(reader, info, layout)
                     .map_err(|e| tensor_error(reader, info, e))?;
                 let prefix = name.strip_suffix(".weight").unwrap_or(&name).to_owned();
-                tensors.insert(format!("{prefix}.scales"), scales);
-                tensors.insert(format!("{prefix}.biases"), biases);
-                tensors.insert(name, weight);
+                keep(info, format!("{prefix}.scales"), scales)?;
+                keep(info, format!("{prefix}.biases"), biases)?;
+                keep(info, name, weight)?;
             }
             None => {
                 let values = reader
@@ -146,7 +173,7 @@ fn read_weights(
                 let array = Array::from_slice(&values, &dims)
                     .as_dtype(float_dtype)
                     .map_err(|e| tensor_error(reader, info, e))?;
-                tensors.insert(name, array);
+                keep(info, name, array)?;
             }
         }
     }

@@ -51,6 +51,16 @@ impl Transformer {
         self.tp.as_ref().map(|tp| tp.plan.label())
     }
 
+    /// A model built from a rank's slices of the weights (cut as the file
+    /// was read) under `plan`.
+    pub fn with_plan(mut self, plan: ShardPlan) -> Transformer {
+        self.tp = Some(TensorParallel {
+            attention_split: plan.attention_is_split(),
+            plan,
+        });
+        self
+    }
+
     /// This rank's part of the model, split over `group` (see the module's
     /// doc). Refuses shapes that cannot be split evenly enough (a plan
     /// error names why).
