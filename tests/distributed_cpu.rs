@@ -3,7 +3,10 @@
 //! print the same greedy tokens as one process holding the whole model, for
 //! prompts of different lengths; a rank whose peer never comes fails with
 //! an error that names what to check, and one whose peer dies mid-way fails
-//! at once, instead of hanging.
+//! at once, instead of hanging. Served (`serve --hostfile --control` and
+//! `mlxgate worker`): the same answers over HTTP, fast failures and a 503
+//! `/readyz` when the worker dies or stops, and service again once it is
+//! started anew.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -267,8 +270,7 @@ fn answer_alone(question: &str) -> String {
 }
 
 #[test]
-fn a_served_group_answers_fails_fast_when_a_worker_dies_and_resumes_when_it_returns() {
-    use std::io::{Read, Write};
+fn a_served_group_fails_fast_when_a_worker_dies_or_stops_and_resumes_when_it_returns() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = host_file(dir.path(), 2);
     let control = format!("127.0.0.1:{}", support::free_port());
@@ -315,6 +317,68 @@ fn a_served_group_answers_fails_fast_when_a_worker_dies_and_resumes_when_it_retu
     assert_eq!(two.status, 400, "{}", two.text());
 
     // A long stream, then the worker dies under it.
+    let (ended, text) = stream_until(&server, || worker.kill().unwrap());
+    let _ = worker.wait();
+    assert!(
+        ended < Duration::from_secs(5),
+        "the stream took {ended:?} to end"
+    );
+    assert!(text.contains("event: error"), "{text}");
+    assert!(text.contains("process group"), "{text}");
+
+    // Not ready, and a new request is refused at once.
+    let not_ready = server.wait_for_status("/readyz", 503, Duration::from_secs(2));
+    assert!(
+        not_ready.text().contains("lost a worker"),
+        "{}",
+        not_ready.text()
+    );
+    let asked = Instant::now();
+    let refused = server.post_json(
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
+    assert!(asked.elapsed() < Duration::from_secs(1));
+    refused.api_error(503, "server_error", "engine_unavailable");
+
+    // Starting the worker again restores service, with the same answers.
+    let mut worker = spawn_worker(&hosts, &control);
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    assert_eq!(served_answer(&server, questions[1]), alone[1]);
+
+    // A worker that stops without exiting: its heartbeat stops, and after 3
+    // s of silence rank 0 breaks the group and cuts its own ring sockets, so
+    // the step waiting on the worker fails instead of hanging.
+    let pid = worker.id();
+    let signal = |name: &str| {
+        let status = Command::new("sh")
+            .args(["-c", &format!("kill -{name} {pid}")])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let (ended, text) = stream_until(&server, || signal("STOP"));
+    assert!(
+        ended < Duration::from_secs(8),
+        "the stream took {ended:?} to end"
+    );
+    assert!(text.contains("event: error"), "{text}");
+    let not_ready = server.wait_for_status("/readyz", 503, Duration::from_secs(2));
+    assert!(not_ready.text().contains("silent"), "{}", not_ready.text());
+    worker.kill().unwrap();
+    let _ = worker.wait();
+    let mut worker = spawn_worker(&hosts, &control);
+    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
+    assert_eq!(served_answer(&server, questions[0]), alone[0]);
+    let _ = worker.kill();
+    let _ = worker.wait();
+}
+
+/// Starts a long streamed answer, calls `break_it` once 5 events have come,
+/// and reads the stream to its end: how long after `break_it` it ended, and
+/// everything it said.
+fn stream_until(server: &support::Server, break_it: impl FnOnce()) -> (Duration, String) {
+    use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(server.addr).unwrap();
     let body = serde_json::json!({
         "model": "SmolLM2-135M-Instruct",
@@ -342,44 +406,17 @@ fn a_served_group_answers_fails_fast_when_a_worker_dies_and_resumes_when_it_retu
         );
         seen.extend_from_slice(&buf[..n]);
     }
-    worker.kill().unwrap();
-    let killed = Instant::now();
-    let _ = worker.wait();
+    break_it();
+    let broken = Instant::now();
     loop {
         match stream.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => seen.extend_from_slice(&buf[..n]),
-            Err(e) => panic!("the stream hung after the worker died: {e}"),
+            Err(e) => panic!("the stream hung: {e}"),
         }
     }
-    let ended = killed.elapsed();
-    let text = String::from_utf8_lossy(&seen);
-    assert!(
-        ended < Duration::from_secs(5),
-        "the stream took {ended:?} to end"
-    );
-    assert!(text.contains("event: error"), "{text}");
-    assert!(text.contains("process group"), "{text}");
-
-    // Not ready, and a new request is refused at once.
-    let not_ready = server.wait_for_status("/readyz", 503, Duration::from_secs(2));
-    assert!(
-        not_ready.text().contains("lost a worker"),
-        "{}",
-        not_ready.text()
-    );
-    let asked = Instant::now();
-    let refused = server.post_json(
-        "/v1/chat/completions",
-        &serde_json::json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
-    );
-    assert!(asked.elapsed() < Duration::from_secs(1));
-    refused.api_error(503, "server_error", "engine_unavailable");
-
-    // Starting the worker again restores service, with the same answers.
-    let mut worker = spawn_worker(&hosts, &control);
-    server.wait_for_status("/readyz", 200, Duration::from_secs(120));
-    assert_eq!(served_answer(&server, questions[1]), alone[1]);
-    let _ = worker.kill();
-    let _ = worker.wait();
+    (
+        broken.elapsed(),
+        String::from_utf8_lossy(&seen).into_owned(),
+    )
 }

@@ -49,9 +49,10 @@ pub struct WorkerArgs {
     pub control: SocketAddr,
 }
 
-/// Points MLX's ring at `hostfile` as `rank`; returns how many ranks it
-/// lists. Call before any other thread starts (it sets the environment).
-pub fn enter(hostfile: &Path, rank: usize) -> anyhow::Result<usize> {
+/// Points MLX's ring at `hostfile` as `rank`; returns every rank's ring
+/// addresses. Call before any other thread starts (it sets the
+/// environment).
+pub fn enter(hostfile: &Path, rank: usize) -> anyhow::Result<Vec<Vec<String>>> {
     let text = std::fs::read_to_string(hostfile)
         .with_context(|| format!("cannot read the host file {}", hostfile.display()))?;
     let ranks: Vec<Vec<String>> = serde_json::from_str(&text).with_context(|| {
@@ -73,7 +74,7 @@ pub fn enter(hostfile: &Path, rank: usize) -> anyhow::Result<usize> {
         std::env::set_var("MLX_HOSTFILE", hostfile);
         std::env::set_var("MLX_RANK", rank.to_string());
     }
-    Ok(ranks.len())
+    Ok(ranks)
 }
 
 /// Makes this process rank 0 of the group `args` names, if any: it waits
@@ -82,8 +83,15 @@ pub fn lead(args: &GroupArgs) -> anyhow::Result<()> {
     let (Some(hostfile), Some(control)) = (&args.hostfile, args.control) else {
         return Ok(());
     };
-    let world = enter(hostfile, 0)?;
-    Leader::start(control, world)
+    let ranks = enter(hostfile, 0)?;
+    // Addresses given by host name are not cut on a silent worker (see
+    // `lockstep`): the ring's sockets are found by address.
+    let ring = ranks
+        .iter()
+        .flatten()
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    Leader::start(control, ranks.len(), ring)
         .with_context(|| format!("cannot listen for workers on {control}"))?;
     Ok(())
 }
@@ -94,7 +102,7 @@ pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
         args.rank >= 1,
         "rank 0 is the server: run `mlxgate serve --hostfile ... --control ...`"
     );
-    let world = enter(&args.hostfile, args.rank)?;
+    let world = enter(&args.hostfile, args.rank)?.len();
     kernels::prepare_engine_thread(KernelChoice::default_for_process());
     let options = WorkerOptions {
         model: args.model.clone(),

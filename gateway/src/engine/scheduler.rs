@@ -552,7 +552,7 @@ impl Scheduler {
     fn step_isolated(&mut self, running: &mut Vec<Sequence>) {
         let why = match guarded(|| self.decode_step(running)) {
             Ok(Ok(())) => return,
-            Ok(Err(error)) => error.to_string(),
+            Ok(Err(error)) => error.what().to_owned(),
             Err(panic) => panic,
         };
         if running.len() == 1 {
@@ -579,7 +579,7 @@ impl Scheduler {
                     running.append(&mut alone);
                     continue;
                 }
-                Ok(Err(error)) => error.to_string(),
+                Ok(Err(error)) => error.what().to_owned(),
                 Err(panic) => panic,
             };
             tracing::error!(error = %why, "decode step failed; failing its request");
@@ -668,7 +668,7 @@ impl Scheduler {
             let tokens = &seq.history[prefill.done..end];
             match guarded(|| self.forward_chunk(tokens, &mut seq.cache, &seq.adapters)) {
                 Ok(Ok(logits)) => Some(logits),
-                Ok(Err(error)) => return fail_prefill(&prefill, &error.to_string()),
+                Ok(Err(error)) => return fail_prefill(&prefill, error.what()),
                 Err(why) => {
                     tracing::error!(error = %why, "prefill panicked; failing its request");
                     return fail_prefill(&prefill, &why);

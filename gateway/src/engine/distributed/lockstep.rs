@@ -16,8 +16,12 @@
 //! in the API's shape), refuses new ones (503), reports not ready, and
 //! closes the other workers' connections, which makes them exit. Starting
 //! the workers again forms a new group and service resumes; rank 0 keeps
-//! its weights. A worker that hangs without exiting (stopped, cut off) is
-//! not detected: MLX's ring has no timeout.
+//! its weights. A worker that hangs without exiting (stopped, its host cut
+//! off) stops sending its heartbeat ([`Frame::Heartbeat`], every
+//! [`HEARTBEAT`]): after [`SILENCE`] rank 0 breaks the group the same way,
+//! and shuts down its own ring sockets ([`super::sever`]) so that a step
+//! waiting on that worker fails instead of waiting forever (MLX's ring has
+//! no timeout of its own).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -34,6 +38,12 @@ use crate::engine::model::{KvCache, Transformer};
 /// The backend every rank forms its group on (CPUs: TCP).
 const BACKEND: &str = "ring";
 
+/// How often a worker says it is alive.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// How long rank 0 waits on a worker's silence before breaking the group.
+pub const SILENCE: Duration = Duration::from_secs(3);
+
 /// What rank 0 and its workers say to each other: one JSON object a line.
 #[derive(Serialize, Deserialize, Debug)]
 #[serde(tag = "frame", rename_all = "snake_case")]
@@ -44,6 +54,9 @@ pub enum Frame {
     FormRing,
     /// Worker to rank 0: its slice is loaded; steps may come.
     Ready,
+    /// Worker to rank 0, every [`HEARTBEAT`] from its own thread: alive,
+    /// whatever its main thread is doing.
+    Heartbeat,
     /// Rank 0 to workers: forget the caches `dropped`, then run one
     /// forward pass of `rows` (all with the same number of tokens).
     Forward { rows: Vec<Row>, dropped: Vec<u64> },
@@ -106,6 +119,9 @@ struct State {
 /// the group (one per process, [`leader`]).
 pub struct Leader {
     world: usize,
+    /// Every rank's ring addresses (from the host file): the sockets
+    /// [`super::sever`] cuts when a silent worker holds up a step.
+    ring: Vec<SocketAddr>,
     state: Mutex<State>,
     changed: Condvar,
     /// Held while a step runs (from its announcement to the end of its
@@ -151,7 +167,11 @@ pub struct StepGuard {
 impl Leader {
     /// Listens for `world - 1` workers on `control` and becomes this
     /// process's leader. Call once, before loading the model.
-    pub fn start(control: SocketAddr, world: usize) -> std::io::Result<Arc<Leader>> {
+    pub fn start(
+        control: SocketAddr,
+        world: usize,
+        ring: Vec<SocketAddr>,
+    ) -> std::io::Result<Arc<Leader>> {
         if world < 2 {
             return Err(std::io::Error::other(format!(
                 "a served group needs at least 2 ranks; the host file lists {world}"
@@ -160,6 +180,7 @@ impl Leader {
         let listener = TcpListener::bind(control)?;
         let this = Arc::new(Leader {
             world,
+            ring,
             state: Mutex::new(State {
                 phase: Phase::Waiting,
                 workers: (1..world).map(|_| None).collect(),
@@ -229,7 +250,7 @@ impl Leader {
                 return;
             }
         };
-        let _ = reader.get_ref().set_read_timeout(None);
+        let _ = reader.get_ref().set_read_timeout(Some(SILENCE));
         let everyone_here = {
             let mut state = self.lock(&self.state);
             if state.workers[rank - 1].is_some() {
@@ -269,11 +290,23 @@ impl Leader {
                         self.changed.notify_all();
                     }
                 }
+                Ok(Some(Frame::Heartbeat)) => {}
                 Ok(Some(Frame::Failed { message })) => {
                     break format!("rank {rank} failed: {message}");
                 }
                 Ok(Some(other)) => break format!("rank {rank} sent {other:?} out of turn"),
                 Ok(None) => break format!("rank {rank} left (its control connection closed)"),
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break format!(
+                        "rank {rank} has been silent for {} s (stopped, or its host cut off)",
+                        SILENCE.as_secs()
+                    );
+                }
                 Err(error) => break format!("rank {rank}'s control connection failed: {error}"),
             }
         };
@@ -336,6 +369,16 @@ impl Leader {
         state.ready.iter_mut().for_each(|r| *r = false);
         self.lock(&self.dropped).clear();
         self.changed.notify_all();
+        drop(state);
+        // A step (or the group's forming) under way may be waiting on the
+        // lost worker forever: cut this rank's ring sockets so that it fails.
+        if self.step.try_lock().is_err() {
+            let cut = super::sever::sever(&self.ring, &self.ring);
+            tracing::warn!(
+                sockets = cut,
+                "cut this rank's ring sockets under the step in flight"
+            );
+        }
     }
 
     fn not_serving(&self) -> Option<String> {
@@ -453,13 +496,8 @@ impl Leader {
 /// What a client is told of a step that failed in MLX on rank 0: MLX's
 /// own words, without the source locations mlx-c and mlx-rs append.
 pub fn step_error(error: &mlx_rs::error::Exception) -> String {
-    let text = error.to_string();
-    let text = text.trim_start_matches('"');
-    let what = text
-        .split(" at /")
-        .next()
-        .unwrap_or(text)
-        .trim_end_matches('"');
+    let text = error.what();
+    let what = text.split(" at /").next().unwrap_or(text);
     format!("the model's process group failed mid-step ({what}); a worker was lost")
 }
 
@@ -496,16 +534,30 @@ pub fn run_worker(
         }
     };
     let _ = stream.set_nodelay(true);
-    let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+    let writer = Arc::new(Mutex::new(stream.try_clone().map_err(|e| e.to_string())?));
+    let say = |frame: &Frame| {
+        let mut stream = writer.lock().unwrap_or_else(|e| e.into_inner());
+        send(&mut stream, frame)
+    };
     let mut reader = BufReader::new(stream);
-    send(
-        &mut writer,
-        &Frame::Hello {
-            rank: options.rank,
-            world: options.world,
-        },
-    )
+    say(&Frame::Hello {
+        rank: options.rank,
+        world: options.world,
+    })
     .map_err(|e| format!("cannot greet rank 0: {e}"))?;
+    let beating = Arc::clone(&writer);
+    std::thread::Builder::new()
+        .name("group-heartbeat".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(HEARTBEAT);
+                let mut stream = beating.lock().unwrap_or_else(|e| e.into_inner());
+                if send(&mut stream, &Frame::Heartbeat).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| e.to_string())?;
     tracing::info!(rank = options.rank, control = %options.control, "connected; waiting for every rank");
     match receive(&mut reader) {
         Ok(Some(Frame::FormRing)) => {}
@@ -519,7 +571,7 @@ pub fn run_worker(
     }
     super::join(BACKEND).map_err(|e| format!("cannot form the process group: {e}"))?;
     let model = load()?;
-    send(&mut writer, &Frame::Ready).map_err(|e| e.to_string())?;
+    say(&Frame::Ready).map_err(|e| e.to_string())?;
     tracing::info!(rank = options.rank, "worker ready");
     let mut caches: HashMap<u64, KvCache> = HashMap::new();
     loop {
@@ -539,12 +591,9 @@ pub fn run_worker(
             other => Err(format!("unexpected {other:?}")),
         };
         if let Err(message) = outcome {
-            let _ = send(
-                &mut writer,
-                &Frame::Failed {
-                    message: message.clone(),
-                },
-            );
+            let _ = say(&Frame::Failed {
+                message: message.clone(),
+            });
             return Err(message);
         }
     }

@@ -14,6 +14,7 @@
 
 pub mod lockstep;
 pub mod plan;
+pub mod sever;
 pub mod shard;
 
 use std::sync::{Arc, RwLock};
