@@ -381,7 +381,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => {
             let config = args.config.resolve()?;
             // Before any thread starts: it sets MLX's environment.
-            mlxgate::cli::group::lead(&args.group)?;
+            mlxgate::cli::group::lead(&args.group, config.models.len())?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

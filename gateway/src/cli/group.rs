@@ -79,10 +79,16 @@ pub fn enter(hostfile: &Path, rank: usize) -> anyhow::Result<Vec<Vec<String>>> {
 
 /// Makes this process rank 0 of the group `args` names, if any: it waits
 /// for its workers on the control address. Before the runtime starts.
-pub fn lead(args: &GroupArgs) -> anyhow::Result<()> {
+/// `models`: how many models the config serves (a split one is served
+/// alone: the workers load the one model they are given).
+pub fn lead(args: &GroupArgs, models: usize) -> anyhow::Result<()> {
     let (Some(hostfile), Some(control)) = (&args.hostfile, args.control) else {
         return Ok(());
     };
+    anyhow::ensure!(
+        models == 1,
+        "a model split over processes (--hostfile) is served alone; the config lists {models} models: remove its [[models]] entries"
+    );
     let ranks = enter(hostfile, 0)?;
     // Addresses given by host name are not cut on a silent worker (see
     // `lockstep`): the ring's sockets are found by address.

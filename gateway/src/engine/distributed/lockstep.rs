@@ -493,12 +493,13 @@ impl Leader {
     }
 }
 
-/// What a client is told of a step that failed in MLX on rank 0: MLX's
-/// own words, without the source locations mlx-c and mlx-rs append.
+/// What a client is told of a step that failed on rank 0 (in MLX, most
+/// often a lost peer): MLX's own words, without the source locations
+/// mlx-c appends.
 pub fn step_error(error: &mlx_rs::error::Exception) -> String {
     let text = error.what();
     let what = text.split(" at /").next().unwrap_or(text);
-    format!("the model's process group failed mid-step ({what}); a worker was lost")
+    format!("the model's process group failed mid-step ({what}); it must be formed again")
 }
 
 /// What `mlxgate worker` is told.

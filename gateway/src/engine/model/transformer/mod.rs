@@ -519,15 +519,33 @@ impl Transformer {
     ) -> MlxResult<Array> {
         // Rank 0 of a served group tells its workers first, and holds the
         // group until the pass is evaluated.
-        let leader = lockstep::leader().filter(|_| self.tp.is_some());
-        let step = match leader {
-            Some(leader) => Some(
-                leader
-                    .begin_step(tokens, caches)
-                    .map_err(Exception::custom)?,
-            ),
-            None => None,
+        let Some(leader) = lockstep::leader().filter(|_| self.tp.is_some()) else {
+            return self.forward_pass(tokens, caches, adapters);
         };
+        let step = leader
+            .begin_step(tokens, caches)
+            .map_err(Exception::custom)?;
+        // The workers run this pass whatever happens here: a pass that fails
+        // on this rank leaves the ranks out of step, so the group breaks.
+        let logits = self
+            .forward_pass(tokens, caches, adapters)
+            .map_err(|error| {
+                let why = lockstep::step_error(&error);
+                leader.step_failed(&why);
+                Exception::custom(why)
+            })?;
+        drop(step);
+        Ok(logits)
+    }
+
+    /// [`Transformer::forward_with_adapters`] on this process alone
+    /// (evaluated, on a split model: its all-sums run now).
+    fn forward_pass(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut KvCache],
+        adapters: &[&AdapterStack],
+    ) -> MlxResult<Array> {
         for cache in caches.iter_mut() {
             cache.settle()?;
         }
@@ -563,18 +581,12 @@ impl Transformer {
         };
         let logits = logits.as_dtype(Dtype::Float32)?;
         if self.tp.is_some() {
-            // A split pass runs its all-sums now, while the group is held.
-            let evaluated = mlx_rs::transforms::eval(
+            // A split pass runs its all-sums now (on rank 0 of a served
+            // group, while the group is held).
+            mlx_rs::transforms::eval(
                 std::iter::once(&logits).chain(caches.iter().flat_map(|c| c.arrays())),
-            );
-            if let (Err(error), Some(leader)) = (&evaluated, leader) {
-                let why = lockstep::step_error(error);
-                leader.step_failed(&why);
-                return Err(Exception::custom(why));
-            }
-            evaluated?;
+            )?;
         }
-        drop(step);
         Ok(logits)
     }
 
