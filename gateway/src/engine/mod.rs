@@ -195,8 +195,8 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads a `.gguf` file or an HF / mlx-community directory. Blocking.
     /// This process's part of the model at `path`, split over `group`: a
-    /// GGUF file cut tensor by tensor as it is read, other formats loaded
-    /// whole and cut.
+    /// GGUF file cut tensor by tensor as it is read, a safetensors
+    /// directory (read lazily) cut block by block.
     pub fn load_shard(path: &Path, group: &DistGroup) -> Result<LoadedModel, LoadError> {
         if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
             let file = model::GgufReader::open(path)

@@ -1,9 +1,10 @@
 //! Cutting weights to a rank's shard: output rows of the column-parallel
 //! projections (q/k/v, gate/up), input columns of the row-parallel ones
 //! (o, down). A GGUF file is cut tensor by tensor as it is read
-//! ([`TensorShard`]), so a rank never holds the whole model; other formats
-//! are loaded whole and cut layer by layer ([`column_parallel`],
-//! [`row_parallel`]).
+//! ([`TensorShard`]), so a rank never holds the whole model; safetensors
+//! directories, which MLX reads lazily, are cut block by block
+//! ([`column_parallel`], [`row_parallel`]), each whole block dropped once
+//! cut.
 
 use std::ops::Range;
 

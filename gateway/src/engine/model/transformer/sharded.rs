@@ -62,9 +62,11 @@ impl Transformer {
     }
 
     /// This rank's part of the model, split over `group` (see the module's
-    /// doc). Refuses shapes that cannot be split evenly enough (a plan
+    /// doc), built block by block: each whole block is dropped once its
+    /// slices are cut, so a lazily loaded model (safetensors) is never held
+    /// whole. Refuses shapes that cannot be split evenly enough (a plan
     /// error names why).
-    pub fn sharded(&self, group: &DistGroup) -> Result<Transformer, LoadError> {
+    pub fn sharded(self, group: &DistGroup) -> Result<Transformer, LoadError> {
         let mlx = |e: mlx_rs::error::Exception| LoadError::Mlx(e.to_string());
         let first = self
             .blocks
@@ -83,10 +85,18 @@ impl Transformer {
         })?;
         let split = plan.attention_is_split();
         let keep_bias = plan.keeps_row_parallel_bias();
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        for b in &self.blocks {
-            let a = &b.attention;
+        let Transformer {
+            config,
+            embed,
+            blocks: whole,
+            final_norm,
+            lm_head,
+            ..
+        } = self;
+        let mut blocks = Vec::with_capacity(whole.len());
+        for b in whole {
             let attention = if split {
+                let a = &b.attention;
                 Attention {
                     q_proj: column_parallel(&a.q_proj, plan.q_rows()).map_err(mlx)?,
                     k_proj: column_parallel(&a.k_proj, plan.kv_rows()).map_err(mlx)?,
@@ -96,32 +106,30 @@ impl Transformer {
                     k_norm: a.k_norm.clone(),
                 }
             } else {
-                a.clone()
+                b.attention.clone()
             };
             let m = &b.mlp;
+            let mlp = Mlp {
+                gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
+                up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
+                down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias).map_err(mlx)?,
+            };
             blocks.push(Block {
                 attention,
-                mlp: Mlp {
-                    gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
-                    up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
-                    down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias)
-                        .map_err(mlx)?,
-                },
-                ..b.clone()
+                mlp,
+                ..b
             });
         }
-        Ok(Transformer {
-            config: plan.local_config(&self.config),
-            embed: self.embed.clone(),
+        let model = Transformer {
+            config: plan.local_config(&config),
+            embed,
             blocks,
-            final_norm: self.final_norm.clone(),
-            lm_head: self.lm_head.clone(),
+            final_norm,
+            lm_head,
             native: std::sync::OnceLock::new(),
             slab: std::sync::Mutex::new(None),
-            tp: Some(TensorParallel {
-                attention_split: split,
-                plan,
-            }),
-        })
+            tp: None,
+        };
+        Ok(model.with_plan(plan))
     }
 }
