@@ -1,7 +1,8 @@
 //! A model split over two processes with MLX's ring backend over loopback
 //! (`mlxgate generate --hostfile --rank`, tensor parallelism): both ranks
 //! print the same greedy tokens as one process holding the whole model, for
-//! prompts of different lengths; a rank whose peer never comes fails with
+//! prompts of different lengths, from a GGUF file and from a model
+//! directory; a rank whose peer never comes fails with
 //! an error that names what to check, and one whose peer dies mid-way fails
 //! at once, instead of hanging. Served (`serve --hostfile --control` and
 //! `mlxgate worker`): the same answers over HTTP, fast failures and a 503
@@ -131,6 +132,39 @@ fn two_ranks_give_the_single_process_greedy_tokens() {
         );
         assert_eq!(first["text"], alone["text"]);
     }
+}
+
+#[test]
+fn a_model_directory_splits_to_the_same_tokens() {
+    // Safetensors (MLX reads them lazily) are cut block by block, not as
+    // they are read like a GGUF file: the other loading path.
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("smollm2");
+    let (status, _, stderr) = support::run_cli(
+        &[
+            "convert",
+            &smollm2().display().to_string(),
+            &model.display().to_string(),
+        ],
+        &[],
+    );
+    assert!(status.success(), "convert: {stderr}");
+    let prompt = PROMPTS[2];
+    let alone = answer(&generate(&model, prompt, &[], Duration::from_secs(60)));
+    let hosts = host_file(dir.path(), 2);
+    let (model1, rank1) = (model.clone(), rank_args(&hosts, 1));
+    let other =
+        std::thread::spawn(move || generate(&model1, prompt, &rank1, Duration::from_secs(120)));
+    let first = answer(&generate(
+        &model,
+        prompt,
+        &rank_args(&hosts, 0),
+        Duration::from_secs(120),
+    ));
+    let second = answer(&other.join().unwrap());
+    assert_eq!(alone["tokens"].as_array().unwrap().len(), 24, "{alone}");
+    assert_eq!(first["tokens"], alone["tokens"]);
+    assert_eq!(second["tokens"], alone["tokens"]);
 }
 
 #[test]
