@@ -162,6 +162,7 @@ fn a_model_directory_splits_to_the_same_tokens() {
         Duration::from_secs(120),
     ));
     let second = answer(&other.join().unwrap());
+    assert_eq!((&first["rank"], &second["rank"]), (&0.into(), &1.into()));
     assert_eq!(alone["tokens"].as_array().unwrap().len(), 24, "{alone}");
     assert_eq!(first["tokens"], alone["tokens"]);
     assert_eq!(second["tokens"], alone["tokens"]);

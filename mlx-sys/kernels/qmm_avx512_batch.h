@@ -32,8 +32,9 @@ constexpr int64_t kMaxWideBatch = 16;
 constexpr int kWideInputs = 4;
 
 /// Inputs one pass over a row of an 8-bit matrix serves (two accumulators
-/// each). The 8-bit output head is read from memory: one pass for a batch
-/// of 8 reads it once, not twice (520 us per input against 646 measured).
+/// each). The 8-bit output head is read from memory, once a pass: a batch
+/// of 8 in one pass measured 520 us an input, a batch of 4 (one pass, as
+/// each of the two passes a batch of 8 took before) 646-731.
 constexpr int kWideSignedInputs = 8;
 
 /// Runs `pass.template operator()<MB>(m0)` over inputs [0, m): blocks of

@@ -111,13 +111,12 @@ pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
     let world = enter(&args.hostfile, args.rank)?.len();
     kernels::prepare_engine_thread(KernelChoice::default_for_process());
     let options = WorkerOptions {
-        model: args.model.clone(),
         control: args.control,
         rank: args.rank,
         world,
     };
     lockstep::run_worker(&options, || {
-        crate::engine::load_shard(&args.model)
+        crate::engine::load_for_worker(&args.model)
             .map_err(|e| format!("cannot load {}: {e}", args.model.display()))
     })
     .map_err(anyhow::Error::msg)

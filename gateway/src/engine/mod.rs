@@ -297,7 +297,7 @@ fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
 
 /// This rank's slice of the model at `path`, loaded for a worker of a
 /// served process group (after it joined the group).
-pub fn load_shard(path: &Path) -> Result<model::Transformer, LoadError> {
+pub fn load_for_worker(path: &Path) -> Result<model::Transformer, LoadError> {
     load_for_serving(path).map(|model| model.transformer)
 }
 

@@ -26,7 +26,6 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -131,10 +130,10 @@ pub struct Leader {
     dropped: Mutex<Vec<u64>>,
 }
 
-static LEADER: OnceLock<Arc<Leader>> = OnceLock::new();
+static LEADER: OnceLock<Leader> = OnceLock::new();
 
 /// This process's leader, when it is rank 0 of a served group.
-pub fn leader() -> Option<&'static Arc<Leader>> {
+pub fn leader() -> Option<&'static Leader> {
     LEADER.get()
 }
 
@@ -167,18 +166,14 @@ pub struct StepGuard {
 impl Leader {
     /// Listens for `world - 1` workers on `control` and becomes this
     /// process's leader. Call once, before loading the model.
-    pub fn start(
-        control: SocketAddr,
-        world: usize,
-        ring: Vec<SocketAddr>,
-    ) -> std::io::Result<Arc<Leader>> {
+    pub fn start(control: SocketAddr, world: usize, ring: Vec<SocketAddr>) -> std::io::Result<()> {
         if world < 2 {
             return Err(std::io::Error::other(format!(
                 "a served group needs at least 2 ranks; the host file lists {world}"
             )));
         }
         let listener = TcpListener::bind(control)?;
-        let this = Arc::new(Leader {
+        let this = Leader {
             world,
             ring,
             state: Mutex::new(State {
@@ -192,7 +187,7 @@ impl Leader {
             step: Mutex::new(()),
             next_cache: AtomicU64::new(1),
             dropped: Mutex::new(Vec::new()),
-        });
+        };
         if LEADER.set(this).is_err() {
             return Err(std::io::Error::other("this process already leads a group"));
         }
@@ -211,7 +206,7 @@ impl Leader {
                     }
                 }
             })?;
-        Ok(Arc::clone(LEADER.get().expect("set above")))
+        Ok(())
     }
 
     fn lock<'a, T>(&self, m: &'a Mutex<T>) -> MutexGuard<'a, T> {
@@ -251,7 +246,7 @@ impl Leader {
             }
         };
         let _ = reader.get_ref().set_read_timeout(Some(SILENCE));
-        let everyone_here = {
+        let (everyone_here, generation) = {
             let mut state = self.lock(&self.state);
             if state.workers[rank - 1].is_some() {
                 let message = format!("rank {rank} is already connected");
@@ -262,11 +257,11 @@ impl Leader {
             state.workers[rank - 1] = Some(stream);
             state.ready[rank - 1] = false;
             tracing::info!(rank, ?peer, "worker connected");
-            state.workers.iter().all(Option::is_some)
+            (state.workers.iter().all(Option::is_some), state.generation)
         };
         std::thread::Builder::new()
             .name(format!("group-rank-{rank}"))
-            .spawn(move || self.listen(rank, reader))
+            .spawn(move || self.listen(rank, generation, reader))
             .expect("spawn a control reader");
         if everyone_here {
             std::thread::Builder::new()
@@ -276,9 +271,10 @@ impl Leader {
         }
     }
 
-    /// Reads a worker's frames until its connection ends, which breaks the
-    /// group.
-    fn listen(&self, rank: usize, mut reader: BufReader<TcpStream>) {
+    /// Reads a worker's frames until its connection ends, which frees its
+    /// place and breaks the group (of `generation`, the one it joined: a
+    /// group broken since has already let it go).
+    fn listen(&self, rank: usize, generation: u64, mut reader: BufReader<TcpStream>) {
         let why = loop {
             match receive(&mut reader) {
                 Ok(Some(Frame::Ready)) => {
@@ -310,6 +306,16 @@ impl Leader {
                 Err(error) => break format!("rank {rank}'s control connection failed: {error}"),
             }
         };
+        {
+            let mut state = self.lock(&self.state);
+            if state.generation != generation {
+                return;
+            }
+            // A worker lost while the group was already broken must not
+            // keep its place, or its restart would be refused.
+            state.workers[rank - 1] = None;
+            state.ready[rank - 1] = false;
+        }
         self.break_group(why);
     }
 
@@ -504,7 +510,6 @@ pub fn step_error(error: &mlx_rs::error::Exception) -> String {
 
 /// What `mlxgate worker` is told.
 pub struct WorkerOptions {
-    pub model: PathBuf,
     pub control: SocketAddr,
     pub rank: usize,
     pub world: usize,

@@ -17,6 +17,7 @@
 
 use std::ops::Range;
 
+use crate::engine::model::LoadError;
 use crate::engine::model::config::ModelConfig;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,6 +128,22 @@ impl ShardPlan {
             group,
             head_dim: c.head_dim,
             kv_heads: c.kv_heads,
+        })
+    }
+
+    /// [`ShardPlan::new`] for a model being loaded: `o_group` and
+    /// `down_group` are the quantization groups of o_proj and down_proj as
+    /// stored (0 when dense); an error says the model cannot be split.
+    pub fn for_load(
+        c: &ModelConfig,
+        rank: usize,
+        world: usize,
+        o_group: usize,
+        down_group: usize,
+    ) -> Result<ShardPlan, LoadError> {
+        ShardPlan::new(c, rank, world, o_group, down_group).map_err(|e| LoadError::ShapeMismatch {
+            name: "model".into(),
+            detail: format!("cannot split over {world} processes: {e}"),
         })
     }
 

@@ -124,17 +124,13 @@ pub fn load_gguf_shard(
             .and_then(|t| gguf::mlx_quantization(t.kind, target))
             .map_or(0, |layout| layout.group_size as usize)
     };
-    let plan = ShardPlan::new(
+    let plan = ShardPlan::for_load(
         &config,
         rank,
         world,
         group_of("blk.0.attn_output.weight"),
-        group_of("blk.0.ffn_down.weight").max(32),
-    )
-    .map_err(|e| LoadError::ShapeMismatch {
-        name: "model".into(),
-        detail: format!("cannot split over {world} processes: {e}"),
-    })?;
+        group_of("blk.0.ffn_down.weight"),
+    )?;
     let shard = TensorShard {
         plan: &plan,
         config: &config,

@@ -26,7 +26,6 @@ use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 use crate::mlx::kernels::{self, KernelChoice};
 use native::NativeDecoder;
 
-#[derive(Clone)]
 struct Attention {
     q_proj: Linear,
     k_proj: Linear,
@@ -37,14 +36,12 @@ struct Attention {
     k_norm: Option<Array>,
 }
 
-#[derive(Clone)]
 struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
 }
 
-#[derive(Clone)]
 struct Block {
     input_norm: Array,
     attention: Attention,

@@ -72,17 +72,13 @@ impl Transformer {
             .blocks
             .first()
             .ok_or(LoadError::MissingConfig("layers"))?;
-        let plan = ShardPlan::new(
+        let plan = ShardPlan::for_load(
             &self.config,
             group.rank(),
             group.size(),
             group_of(&first.attention.o_proj),
-            group_of(&first.mlp.down_proj).max(32),
-        )
-        .map_err(|e| LoadError::ShapeMismatch {
-            name: "model".into(),
-            detail: format!("cannot split over {} processes: {e}", group.size()),
-        })?;
+            group_of(&first.mlp.down_proj),
+        )?;
         let split = plan.attention_is_split();
         let keep_bias = plan.keeps_row_parallel_bias();
         let Transformer {
@@ -95,6 +91,12 @@ impl Transformer {
         } = self;
         let mut blocks = Vec::with_capacity(whole.len());
         for b in whole {
+            let m = &b.mlp;
+            let mlp = Mlp {
+                gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
+                up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
+                down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias).map_err(mlx)?,
+            };
             let attention = if split {
                 let a = &b.attention;
                 Attention {
@@ -106,13 +108,7 @@ impl Transformer {
                     k_norm: a.k_norm.clone(),
                 }
             } else {
-                b.attention.clone()
-            };
-            let m = &b.mlp;
-            let mlp = Mlp {
-                gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
-                up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
-                down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias).map_err(mlx)?,
+                b.attention
             };
             blocks.push(Block {
                 attention,
