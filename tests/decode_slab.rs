@@ -18,11 +18,17 @@ use mlxgate::engine::model::KvCache;
 use mlxgate::engine::model::transformer::GreedyPick;
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
+/// Turns the slab on for this process, before anything reads it.
+fn slab_on() {
+    static ON: std::sync::Once = std::sync::Once::new();
+    // SAFETY: every test of this binary calls this first, and the others
+    // wait on the `Once` meanwhile: nothing reads the environment then.
+    ON.call_once(|| unsafe { std::env::set_var("MLXGATE_DECODE_SLAB", "1") });
+}
+
 #[test]
 fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
-    // SAFETY: the only test in this binary; nothing else reads the
-    // environment while it is set.
-    unsafe { std::env::set_var("MLXGATE_DECODE_SLAB", "1") };
+    slab_on();
     for architecture in [Architecture::Llama, Architecture::Qwen3] {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
@@ -108,7 +114,8 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
                     if ban_rows[b] {
                         want[banned[0] as usize] = f32::NEG_INFINITY;
                     }
-                    assert_eq!(got[b], argmax(&want) as u32, "step {step}, row {b}");
+                    // Tokens not fed back: no step ran ahead for them.
+                    assert_eq!(got[b], Some(argmax(&want) as u32), "step {step}, row {b}");
                 }
                 continue;
             }
@@ -166,4 +173,123 @@ fn argmax(values: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// Greedy steps run one ahead: a caller feeding each pick back gets the
+/// step already launched, a sequence new to the batch gets `None` once and
+/// its token from the next call, and an input other than the pick (or a
+/// row newly barred from a token) has its step run again. Every token
+/// given equals the argmax of that sequence decoded alone from the same
+/// inputs, through joins, leaves, a return, a longer newcomer and a batch
+/// emptied out; each cache then reads back what a plain cache holds.
+#[test]
+fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
+    slab_on();
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), &TinyModelSpec::new(Architecture::Llama)).unwrap();
+    let model = LoadedModel::load(dir.path()).unwrap().transformer;
+    let prompts: Vec<Vec<u32>> = [12usize, 5, 20, 9, 40, 7]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            (0..n)
+                .map(|i| 3 + ((i * 29 + s * 7) % 250) as u32)
+                .collect()
+        })
+        .collect();
+    let prefill = |tokens: &[u32]| -> (KvCache, u32) {
+        let mut cache = model.new_cache();
+        let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
+        out.eval().unwrap();
+        let first = argmax(out.as_slice::<f32>()) as u32;
+        (cache, first)
+    };
+    let (mut batched, mut last): (Vec<KvCache>, Vec<u32>) =
+        prompts.iter().map(|p| prefill(p)).unzip();
+    let mut alone: Vec<KvCache> = prompts.iter().map(|p| prefill(p).0).collect();
+    let none = AdapterStack::new();
+    // Who is in each call: 0 and 1; 2 joins; 1 leaves; 3 and 4 (longer
+    // than the rows in use) join; 1 returns; all but 0 leave; 5 joins.
+    let mut calls: Vec<&[usize]> = Vec::new();
+    calls.extend([&[0usize, 1][..]; 4]);
+    calls.extend([&[0, 1, 2][..]; 4]);
+    calls.extend([&[0, 2][..]; 3]);
+    calls.extend([&[0, 2, 3, 4][..]; 4]);
+    calls.extend([&[1, 0, 2, 3, 4][..]; 4]);
+    calls.extend([&[0][..]; 3]);
+    calls.extend([&[0, 5][..]; 4]);
+    let (mut deferred, mut given) = (0, 0);
+    for (call, members) in calls.iter().enumerate() {
+        // At call 6 sequence 2's input is not its pick; at call 13 row 0
+        // may not take what it would pick.
+        if call == 6 {
+            last[2] = (last[2] + 17) % 250 + 3;
+        }
+        let tokens: Vec<u32> = members.iter().map(|&s| last[s]).collect();
+        let wants: Vec<Vec<f32>> = members
+            .iter()
+            .zip(&tokens)
+            .map(|(&s, &token)| {
+                let mut probe = alone[s].clone();
+                let want = model.forward(&[&[token]], &mut [&mut probe]).unwrap();
+                want.eval().unwrap();
+                want.as_slice::<f32>().to_vec()
+            })
+            .collect();
+        let banned = [argmax(&wants[0]) as u32];
+        let ban_rows: Vec<bool> = (0..members.len()).map(|b| call == 13 && b == 0).collect();
+        let pick = GreedyPick {
+            banned: &banned,
+            ban_rows: &ban_rows,
+        };
+        let mut pool: Vec<Option<&mut KvCache>> = batched.iter_mut().map(Some).collect();
+        let mut refs: Vec<&mut KvCache> =
+            members.iter().map(|&s| pool[s].take().unwrap()).collect();
+        let adapters = vec![&none; members.len()];
+        let got = model
+            .decode_greedy(&tokens, &mut refs, &adapters, &pick)
+            .unwrap();
+        assert!(
+            got.iter().any(Option::is_some),
+            "call {call}: some row gets a token"
+        );
+        for (b, &s) in members.iter().enumerate() {
+            let Some(token) = got[b] else {
+                deferred += 1;
+                continue;
+            };
+            given += 1;
+            let mut want = wants[b].clone();
+            if ban_rows[b] {
+                want[banned[0] as usize] = f32::NEG_INFINITY;
+            }
+            assert_eq!(token, argmax(&want) as u32, "call {call}, sequence {s}");
+            model
+                .forward(&[&[tokens[b]]], &mut [&mut alone[s]])
+                .unwrap()
+                .eval()
+                .unwrap();
+            last[s] = token;
+        }
+    }
+    // Each of 2, 3, 4, 5 and the returning 1 waited one call.
+    assert_eq!(deferred, 5, "newcomers wait one call");
+    assert!(given > 60, "{given} tokens given");
+    for (s, (b, a)) in batched.iter().zip(&alone).enumerate() {
+        assert_eq!(b.offset, a.offset, "sequence {s}");
+        let b = b.settled().unwrap();
+        for (lb, la) in b.layers.iter().zip(&a.layers) {
+            let dense = |a: mlx_rs::Array| {
+                let a = a.contiguous().unwrap();
+                a.eval().unwrap();
+                a
+            };
+            let (kb, vb) = lb.mlx_arrays().unwrap().unwrap();
+            let (ka, va) = la.mlx_arrays().unwrap().unwrap();
+            assert_eq!(kb.shape(), ka.shape(), "sequence {s}");
+            let (kb, vb, ka, va) = (dense(kb), dense(vb), dense(ka), dense(va));
+            assert!(max_abs_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
+            assert!(max_abs_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
+        }
+    }
 }

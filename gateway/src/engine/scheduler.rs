@@ -987,6 +987,13 @@ impl Scheduler {
         let mut keep = Vec::with_capacity(running.len());
         let mut finished = Vec::new();
         for (index, mut seq) in running.drain(..).enumerate() {
+            if let Decoded::Tokens(picked) = &decoded
+                && picked[index].is_none()
+            {
+                // It joined the step running ahead: its token comes next call.
+                keep.push(seq);
+                continue;
+            }
             seq.history.push(seq.last_token);
             // Sampling and detokenizing are one sequence's own work.
             let accepted = match &mut decoded {
@@ -996,7 +1003,8 @@ impl Scheduler {
                     guarded(|| self.accept(&mut seq, logits))
                 }
                 Decoded::Tokens(picked) => guarded(|| {
-                    let choice = seq.sampler.record(picked[index]);
+                    let token = picked[index].expect("a row without a token was kept above");
+                    let choice = seq.sampler.record(token);
                     self.advance(&mut seq, choice)
                 }),
             };

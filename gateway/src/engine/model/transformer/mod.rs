@@ -227,10 +227,12 @@ impl Block {
 }
 
 /// What a decode step hands back: every row's float32 logits, or each
-/// row's token where the device picked them.
+/// row's token where the device picked them (`None`: the row joined the
+/// step that runs ahead, and gets its token from the next call; see
+/// [`Transformer::decode_greedy`]).
 pub enum Decoded {
     Logits(Vec<f32>),
-    Tokens(Vec<u32>),
+    Tokens(Vec<Option<u32>>),
 }
 
 /// A greedy pick on the device (see [`Transformer::decode_greedy`]): the
@@ -447,13 +449,19 @@ impl Transformer {
     /// that read and the host's argmax were a fifth of a GPU step). Ties go
     /// to the lowest token id, as on the host. Only where
     /// [`Transformer::decodes_in_slab`] holds.
+    ///
+    /// Without adapters the next step is launched before this one's tokens
+    /// are read, fed by them on the device: a caller that feeds each token
+    /// back finds it already running. A row new to the batch then joins
+    /// that next step: its token is `None` now, and comes from the next
+    /// call with the same input (its cache has not moved).
     pub fn decode_greedy(
         &self,
         tokens: &[u32],
         caches: &mut [&mut KvCache],
         adapters: &[&AdapterStack],
         pick: &GreedyPick,
-    ) -> MlxResult<Vec<u32>> {
+    ) -> MlxResult<Vec<Option<u32>>> {
         debug_assert!(self.decodes_in_slab(adapters));
         match self.decode_in_slab(tokens, caches, adapters, Some(pick))? {
             Decoded::Tokens(tokens) => Ok(tokens),

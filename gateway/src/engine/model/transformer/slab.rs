@@ -12,6 +12,16 @@
 //! buffers instead of copying every layer's whole slab (by its shapes,
 //! about 10 GB a step at 128 rows of ~700 columns of a 3B model).
 //!
+//! Greedy steps run one ahead (as mlx-lm's `async_eval` does): a call
+//! takes the step launched by the last call, launches the next one with
+//! that step's picks as its input tokens (they never leave the device),
+//! and only then waits for the picks it returns. Building a step's graph
+//! and MLX's encoding of it overlap the GPU running the one before. A
+//! sequence new to the batch joins the step launched for the next call
+//! (its pick comes back `None` this time); one whose step was launched with
+//! another token (a caller that did not feed the pick back) has it run
+//! again, which rewrites the same column.
+//!
 //! The CPU keeps its native decode step; `MLXGATE_DECODE_SLAB=1` turns this
 //! path on there too (tests check it against decoding alone).
 
@@ -22,14 +32,14 @@ use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, scaled_dot_product_a
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
-use super::{Decoded, GreedyPick, Transformer, token_ids};
+use super::{Decoded, GreedyPick, Transformer};
 use crate::engine::lora::{self, AdapterStack, Projection};
 use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
 const SPARE_COLUMNS: usize = 256;
-/// Attention's key length is a multiple of this (see `slab_step`).
+/// Masked attention's key length is a multiple of this (see `launch`).
 const KEY_BUCKET: usize = 128;
 /// Leading columns every row has left behind, past which they are cut off.
 const COMPACT_AFTER: usize = 512;
@@ -46,6 +56,10 @@ pub(super) struct DecodeSlab {
     end: usize,
     /// The rows in use, `None` for a hole.
     rows: Vec<Option<RowInUse>>,
+    /// The greedy step launched and not yet taken: it writes column `end`
+    /// (its keys and values are already the arrays'), and is taken by
+    /// advancing `end`.
+    ahead: Option<Ahead>,
 }
 
 /// A slab row in use: its first column (its sequence's position 0; it ends
@@ -53,6 +67,21 @@ pub(super) struct DecodeSlab {
 struct RowInUse {
     start: usize,
     lease: Rc<RowLease>,
+}
+
+/// A greedy step in flight: each slab row's pick (`[rows]` uint32, lazy),
+/// and per row the input it was launched with (`None`: a hole).
+struct Ahead {
+    picked: Array,
+    given: Vec<Option<Given>>,
+}
+
+/// A row's input to a greedy step: its token, and whether it may not pick
+/// [`GreedyPick::banned`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Given {
+    token: u32,
+    barred: bool,
 }
 
 /// Whether decode steps go through a slab: on a GPU, or when asked.
@@ -64,10 +93,34 @@ pub(super) fn enabled() -> bool {
     })
 }
 
+/// Whether greedy steps run one ahead; `MLXGATE_DECODE_AHEAD=0` turns it
+/// off (to measure what it brings).
+fn ahead_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("MLXGATE_DECODE_AHEAD").map_or(true, |v| v != "0"))
+}
+
+/// Whether a step whose rows all start at one column (no holes) attends
+/// without a mask, to exactly its columns: MLX's fused vector attention
+/// takes no array mask. `MLXGATE_SLAB_UNMASKED=0` turns it off.
+fn unmasked_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("MLXGATE_SLAB_UNMASKED").map_or(true, |v| v != "0"))
+}
+
+/// What a launched step's graph gives: float32 logits (`[rows, vocab]`,
+/// the rows asked for) and each layer's keys and values with its column
+/// written.
+struct Launched {
+    logits: Array,
+    layers: KeysValues,
+}
+
 impl Transformer {
-    /// One decode step of `tokens` (one per cache) through the slab; float32
-    /// logits `[B * vocab]` in the callers' order. A failed step drops the
-    /// slab (the caches keep their rows of the last good one).
+    /// One decode step of `tokens` (one per cache) through the slab: float32
+    /// logits `[B * vocab]` in the callers' order, or with `pick` each
+    /// row's pick (`None` for a sequence that joins the step launched for
+    /// the next call). A failed step drops the slab.
     pub(super) fn decode_in_slab(
         &self,
         tokens: &[u32],
@@ -79,13 +132,19 @@ impl Transformer {
             .slab
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let result = self.slab_step(&mut held, tokens, caches, adapters, pick);
+        let result = match pick {
+            Some(pick) if ahead_enabled() && adapters.iter().all(|stack| stack.is_empty()) => {
+                self.step_ahead(&mut held, tokens, caches, pick)
+            }
+            _ => self.slab_step(&mut held, tokens, caches, adapters, pick),
+        };
         if result.is_err() {
             *held = None;
         }
         result
     }
 
+    /// A step evaluated before it returns (logits, or adapters in the batch).
     fn slab_step(
         &self,
         held: &mut Option<DecodeSlab>,
@@ -95,127 +154,305 @@ impl Transformer {
         pick: Option<&GreedyPick>,
     ) -> MlxResult<Decoded> {
         let started = std::time::Instant::now();
-        let (rows_of, copies) = self.place(held, caches)?;
-        let slab = held.as_mut().expect("placed");
-        if slab.end >= slab.capacity {
-            self.grow(slab)?;
+        // A greedy step in flight is dropped: this one rewrites its column.
+        if let Some(slab) = held.as_mut() {
+            slab.ahead = None;
         }
-        let (width, end) = (slab.rows.len(), slab.end);
-        // Per slab row: its token, position and adapters (holes: 0, 0, none).
+        let (mut rows_of, copies) = self.release_unclaimed(held, caches)?;
+        self.admit(held, caches, &mut rows_of)?;
+        let rows_of: Vec<usize> = rows_of.into_iter().map(|r| r.expect("placed")).collect();
+        let slab = held.as_mut().expect("placed");
+        let width = slab.rows.len();
         let none = AdapterStack::new();
         let mut row_tokens = vec![0u32; width];
-        let mut offsets = vec![0i32; width];
         let mut row_adapters: Vec<&AdapterStack> = vec![&none; width];
         for (b, &row) in rows_of.iter().enumerate() {
             row_tokens[row] = tokens[b];
-            offsets[row] = caches[b].offset as i32;
             row_adapters[row] = adapters[b];
         }
-        // Attention reads the columns in use rounded up to a multiple of
-        // KEY_BUCKET, so its shape, and with it MLX's cached CUDA graphs and
-        // attention plans, changes once in KEY_BUCKET steps, not every step.
-        // Columns before every row's first are skipped the same way, in
-        // whole buckets (they are left behind until the slab compacts).
-        let span = (end + 1).next_multiple_of(KEY_BUCKET).min(slab.capacity);
-        let first = first_column(&slab.rows).unwrap_or(end);
-        let skip = (first / KEY_BUCKET * KEY_BUCKET).min(span.saturating_sub(KEY_BUCKET));
-        let keys_read = span - skip;
-        // Row r attends to its columns start..=end; a hole to column `end`
-        // alone (its output is ignored; a row with nothing would give NaN).
-        let mut valid = vec![false; width * keys_read];
-        for (row, in_use) in slab.rows.iter().enumerate() {
-            let from = in_use.as_ref().map_or(end, |r| r.start) - skip;
-            valid[row * keys_read + from..=row * keys_read + end - skip].fill(true);
-        }
-        let mask = Array::from_slice(&valid, &[width as i32, 1, 1, keys_read as i32]);
-        let offsets = Array::from_slice(&offsets, &[width as i32]);
-        let inputs: Vec<[u32; 1]> = row_tokens.iter().map(|&t| [t]).collect();
-        let sequences: Vec<&[u32]> = inputs.iter().map(|t| t.as_slice()).collect();
-
-        let rows = width as i32;
-        let slab_arrays = Rc::clone(&slab.arrays);
+        let ids = Array::from_slice(&row_tokens, &[width as i32, 1]);
         let order: Vec<u32> = rows_of.iter().map(|&r| r as u32).collect();
         let order = Array::from_slice(&order, &[order.len() as i32]);
-        let previous = std::mem::take(&mut *slab_arrays.layers.borrow_mut());
-        let graph = self.slab_graph(
-            &previous,
-            &sequences,
-            (&offsets, &mask, &order),
-            &row_adapters,
-            (rows, end, skip, span),
-        );
-        let (logits, layers) = match graph {
-            Ok(graph) => graph,
-            Err(error) => {
-                *slab_arrays.layers.borrow_mut() = previous;
-                return Err(error);
-            }
-        };
-        let picked = pick.map(|p| self.pick_greedy(&logits, p)).transpose()?;
-        let result = picked.as_ref().unwrap_or(&logits);
-        // The graph is now the slab's only holder (see the module's doc).
-        drop(previous);
+        let launched = self.launch(slab, caches, &rows_of, &ids, &row_adapters, Some(&order))?;
+        let picked = pick
+            .map(|p| self.pick_greedy(&launched.logits, p.banned, p.ban_rows))
+            .transpose()?;
+        let result = picked.as_ref().unwrap_or(&launched.logits);
         let built = started.elapsed();
         // Copies of rows left behind are made now: pending, they would hold
         // the slab they read.
+        let layers = &launched.layers;
         mlx_rs::transforms::eval(
             std::iter::once(result).chain(layers.iter().chain(&copies).flat_map(|(k, v)| [k, v])),
         )?;
         let evaluated = started.elapsed();
         let out = match &picked {
-            Some(tokens) => Decoded::Tokens(tokens.as_slice::<u32>().to_vec()),
-            None => Decoded::Logits(logits.as_slice::<f32>().to_vec()),
+            Some(tokens) => {
+                Decoded::Tokens(tokens.as_slice::<u32>().iter().map(|&t| Some(t)).collect())
+            }
+            None => Decoded::Logits(launched.logits.as_slice::<f32>().to_vec()),
         };
-        tracing::debug!(
-            target: "mlxgate::engine::steps",
-            sequences = tokens.len(),
-            rows = width,
-            columns = slab.capacity,
-            span,
-            keys_read,
-            build_ms = built.as_secs_f64() * 1e3,
-            eval_ms = (evaluated - built).as_secs_f64() * 1e3,
-            read_ms = (started.elapsed() - evaluated).as_secs_f64() * 1e3,
-            active_mb = mlx_rs::memory::active_memory().unwrap_or(0) >> 20,
-            cached_mb = mlx_rs::memory::cache_memory().unwrap_or(0) >> 20,
-            "slab decode step"
+        trace_step(
+            slab,
+            tokens.len(),
+            built,
+            evaluated,
+            started.elapsed(),
+            false,
         );
-
-        *slab_arrays.layers.borrow_mut() = layers;
-        let epoch = slab_arrays.epoch.get() + 1;
-        slab_arrays.epoch.set(epoch);
-        slab.end += 1;
-        for (b, cache) in caches.iter_mut().enumerate() {
-            let row = rows_of[b];
-            clear_layers(cache);
-            cache.offset += 1;
-            let in_use = slab.rows[row].as_ref().expect("a batch row is in use");
-            cache.slab = Some(SlabRow {
-                slab: Rc::clone(&slab_arrays),
-                row,
-                start: in_use.start,
-                end: slab.end,
-                epoch,
-                lease: Rc::clone(&in_use.lease),
-            });
-        }
+        self.take_step(
+            slab,
+            caches,
+            &rows_of.iter().map(|&r| Some(r)).collect::<Vec<_>>(),
+        );
+        mark_in_slab(slab, caches, &rows_of);
         Ok(out)
     }
 
+    /// A greedy step one ahead (see the module's doc): takes the step in
+    /// flight, launches the next, then reads the picks of the one taken.
+    fn step_ahead(
+        &self,
+        held: &mut Option<DecodeSlab>,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+        pick: &GreedyPick,
+    ) -> MlxResult<Decoded> {
+        let started = std::time::Instant::now();
+        let given = |b: usize| Given {
+            token: tokens[b],
+            barred: pick.ban_rows[b],
+        };
+        let mut ahead = held.as_mut().and_then(|slab| slab.ahead.take());
+        let (mut rows_of, mut copies) = self.release_unclaimed(held, caches)?;
+        // The step in flight serves this call if it covers some of these
+        // sequences, each with the input it has now.
+        let serves = ahead.as_ref().is_some_and(|ahead| {
+            rows_of.iter().any(Option::is_some)
+                && rows_of
+                    .iter()
+                    .enumerate()
+                    .all(|(b, row)| row.is_none_or(|r| ahead.given[r] == Some(given(b))))
+        });
+        if !serves {
+            // Nothing in flight for them: their step is launched now.
+            self.admit(held, caches, &mut rows_of)?;
+            let placed: Vec<usize> = rows_of.iter().map(|r| r.expect("placed")).collect();
+            let slab = held.as_mut().expect("placed");
+            let width = slab.rows.len();
+            let mut row_tokens = vec![0u32; width];
+            let mut row_given = vec![None; width];
+            for (b, &row) in placed.iter().enumerate() {
+                row_tokens[row] = tokens[b];
+                row_given[row] = Some(given(b));
+            }
+            let ids = Array::from_slice(&row_tokens, &[width as i32, 1]);
+            let picked =
+                self.launch_greedy(slab, caches, &placed, &ids, &row_given, pick, &copies)?;
+            copies.clear();
+            mark_in_slab(slab, caches, &placed);
+            ahead = Some(Ahead {
+                picked,
+                given: row_given,
+            });
+        }
+        let ahead = ahead.expect("a step in flight");
+        let slab = held.as_mut().expect("a slab with a step in flight");
+        // Take the step in flight; newcomers join the next one.
+        let taken = rows_of.clone();
+        self.take_step(slab, caches, &taken);
+        self.admit(held, caches, &mut rows_of)?;
+        let placed: Vec<usize> = rows_of.iter().map(|r| r.expect("placed")).collect();
+        let slab = held.as_mut().expect("placed");
+        mark_in_slab(slab, caches, &placed);
+        let width = slab.rows.len();
+        // The next step's input: the picks of the step taken (read on the
+        // device, from the row each sequence had then), else the caller's.
+        let mut source = vec![0u32; width];
+        let mut from_pick = vec![false; width];
+        let mut row_tokens = vec![0u32; width];
+        let mut row_given = vec![None; width];
+        for (b, &row) in placed.iter().enumerate() {
+            match taken[b] {
+                Some(old) => {
+                    source[row] = old as u32;
+                    from_pick[row] = true;
+                }
+                None => {
+                    row_tokens[row] = tokens[b];
+                    row_given[row] = Some(given(b));
+                }
+            }
+        }
+        let picks = ahead
+            .picked
+            .take_axis(Array::from_slice(&source, &[width as i32]), 0)?;
+        let ids = mlx_rs::ops::select(
+            Array::from_slice(&from_pick, &[width as i32]),
+            &picks,
+            Array::from_slice(&row_tokens, &[width as i32]),
+        )?
+        .reshape(&[width as i32, 1])?;
+        let built = started.elapsed();
+        let next = self.launch_greedy(slab, caches, &placed, &ids, &row_given, pick, &copies)?;
+        let launched = started.elapsed();
+        // Wait for the step taken (the next one runs behind it).
+        ahead.picked.eval()?;
+        let picked: Vec<u32> = ahead.picked.as_slice::<u32>().to_vec();
+        let mut out = vec![None; caches.len()];
+        for (b, &row) in placed.iter().enumerate() {
+            if let Some(old) = taken[b] {
+                out[b] = Some(picked[old]);
+                row_given[row] = Some(Given {
+                    token: picked[old],
+                    barred: pick.ban_rows[b],
+                });
+            }
+        }
+        trace_step(slab, tokens.len(), built, launched, started.elapsed(), true);
+        slab.ahead = Some(Ahead {
+            picked: next,
+            given: row_given,
+        });
+        Ok(Decoded::Tokens(out))
+    }
+
+    /// Launches a greedy step over every slab row (`ids`: `[rows, 1]`, the
+    /// rows `given`; holes pick garbage nobody reads): each row's pick,
+    /// `[rows]` uint32, evaluating asynchronously.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_greedy(
+        &self,
+        slab: &mut DecodeSlab,
+        caches: &[&mut KvCache],
+        rows_of: &[usize],
+        ids: &Array,
+        given: &[Option<Given>],
+        pick: &GreedyPick,
+        copies: &KeysValues,
+    ) -> MlxResult<Array> {
+        if slab.end >= slab.capacity {
+            self.grow(slab)?;
+        }
+        let none = AdapterStack::new();
+        let row_adapters = vec![&none; slab.rows.len()];
+        let launched = self.launch(slab, caches, rows_of, ids, &row_adapters, None)?;
+        let barred: Vec<bool> = given.iter().map(|g| g.is_some_and(|g| g.barred)).collect();
+        let picked = self.pick_greedy(&launched.logits, pick.banned, &barred)?;
+        mlx_rs::transforms::async_eval(
+            std::iter::once(&picked).chain(
+                launched
+                    .layers
+                    .iter()
+                    .chain(copies)
+                    .flat_map(|(k, v)| [k, v]),
+            ),
+        )?;
+        Ok(picked)
+    }
+
+    /// Builds a step's graph over the slab (each row's token `ids`; the
+    /// positions of the caches at `rows_of`, holes at 0) and puts its keys
+    /// and values in the slab; logits of the rows in `order` (the callers'
+    /// order), or of every row.
+    fn launch(
+        &self,
+        slab: &mut DecodeSlab,
+        caches: &[&mut KvCache],
+        rows_of: &[usize],
+        ids: &Array,
+        row_adapters: &[&AdapterStack],
+        order: Option<&Array>,
+    ) -> MlxResult<Launched> {
+        if slab.end >= slab.capacity {
+            self.grow(slab)?;
+        }
+        let (width, end) = (slab.rows.len(), slab.end);
+        let mut offsets = vec![0i32; width];
+        for (b, &row) in rows_of.iter().enumerate() {
+            offsets[row] = caches[b].offset as i32;
+        }
+        let offsets = Array::from_slice(&offsets, &[width as i32]);
+        let starts: Vec<usize> = slab.rows.iter().flatten().map(|r| r.start).collect();
+        let one_start = starts.len() == width && starts.windows(2).all(|w| w[0] == w[1]);
+        let (keys, mask) = if one_start && width > 0 && unmasked_enabled() {
+            // Every row attends to the same columns: exactly those, unmasked.
+            (starts[0]..end + 1, None)
+        } else {
+            // Attention reads the columns in use rounded up to a multiple of
+            // KEY_BUCKET, so its shape, and with it MLX's cached CUDA graphs
+            // and attention plans, changes once in KEY_BUCKET steps, not
+            // every step. Columns before every row's first are skipped the
+            // same way, in whole buckets (they are left behind until the
+            // slab compacts).
+            let span = (end + 1).next_multiple_of(KEY_BUCKET).min(slab.capacity);
+            let first = first_column(&slab.rows).unwrap_or(end);
+            let skip = (first / KEY_BUCKET * KEY_BUCKET).min(span.saturating_sub(KEY_BUCKET));
+            let keys_read = span - skip;
+            // Row r attends to its columns start..=end; a hole to column
+            // `end` alone (its output is ignored; a row with nothing would
+            // give NaN).
+            let mut valid = vec![false; width * keys_read];
+            for (row, in_use) in slab.rows.iter().enumerate() {
+                let from = in_use.as_ref().map_or(end, |r| r.start) - skip;
+                valid[row * keys_read + from..=row * keys_read + end - skip].fill(true);
+            }
+            let mask = Array::from_slice(&valid, &[width as i32, 1, 1, keys_read as i32]);
+            (skip..span, Some(mask))
+        };
+        let previous = std::mem::take(&mut *slab.arrays.layers.borrow_mut());
+        let graph = self.slab_graph(
+            &previous,
+            ids,
+            (&offsets, mask.as_ref(), order),
+            row_adapters,
+            (width as i32, end, keys),
+        );
+        // The graph is now the slab's only holder (see the module's doc).
+        match graph {
+            Ok((logits, layers)) => {
+                drop(previous);
+                *slab.arrays.layers.borrow_mut() = layers.clone();
+                Ok(Launched { logits, layers })
+            }
+            Err(error) => {
+                *slab.arrays.layers.borrow_mut() = previous;
+                Err(error)
+            }
+        }
+    }
+
+    /// Takes the step that wrote column `end`: the slab moves on a column,
+    /// and each cache at `rows_of` (`None`: not in that step) a position.
+    fn take_step(
+        &self,
+        slab: &mut DecodeSlab,
+        caches: &mut [&mut KvCache],
+        rows_of: &[Option<usize>],
+    ) {
+        slab.end += 1;
+        slab.arrays.epoch.set(slab.arrays.epoch.get() + 1);
+        for (cache, row) in caches.iter_mut().zip(rows_of) {
+            if row.is_some() {
+                cache.offset += 1;
+            }
+        }
+    }
+
     /// Each row's most likely token of `logits` (`[B, vocab]`), as uint32,
-    /// `pick.banned` masked out of the rows `pick.ban_rows` marks.
-    fn pick_greedy(&self, logits: &Array, pick: &GreedyPick) -> MlxResult<Array> {
-        let rows = pick.ban_rows.len() as i32;
-        let scores = if pick.ban_rows.iter().any(|&b| b) && !pick.banned.is_empty() {
+    /// `banned` masked out of the rows `ban_rows` marks.
+    fn pick_greedy(&self, logits: &Array, banned: &[u32], ban_rows: &[bool]) -> MlxResult<Array> {
+        let rows = ban_rows.len() as i32;
+        let scores = if ban_rows.iter().any(|&b| b) && !banned.is_empty() {
             let vocab = logits.shape()[1];
             let mut is_banned = vec![false; vocab as usize];
-            for &id in pick.banned {
+            for &id in banned {
                 if let Some(slot) = is_banned.get_mut(id as usize) {
                     *slot = true;
                 }
             }
             let is_banned = Array::from_slice(&is_banned, &[1, vocab]);
-            let ban_rows = Array::from_slice(pick.ban_rows, &[rows, 1]);
+            let ban_rows = Array::from_slice(ban_rows, &[rows, 1]);
             let banned = mlx_rs::ops::logical_and(&ban_rows, &is_banned)?;
             mlx_rs::ops::select(&banned, Array::from_f32(f32::NEG_INFINITY), logits)?
         } else {
@@ -225,22 +462,23 @@ impl Transformer {
     }
 
     /// The step's graph over the slab's arrays `held`: float32 logits of
-    /// the rows in `order` (the callers' order), and each layer's keys and
-    /// values with this step's column (`end`) written. Per slab row: its
-    /// token (`sequences`), position (`offsets`), adapters, and the columns
-    /// it attends to (`mask`, over the key columns `skip..span`).
+    /// the rows in `order` (the callers' order; every row without one), and
+    /// each layer's keys and values with this step's column (`end`)
+    /// written. Per slab row: its token (`ids`, `[rows, 1]`), position
+    /// (`offsets`), adapters, and the columns it attends to (the key columns
+    /// `keys_read`, under `mask` where given).
     fn slab_graph(
         &self,
         held: &[(Array, Array)],
-        sequences: &[&[u32]],
-        (offsets, mask, order): (&Array, &Array, &Array),
+        ids: &Array,
+        (offsets, mask, order): (&Array, Option<&Array>, Option<&Array>),
         row_adapters: &[&AdapterStack],
-        (rows, end, skip, span): (i32, usize, usize, usize),
+        (rows, end, keys_read): (i32, usize, std::ops::Range<usize>),
     ) -> MlxResult<(Array, Vec<(Array, Array)>)> {
         let c = &self.config;
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
-        let mut x = self.embed_ids(&token_ids(sequences))?;
+        let mut x = self.embed_ids(ids)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
@@ -271,13 +509,13 @@ impl Transformer {
             let (all_keys, all_values) = &held[index];
             let keys = written(all_keys, &k, 0, end)?;
             let values = written(all_values, &v, 0, end)?;
-            let used = skip as i32..span as i32;
+            let used = keys_read.start as i32..keys_read.end as i32;
             let attended = scaled_dot_product_attention(
                 &q,
                 keys.index((.., .., used.clone(), ..)),
                 values.index((.., .., used, ..)),
                 c.attention_scale(),
-                Some(ScaledDotProductAttentionMask::Array(mask)),
+                mask.map(ScaledDotProductAttentionMask::Array),
                 None,
             )?
             .transpose_axes(&[0, 2, 1, 3])?
@@ -295,67 +533,81 @@ impl Transformer {
             x = add(&x, &mlp)?;
             layers.push((keys, values));
         }
-        let last = x.index((.., 0, ..)).take_axis(order, 0)?;
+        let mut last = x.index((.., 0, ..));
+        if let Some(order) = order {
+            last = last.take_axis(order, 0)?;
+        }
         let logits = self.logits_of_hidden(&rms_norm(&last, Some(&self.final_norm), eps)?)?;
         Ok((logits, layers))
     }
 
-    /// The slab row of each cache: where it already is, else a hole that
-    /// its positions are copied into (right-aligned). The slab changes by a
-    /// node or two per layer, never row by row: rows no cache claims become
-    /// holes (a copy of each goes to its lease while some cache still holds
-    /// it, returned to be evaluated with the step); too many holes are
-    /// dropped; a newcomer longer than the rows in use shifts them right;
-    /// missing rows are added blank; columns every row has left behind are
-    /// cut off.
-    fn place(
+    /// Finds each cache's slab row where it already is, as of the step last
+    /// taken (`None` for the rest), and makes every other row in use a
+    /// hole: a copy of its positions goes to its lease while some cache
+    /// still holds it, returned to be evaluated with the next step.
+    fn release_unclaimed(
+        &self,
+        held: &mut Option<DecodeSlab>,
+        caches: &[&mut KvCache],
+    ) -> MlxResult<(Vec<Option<usize>>, KeysValues)> {
+        let mut rows_of: Vec<Option<usize>> = vec![None; caches.len()];
+        let mut copies = Vec::new();
+        let Some(slab) = held.as_mut() else {
+            return Ok((rows_of, copies));
+        };
+        let mut claimed = vec![false; slab.rows.len()];
+        for (b, cache) in caches.iter().enumerate() {
+            let Some(at) = &cache.slab else { continue };
+            let here = Rc::ptr_eq(&at.slab, &slab.arrays)
+                && at.epoch == slab.arrays.epoch.get()
+                && at.end == slab.end
+                && slab.rows[at.row]
+                    .as_ref()
+                    .is_some_and(|r| Rc::ptr_eq(&r.lease, &at.lease) && r.start == at.start)
+                && !claimed[at.row];
+            if here {
+                claimed[at.row] = true;
+                rows_of[b] = Some(at.row);
+            }
+        }
+        let current = slab.arrays.layers.borrow();
+        for (row, claimed) in claimed.into_iter().enumerate() {
+            if claimed {
+                continue;
+            }
+            let Some(left) = slab.rows[row].take() else {
+                continue;
+            };
+            // The slab's own handle is one holder; any other is a cache.
+            if Rc::strong_count(&left.lease) > 1 && !current.is_empty() {
+                let (r, start, end) = (row as i32, left.start as i32, slab.end as i32);
+                let copy = current
+                    .iter()
+                    .map(|(k, v)| {
+                        let own =
+                            |all: &Array| all.index((r..r + 1, .., start..end, ..)).contiguous();
+                        Ok((own(k)?, own(v)?))
+                    })
+                    .collect::<MlxResult<Vec<_>>>()?;
+                copies.extend(copy.iter().cloned());
+                *left.lease.copy.borrow_mut() = Some(copy);
+            }
+        }
+        Ok((rows_of, copies))
+    }
+
+    /// Gives each cache without a row (`rows_of[b]` is `None`) a hole, its
+    /// positions copied in right-aligned to end at `end`. The slab changes
+    /// by a node or two per layer, never row by row: too many holes are
+    /// dropped (`rows_of` renumbered); a newcomer longer than the rows in
+    /// use shifts them right; missing rows are added blank; columns every
+    /// row has left behind are cut off.
+    fn admit(
         &self,
         held: &mut Option<DecodeSlab>,
         caches: &mut [&mut KvCache],
-    ) -> MlxResult<(Vec<usize>, KeysValues)> {
-        let mut rows_of: Vec<Option<usize>> = vec![None; caches.len()];
-        let mut copies = Vec::new();
-        if let Some(slab) = held.as_mut() {
-            let mut claimed = vec![false; slab.rows.len()];
-            for (b, cache) in caches.iter().enumerate() {
-                let Some(at) = &cache.slab else { continue };
-                let here = Rc::ptr_eq(&at.slab, &slab.arrays)
-                    && at.epoch == slab.arrays.epoch.get()
-                    && at.end == slab.end
-                    && slab.rows[at.row]
-                        .as_ref()
-                        .is_some_and(|r| Rc::ptr_eq(&r.lease, &at.lease) && r.start == at.start)
-                    && !claimed[at.row];
-                if here {
-                    claimed[at.row] = true;
-                    rows_of[b] = Some(at.row);
-                }
-            }
-            let current = slab.arrays.layers.borrow();
-            for (row, claimed) in claimed.into_iter().enumerate() {
-                if claimed {
-                    continue;
-                }
-                let Some(left) = slab.rows[row].take() else {
-                    continue;
-                };
-                // The slab's own handle is one holder; any other is a cache.
-                if Rc::strong_count(&left.lease) > 1 && !current.is_empty() {
-                    let (r, start, end) = (row as i32, left.start as i32, slab.end as i32);
-                    let copy = current
-                        .iter()
-                        .map(|(k, v)| {
-                            let own = |all: &Array| {
-                                all.index((r..r + 1, .., start..end, ..)).contiguous()
-                            };
-                            Ok((own(k)?, own(v)?))
-                        })
-                        .collect::<MlxResult<Vec<_>>>()?;
-                    copies.extend(copy.iter().cloned());
-                    *left.lease.copy.borrow_mut() = Some(copy);
-                }
-            }
-        }
+        rows_of: &mut [Option<usize>],
+    ) -> MlxResult<()> {
         let newcomers: Vec<usize> = (0..caches.len())
             .filter(|&b| rows_of[b].is_none())
             .collect();
@@ -460,8 +712,7 @@ impl Transformer {
             }
         }
         *slab.arrays.layers.borrow_mut() = layers;
-        let rows_of = rows_of.into_iter().map(|r| r.expect("placed")).collect();
-        Ok((rows_of, copies))
+        Ok(())
     }
 
     /// An empty slab (no rows) `end` columns in use and room to grow.
@@ -481,6 +732,7 @@ impl Transformer {
             capacity,
             end,
             rows: Vec::new(),
+            ahead: None,
         })
     }
 
@@ -519,11 +771,48 @@ fn written(all: &Array, part: &Array, row: usize, column: usize) -> MlxResult<Ar
     Ok(all)
 }
 
-/// A cache whose positions now live in the slab drops its own arrays (only
-/// once the step succeeded: until then they are what it has).
-fn clear_layers(cache: &mut KvCache) {
-    for layer in &mut cache.layers {
-        layer.keys = None;
-        layer.values = None;
+/// Each cache, at its row `rows_of[b]`, reads its positions from the slab
+/// as it is now, and drops its own arrays.
+fn mark_in_slab(slab: &DecodeSlab, caches: &mut [&mut KvCache], rows_of: &[usize]) {
+    for (cache, &row) in caches.iter_mut().zip(rows_of) {
+        for layer in &mut cache.layers {
+            layer.keys = None;
+            layer.values = None;
+        }
+        let in_use = slab.rows[row].as_ref().expect("a batch row is in use");
+        cache.slab = Some(SlabRow {
+            slab: Rc::clone(&slab.arrays),
+            row,
+            start: in_use.start,
+            end: slab.end,
+            epoch: slab.arrays.epoch.get(),
+            lease: Rc::clone(&in_use.lease),
+        });
     }
+}
+
+/// Logs a step's timings at debug level (`mlxgate::engine::steps`): the
+/// graph built, then launched (`ahead`) or evaluated, then the picks or
+/// logits read.
+fn trace_step(
+    slab: &DecodeSlab,
+    sequences: usize,
+    built: std::time::Duration,
+    ran: std::time::Duration,
+    read: std::time::Duration,
+    ahead: bool,
+) {
+    tracing::debug!(
+        target: "mlxgate::engine::steps",
+        sequences,
+        rows = slab.rows.len(),
+        columns = slab.capacity,
+        ahead,
+        build_ms = built.as_secs_f64() * 1e3,
+        eval_ms = (ran - built).as_secs_f64() * 1e3,
+        read_ms = (read - ran).as_secs_f64() * 1e3,
+        active_mb = mlx_rs::memory::active_memory().unwrap_or(0) >> 20,
+        cached_mb = mlx_rs::memory::cache_memory().unwrap_or(0) >> 20,
+        "slab decode step"
+    );
 }
