@@ -215,6 +215,25 @@ int mlxgate_distributed_init(
  * to it is freed. Call only when no collective is running. */
 void mlxgate_distributed_reset(void);
 
+/* One decode step's attention over a GPU batch's key/value slab, each row
+ * reading its own columns `starts[row] ..= end[0]` (a CUDA kernel MLX
+ * compiles at first use; GPU streams only): `q` [rows, heads * D],
+ * `k` and `v` [rows, kv_heads, columns, D], `starts` int32 [rows], `end`
+ * int32 [1], `scale` float32 [1]; the result is q's shape and dtype.
+ * Returns 0, or 1 with a message in `error`. */
+int mlxgate_ragged_decode_attention(
+    mlx_array* res,
+    const mlx_array q,
+    const mlx_array k,
+    const mlx_array v,
+    const mlx_array starts,
+    const mlx_array end,
+    const mlx_array scale,
+    int heads,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -257,6 +257,38 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
     })
 }
 
+/// One decode step's attention over a GPU batch's key/value slab, each row
+/// reading only its own columns, `starts[row] ..= end[0]`, of `keys` and
+/// `values` (`[rows, kv_heads, columns, head_dim]`, in place): `queries`
+/// `[rows, heads * head_dim]` in, the same shape out. A CUDA kernel MLX
+/// compiles at first use (GPU streams only): MLX's fused decode attention
+/// takes no mask, and its unfused fallback read every row's columns
+/// rounded up to a bucket, with copies.
+pub fn ragged_decode_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    (starts, end, scale): (&Array, &Array, &Array),
+    heads: usize,
+) -> Result<Array, Exception> {
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_ragged_decode_attention(
+            res,
+            queries.as_ptr(),
+            keys.as_ptr(),
+            values.as_ptr(),
+            starts.as_ptr(),
+            end.as_ptr(),
+            scale.as_ptr(),
+            heads as i32,
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
 /// Output columns per panel of a weight packed for [`dense`].
 pub const DENSE_PANEL: usize = 32;
 

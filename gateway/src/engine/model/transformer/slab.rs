@@ -36,6 +36,7 @@ use super::{Decoded, GreedyPick, Transformer};
 use crate::engine::lora::{self, AdapterStack, Projection};
 use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
+use crate::mlx::kernels;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
 const SPARE_COLUMNS: usize = 256;
@@ -106,6 +107,29 @@ fn ahead_enabled() -> bool {
 fn unmasked_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("MLXGATE_SLAB_UNMASKED").map_or(true, |v| v != "0"))
+}
+
+/// Whether a step whose rows start at different columns attends through
+/// [`kernels::ragged_decode_attention`] (on CUDA), each row reading only its
+/// own columns; `MLXGATE_SLAB_RAGGED=0` turns it off (MLX's masked
+/// attention over bucketed columns then).
+fn ragged_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        crate::mlx::Backend::detect() == crate::mlx::Backend::Cuda
+            && std::env::var("MLXGATE_SLAB_RAGGED").map_or(true, |v| v != "0")
+    })
+}
+
+/// How a step's rows attend to the slab's columns.
+enum Attend {
+    /// Every row to these columns, unmasked (MLX's fused vector kernel).
+    Columns(std::ops::Range<usize>),
+    /// To these columns, under a mask `[rows, 1, 1, columns]`.
+    Masked(std::ops::Range<usize>, Array),
+    /// Each row to its own columns, from its start (int32 `[rows]`) to the
+    /// last (int32 `[1]`), at a scale (float32 `[1]`).
+    Ragged(Array, Array, Array),
 }
 
 /// What a launched step's graph gives: float32 logits (`[rows, vocab]`,
@@ -375,9 +399,21 @@ impl Transformer {
         let offsets = Array::from_slice(&offsets, &[width as i32]);
         let starts: Vec<usize> = slab.rows.iter().flatten().map(|r| r.start).collect();
         let one_start = starts.len() == width && starts.windows(2).all(|w| w[0] == w[1]);
-        let (keys, mask) = if one_start && width > 0 && unmasked_enabled() {
+        let attend = if one_start && width > 0 && unmasked_enabled() {
             // Every row attends to the same columns: exactly those, unmasked.
-            (starts[0]..end + 1, None)
+            Attend::Columns(starts[0]..end + 1)
+        } else if ragged_enabled() {
+            // A hole attends to column `end` alone (its output is ignored).
+            let starts: Vec<i32> = slab
+                .rows
+                .iter()
+                .map(|r| r.as_ref().map_or(end, |r| r.start) as i32)
+                .collect();
+            Attend::Ragged(
+                Array::from_slice(&starts, &[width as i32]),
+                Array::from_slice(&[end as i32], &[1]),
+                Array::from_slice(&[self.config.attention_scale()], &[1]),
+            )
         } else {
             // Attention reads the columns in use rounded up to a multiple of
             // KEY_BUCKET, so its shape, and with it MLX's cached CUDA graphs
@@ -398,15 +434,15 @@ impl Transformer {
                 valid[row * keys_read + from..=row * keys_read + end - skip].fill(true);
             }
             let mask = Array::from_slice(&valid, &[width as i32, 1, 1, keys_read as i32]);
-            (skip..span, Some(mask))
+            Attend::Masked(skip..span, mask)
         };
         let previous = std::mem::take(&mut *slab.arrays.layers.borrow_mut());
         let graph = self.slab_graph(
             &previous,
             ids,
-            (&offsets, mask.as_ref(), order),
+            (&offsets, &attend, order),
             row_adapters,
-            (width as i32, end, keys),
+            (width as i32, end),
         );
         // The graph is now the slab's only holder (see the module's doc).
         match graph {
@@ -465,15 +501,14 @@ impl Transformer {
     /// the rows in `order` (the callers' order; every row without one), and
     /// each layer's keys and values with this step's column (`end`)
     /// written. Per slab row: its token (`ids`, `[rows, 1]`), position
-    /// (`offsets`), adapters, and the columns it attends to (the key columns
-    /// `keys_read`, under `mask` where given).
+    /// (`offsets`), adapters, and the columns it attends to (`attend`).
     fn slab_graph(
         &self,
         held: &[(Array, Array)],
         ids: &Array,
-        (offsets, mask, order): (&Array, Option<&Array>, Option<&Array>),
+        (offsets, attend, order): (&Array, &Attend, Option<&Array>),
         row_adapters: &[&AdapterStack],
-        (rows, end, keys_read): (i32, usize, std::ops::Range<usize>),
+        (rows, end): (i32, usize),
     ) -> MlxResult<(Array, Vec<(Array, Array)>)> {
         let c = &self.config;
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
@@ -509,16 +544,31 @@ impl Transformer {
             let (all_keys, all_values) = &held[index];
             let keys = written(all_keys, &k, 0, end)?;
             let values = written(all_values, &v, 0, end)?;
-            let used = keys_read.start as i32..keys_read.end as i32;
-            let attended = scaled_dot_product_attention(
-                &q,
-                keys.index((.., .., used.clone(), ..)),
-                values.index((.., .., used, ..)),
-                c.attention_scale(),
-                mask.map(ScaledDotProductAttentionMask::Array),
-                None,
-            )?
-            .transpose_axes(&[0, 2, 1, 3])?
+            let attended = match attend {
+                Attend::Ragged(starts, last, scale) => kernels::ragged_decode_attention(
+                    &q.reshape(&[rows, heads * head_dim])?,
+                    &keys,
+                    &values,
+                    (starts, last, scale),
+                    heads as usize,
+                )?,
+                Attend::Columns(used) | Attend::Masked(used, _) => {
+                    let used = used.start as i32..used.end as i32;
+                    let mask = match attend {
+                        Attend::Masked(_, mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+                        _ => None,
+                    };
+                    scaled_dot_product_attention(
+                        &q,
+                        keys.index((.., .., used.clone(), ..)),
+                        values.index((.., .., used, ..)),
+                        c.attention_scale(),
+                        mask,
+                        None,
+                    )?
+                    .transpose_axes(&[0, 2, 1, 3])?
+                }
+            }
             .reshape(&[rows, 1, heads * head_dim])?;
             let mut attended = project(&a.o_proj, Projection::O, &attended)?;
             if let Some(norm) = &block.post_attention_norm {

@@ -1,0 +1,160 @@
+// One decode step's attention for a batch whose rows start at different
+// columns of a shared key/value slab (`transformer::slab` in mlxgate), as a
+// CUDA kernel MLX compiles at first use (`mlx::core::fast::cuda_kernel`).
+//
+// Why: MLX's fused decode attention (its vector kernel) takes no array
+// mask, so a batch of rows of different lengths fell back to unfused
+// matmul-softmax-matmul over every row's columns rounded up to a bucket,
+// with copies of the sliced slab. This kernel reads each row's own columns,
+// `start[row] ..= end`, of the whole slab in place: one kernel a layer.
+//
+// Layout: q and out [rows, heads * D]; k and v [rows, kv_heads, columns, D]
+// with any strides; starts int32 [rows]; end int32 [1] (the last column,
+// the same for every row); scale float32 [1]. One block of 128 threads
+// (four warps) per (head, row); each warp takes every fourth column with
+// an online softmax in float32, and the warps are merged at the end.
+
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "primitive_support.h"
+#include "mlx/c/private/array.h"
+#include "mlx/c/private/stream.h"
+#include "mlx/fast.h"
+#include "mlxgate_kernels.h"
+
+namespace mx = mlx::core;
+
+namespace {
+
+// The kernel's body; MLX writes its signature from the names below.
+// scripts/gpu/attention_probe.py reads it from here, between the markers.
+const char* kSource = R"cuda(
+  constexpr int WARPS = 4;
+  constexpr int PER = D / 32;
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int heads = gridDim.x;
+  const int kv_head = head / GQA;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int last = end[0];
+  const int first = starts[row];
+  const float s = scale[0];
+  const T* qp = q + ((size_t)row * heads + head) * D + lane * PER;
+  float qv[PER];
+  for (int i = 0; i < PER; i++) {
+    qv[i] = static_cast<float>(qp[i]) * s;
+  }
+  const T* kp = k + row * k_strides[0] + kv_head * k_strides[1] + lane * PER;
+  const T* vp = v + row * v_strides[0] + kv_head * v_strides[1] + lane * PER;
+  float m = -INFINITY;
+  float l = 0.0f;
+  float acc[PER];
+  for (int i = 0; i < PER; i++) {
+    acc[i] = 0.0f;
+  }
+  for (int j = first + warp; j <= last; j += WARPS) {
+    const T* kj = kp + j * k_strides[2];
+    float score = 0.0f;
+    for (int i = 0; i < PER; i++) {
+      score += qv[i] * static_cast<float>(kj[i]);
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      score += __shfl_xor_sync(0xffffffff, score, o);
+    }
+    const float m_new = fmaxf(m, score);
+    const float kept = __expf(m - m_new);
+    const float p = __expf(score - m_new);
+    l = l * kept + p;
+    const T* vj = vp + j * v_strides[2];
+    for (int i = 0; i < PER; i++) {
+      acc[i] = acc[i] * kept + p * static_cast<float>(vj[i]);
+    }
+    m = m_new;
+  }
+  __shared__ float warp_m[WARPS];
+  __shared__ float warp_l[WARPS];
+  __shared__ float warp_acc[WARPS][D];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+  for (int i = 0; i < PER; i++) {
+    warp_acc[warp][lane * PER + i] = acc[i];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    float top = -INFINITY;
+    for (int w = 0; w < WARPS; w++) {
+      top = fmaxf(top, warp_m[w]);
+    }
+    float total = 0.0f;
+    float o[PER];
+    for (int i = 0; i < PER; i++) {
+      o[i] = 0.0f;
+    }
+    for (int w = 0; w < WARPS; w++) {
+      const float c = warp_m[w] == -INFINITY ? 0.0f : __expf(warp_m[w] - top);
+      total += warp_l[w] * c;
+      for (int i = 0; i < PER; i++) {
+        o[i] += warp_acc[w][lane * PER + i] * c;
+      }
+    }
+    T* op = out + ((size_t)row * heads + head) * D + lane * PER;
+    for (int i = 0; i < PER; i++) {
+      op[i] = static_cast<T>(o[i] / total);
+    }
+  }
+)cuda";
+
+}  // namespace
+
+extern "C" int mlxgate_ragged_decode_attention(
+    mlx_array* res,
+    const mlx_array q,
+    const mlx_array k,
+    const mlx_array v,
+    const mlx_array starts,
+    const mlx_array end,
+    const mlx_array scale,
+    int heads,
+    const mlx_stream s,
+    char* error,
+    size_t error_len) {
+  try {
+    static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
+        "mlxgate_ragged_decode_attention", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
+        kSource, "", /*ensure_row_contiguous=*/false);
+    const mx::array& qa = mlx_array_get_(q);
+    const mx::array& ka = mlx_array_get_(k);
+    const mx::array& va = mlx_array_get_(v);
+    if (qa.ndim() != 2 || ka.ndim() != 4 || va.shape() != ka.shape() ||
+        qa.shape(0) != ka.shape(0) || heads <= 0 || qa.shape(1) % heads != 0) {
+      throw std::invalid_argument(
+          "[mlxgate ragged attention] q must be [rows, heads * D] and k, v [rows, kv_heads, "
+          "columns, D]");
+    }
+    const int rows = qa.shape(0);
+    const int dim = qa.shape(1) / heads;
+    const int kv_heads = ka.shape(1);
+    if (dim != ka.shape(3) || dim % 32 != 0 || dim > 256 || heads % kv_heads != 0 ||
+        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype() || !qa.flags().row_contiguous ||
+        ka.strides(3) != 1 || va.strides(3) != 1) {
+      throw std::invalid_argument(
+          "[mlxgate ragged attention] unsupported shapes, dtypes or layout");
+    }
+    auto outputs = kernel(
+        {qa, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
+        {qa.shape()}, {qa.dtype()}, {128 * heads, rows, 1}, {128, 1, 1},
+        {{"T", qa.dtype()}, {"D", dim}, {"GQA", heads / kv_heads}}, std::nullopt, false,
+        mlx_stream_get_(s));
+    mlx_array_set_(*res, outputs.at(0));
+    return 0;
+  } catch (std::exception& e) {
+    return mlxgate::failed(e, error, error_len);
+  }
+}

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Checks and times one decode step's attention over a GPU batch's slab
+(Python MLX on CUDA, on the GPU machine): mlxgate's ragged kernel (its body
+read from mlx-sys/kernels/ragged_attention.cpp) against MLX's masked
+attention over bucketed columns (the fallback it replaces) and MLX's fused
+vector attention where every row starts at one column (the bound).
+
+    attention_probe.py [--rows 1,8,32,64,128] [--columns 384] [--layers 28]
+
+Shapes are Llama-3.2-3B's (24 heads, 8 key/value heads, head_dim 128),
+bfloat16; each timing evaluates `--layers` attentions at once, as a step
+does. Prints one JSON line per batch size: the largest difference from the
+masked reference and the milliseconds of each variant.
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import mlx.core as mx
+
+HEADS, KV_HEADS, DIM = 24, 8, 128
+
+
+def kernel_source():
+    path = os.path.join(os.path.dirname(__file__), "../../mlx-sys/kernels/ragged_attention.cpp")
+    text = open(path).read()
+    return text[text.index('R"cuda(') + len('R"cuda('):text.index(')cuda"')]
+
+
+def timed(build, repeat=20):
+    for _ in range(3):
+        mx.eval(build())
+    started = time.perf_counter()
+    for _ in range(repeat):
+        mx.eval(build())
+    return (time.perf_counter() - started) / repeat * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,8,32,64,128")
+    parser.add_argument("--columns", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    ragged = mx.fast.cuda_kernel(
+        name="mlxgate_ragged_decode_attention",
+        input_names=["q", "k", "v", "starts", "end", "scale"],
+        output_names=["out"],
+        source=kernel_source(),
+        ensure_row_contiguous=False,
+    )
+    scale = 1 / math.sqrt(DIM)
+    for rows in [int(r) for r in args.rows.split(",")]:
+        capacity = args.columns + 256
+        end = args.columns - 1
+        mx.random.seed(rows)
+        layers = []
+        for _ in range(args.layers):
+            k = mx.random.normal((rows, KV_HEADS, capacity, DIM)).astype(mx.bfloat16)
+            v = mx.random.normal((rows, KV_HEADS, capacity, DIM)).astype(mx.bfloat16)
+            q = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.bfloat16)
+            layers.append((q, k, v))
+        starts = mx.random.randint(0, end - 16, (rows,)).astype(mx.int32)
+        mx.eval(layers, starts)
+        span = -(-(end + 1) // 128) * 128
+        columns = mx.arange(span)
+        mask = (columns[None, :] >= starts[:, None]) & (columns[None, :] <= end)
+        mask = mask.reshape(rows, 1, 1, span)
+        end_a = mx.array([end], dtype=mx.int32)
+        scale_a = mx.array([scale], dtype=mx.float32)
+
+        def masked():
+            return [mx.fast.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], scale=scale, mask=mask)
+                    for q, k, v in layers]
+
+        def run_ragged():
+            return [ragged(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
+                           output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
+                           grid=(128 * HEADS, rows, 1), threadgroup=(128, 1, 1),
+                           template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
+                    for q, k, v in layers]
+
+        def unmasked():
+            first = int(starts.min().item())
+            return [mx.fast.scaled_dot_product_attention(q, k[:, :, first:end + 1], v[:, :, first:end + 1], scale=scale)
+                    for q, k, v in layers]
+
+        want = masked()[0].astype(mx.float32).reshape(rows, HEADS * DIM)
+        got = run_ragged()[0].astype(mx.float32)
+        diff = mx.abs(want - got).max().item()
+        print(json.dumps({
+            "rows": rows, "columns": args.columns, "layers": args.layers,
+            "max_abs_diff_vs_masked": diff,
+            "masked_ms": round(timed(masked), 3),
+            "ragged_ms": round(timed(run_ragged), 3),
+            "unmasked_one_start_ms": round(timed(unmasked), 3),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
