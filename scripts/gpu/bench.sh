@@ -38,6 +38,7 @@ python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 -
     --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
     --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
+rm -rf "$out/data"
 if [ "${GPU_BENCH_TRACE:-0}" = 1 ]; then
     python3 "$root/scripts/gpu/steps_summary.py" "$out/gateway.log" | tee "$out/steps.txt"
 fi

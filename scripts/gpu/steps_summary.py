@@ -45,8 +45,8 @@ def main():
             parts.append(f"{key} {statistics.median(values):.2f}/{p90:.2f}")
         extra = ""
         if kind == "slab decode step":
-            extra = " rows~%d span~%d" % (statistics.median(r["rows"] for r in rows),
-                                          statistics.median(r["span"] for r in rows))
+            ahead = sum(1 for r in rows if r.get("ahead") in (True, "true"))
+            extra = " rows~%d ahead=%d" % (statistics.median(r["rows"] for r in rows), ahead)
         print(f"{kind:18} size<={size:<5} n={len(rows):<6}{extra}  " + "  ".join(parts) + "  (median/p90)")
 
 

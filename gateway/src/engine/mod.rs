@@ -286,7 +286,7 @@ fn load_for_serving(path: &Path) -> Result<LoadedModel, LoadError> {
     };
     mlx_rs::transforms::eval(model.transformer.parameters())
         .map_err(|error| LoadError::Mlx(error.to_string()))?;
-    model.transformer.prepare_native_decode();
+    model.transformer.prepare_decode();
     // Loading freed buffers of every size (whole tensors decoded, cut or
     // repacked); MLX would keep them all for reuse.
     if let Err(error) = mlx_rs::memory::clear_cache() {

@@ -469,12 +469,16 @@ impl Transformer {
         }
     }
 
-    /// Builds the native decode step's weights now (repacking takes up to a
-    /// second on larger models) rather than in the first request, when this
-    /// thread decodes natively.
-    pub fn prepare_native_decode(&self) {
+    /// Gets decoding ready now rather than in the first request: the native
+    /// decode step's weights where this thread decodes natively (repacking
+    /// takes up to a second on larger models), the GPU's ragged attention
+    /// kernel where steps use it (compiling takes ~2 s).
+    pub fn prepare_decode(&self) {
         if kernels::thread_choice() == KernelChoice::Native {
             self.native_decoder();
+        }
+        if let Err(error) = self.warm_up_slab() {
+            tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
     }
 

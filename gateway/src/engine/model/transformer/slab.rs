@@ -402,7 +402,7 @@ impl Transformer {
         let attend = if one_start && width > 0 && unmasked_enabled() {
             // Every row attends to the same columns: exactly those, unmasked.
             Attend::Columns(starts[0]..end + 1)
-        } else if ragged_enabled() {
+        } else if self.attends_ragged() {
             // A hole attends to column `end` alone (its output is ignored).
             let starts: Vec<i32> = slab
                 .rows
@@ -456,6 +456,32 @@ impl Transformer {
                 Err(error)
             }
         }
+    }
+
+    /// Whether steps of rows starting at different columns go through
+    /// [`kernels::ragged_decode_attention`]: on CUDA, for head sizes it
+    /// takes (a multiple of 32, at most 256).
+    fn attends_ragged(&self) -> bool {
+        let c = &self.config;
+        ragged_enabled()
+            && c.head_dim % 32 == 0
+            && c.head_dim <= 256
+            && c.heads % c.kv_heads.max(1) == 0
+    }
+
+    /// Compiles the ragged attention kernel now (MLX compiles it at first
+    /// use, ~2 s), where steps will use it, so that no request waits.
+    pub(super) fn warm_up_slab(&self) -> MlxResult<()> {
+        if !(enabled() && self.attends_ragged()) {
+            return Ok(());
+        }
+        let c = &self.config;
+        let dtype = super::super::compute_dtype();
+        let q = zeros_dtype(&[1, (c.heads * c.head_dim) as i32], dtype)?;
+        let kv = zeros_dtype(&[1, c.kv_heads as i32, 1, c.head_dim as i32], dtype)?;
+        let zero = Array::from_slice(&[0i32], &[1]);
+        let scale = Array::from_slice(&[1.0f32], &[1]);
+        kernels::ragged_decode_attention(&q, &kv, &kv, (&zero, &zero, &scale), c.heads)?.eval()
     }
 
     /// Takes the step that wrote column `end`: the slab moves on a column,
