@@ -464,9 +464,9 @@ impl Transformer {
     fn attends_ragged(&self) -> bool {
         let c = &self.config;
         ragged_enabled()
-            && c.head_dim % 32 == 0
+            && c.head_dim.is_multiple_of(32)
             && c.head_dim <= 256
-            && c.heads % c.kv_heads.max(1) == 0
+            && c.heads.is_multiple_of(c.kv_heads.max(1))
     }
 
     /// Compiles the ragged attention kernel now (MLX compiles it at first
