@@ -298,3 +298,76 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
         }
     }
 }
+
+/// Prompts of different lengths prefilled together (one pass, left-padded,
+/// as the GPU's scheduler prefills arrivals) give each sequence the logits
+/// and the cache it gets prefilled alone, including one that continues a
+/// cached prefix.
+#[test]
+fn prompts_of_different_lengths_prefill_together_as_alone() {
+    slab_on();
+    for architecture in [Architecture::Llama, Architecture::Qwen3] {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
+        let model = LoadedModel::load(dir.path()).unwrap().transformer;
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> = [7usize, 19, 3, 12]
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                (0..n)
+                    .map(|i| 3 + ((i * 31 + s * 13) % 250) as u32)
+                    .collect()
+            })
+            .collect();
+        // Sequence 1 has its first 5 tokens cached already.
+        let cached = 5;
+        let fresh = |s: usize| -> KvCache {
+            let mut cache = model.new_cache();
+            if s == 1 {
+                let out = model
+                    .forward(&[&prompts[1][..cached]], &mut [&mut cache])
+                    .unwrap();
+                out.eval().unwrap();
+            }
+            cache
+        };
+        let rest = |s: usize| -> &[u32] {
+            if s == 1 {
+                &prompts[1][cached..]
+            } else {
+                &prompts[s]
+            }
+        };
+        let mut together: Vec<KvCache> = (0..prompts.len()).map(fresh).collect();
+        let inputs: Vec<&[u32]> = (0..prompts.len()).map(rest).collect();
+        let mut refs: Vec<&mut KvCache> = together.iter_mut().collect();
+        let got = model.forward(&inputs, &mut refs).unwrap();
+        got.eval().unwrap();
+        let got = got.as_slice::<f32>();
+        for s in 0..prompts.len() {
+            let mut alone = fresh(s);
+            let want = model.forward(&[rest(s)], &mut [&mut alone]).unwrap();
+            want.eval().unwrap();
+            let diff = max_abs_diff(&got[s * vocab..(s + 1) * vocab], want.as_slice::<f32>());
+            assert!(
+                diff < 1e-4,
+                "{architecture:?} sequence {s}: logits differ by {diff}"
+            );
+            assert_eq!(together[s].offset, alone.offset, "sequence {s}");
+            for (lt, la) in together[s].layers.iter().zip(&alone.layers) {
+                let dense = |a: mlx_rs::Array| {
+                    let a = a.contiguous().unwrap();
+                    a.eval().unwrap();
+                    a
+                };
+                let (kt, vt) = lt.mlx_arrays().unwrap().unwrap();
+                let (ka, va) = la.mlx_arrays().unwrap().unwrap();
+                assert_eq!(kt.shape(), ka.shape(), "sequence {s}");
+                let (kt, vt, ka, va) = (dense(kt), dense(vt), dense(ka), dense(va));
+                assert!(max_abs_diff(kt.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
+                assert!(max_abs_diff(vt.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
+            }
+        }
+    }
+}

@@ -54,6 +54,8 @@ use super::{Faults, guarded};
 /// Longest slice of a prompt run through the model at once when nothing
 /// else is running: bounds the attention scores' memory for long prompts.
 const PREFILL_CHUNK: usize = 512;
+/// Most short prompts prefilled together in one pass on a GPU.
+const ARRIVALS_TOGETHER: usize = 32;
 
 pub type EventSender = UnboundedSender<Result<GenerateEvent, EngineError>>;
 
@@ -414,6 +416,10 @@ impl Scheduler {
             open = open && self.receive(&jobs, idle);
             if prefilling.is_none() {
                 prefilling = self.next_prefill(&running);
+                // On a GPU, short prompts waiting behind it go in with it.
+                if let Some(first) = prefilling.take_if(|p| self.prefills_together(p)) {
+                    prefilling = self.prefill_arrivals(first, &mut running);
+                }
             }
             if let Some(prefill) = prefilling.take() {
                 // Alone, a prompt goes in big chunks; beside running
@@ -681,11 +687,19 @@ impl Scheduler {
         if end < prefill.seq.history.len() {
             return Some(prefill);
         }
+        let logits = logits.map(|logits| logits.as_slice::<f32>().to_vec());
+        self.prefilled(prefill, logits.as_deref(), running);
+        None
+    }
+
+    /// A prompt all in (`logits`: its last position's): its sequences join
+    /// `running`.
+    fn prefilled(&mut self, prefill: Prefill, logits: Option<&[f32]>, running: &mut Vec<Sequence>) {
         let everyone = prefill.all_events();
         let Prefill { seq, start, .. } = prefill;
         match (start, logits) {
             (Some(start), Some(logits)) => {
-                match guarded(|| self.first_tokens(seq, start, &logits)) {
+                match guarded(|| self.first_tokens(seq, start, logits)) {
                     Ok(seqs) => running.extend(seqs),
                     Err(why) => fail_all(&everyone, &generation_failed(&why)),
                 }
@@ -697,21 +711,124 @@ impl Scheduler {
                 &generation_failed("the prompt produced no logits"),
             ),
         }
-        None
+    }
+
+    /// Whether `prefill` may go in one pass with other arrivals: on a GPU
+    /// (where decode steps go through the slab), a prompt of at most
+    /// [`PREFILL_CHUNK`] tokens still to run.
+    fn prefills_together(&self, prefill: &Prefill) -> bool {
+        let left = prefill.seq.history.len() - prefill.done;
+        (1..=PREFILL_CHUNK).contains(&left) && self.model.decodes_in_slab(&[&prefill.seq.adapters])
+    }
+
+    /// Prefills `first` with the short prompts queued behind it (up to
+    /// [`ARRIVALS_TOGETHER`], while the batch has room) in one pass over
+    /// the weights: each arrival alone read them once per prompt, which at
+    /// 128 streams took a third of the GPU's time. A longer prompt met on
+    /// the way comes back, to be prefilled in chunks.
+    fn prefill_arrivals(&mut self, first: Prefill, running: &mut Vec<Sequence>) -> Option<Prefill> {
+        let mut batch = vec![first];
+        let mut left_over = None;
+        while batch.len() < ARRIVALS_TOGETHER
+            && running.len() + batch.len() < self.options.max_batch
+            && !self.waiting.is_empty()
+        {
+            match self.next_prefill(running) {
+                Some(next) if self.prefills_together(&next) => batch.push(next),
+                other => {
+                    left_over = other;
+                    break;
+                }
+            }
+        }
+        if batch.len() == 1 && left_over.is_none() {
+            return batch.pop();
+        }
+        self.prefill_together(batch, running);
+        left_over
+    }
+
+    /// Runs every prompt of `batch` into its cache in one forward pass;
+    /// their sequences join `running`. If the pass fails, each is
+    /// prefilled alone, so that only one at fault fails.
+    fn prefill_together(&mut self, mut batch: Vec<Prefill>, running: &mut Vec<Sequence>) {
+        batch.retain(|prefill| !prefill.abandoned());
+        let started = Instant::now();
+        let outcome = guarded(|| {
+            let (inputs, (mut caches, stacks)): (
+                Vec<&[u32]>,
+                (Vec<&mut KvCache>, Vec<&AdapterStack>),
+            ) = batch
+                .iter_mut()
+                .map(|p| {
+                    let seq = &mut p.seq;
+                    (&seq.history[p.done..], (&mut seq.cache, &seq.adapters))
+                })
+                .unzip();
+            let tokens: usize = inputs.iter().map(|t| t.len()).sum();
+            let out = self
+                .model
+                .forward_with_adapters(&inputs, &mut caches, &stacks)?;
+            mlx_rs::transforms::eval(
+                std::iter::once(&out).chain(caches.iter().flat_map(|c| c.arrays())),
+            )?;
+            tracing::debug!(
+                target: "mlxgate::engine::steps",
+                sequences = inputs.len(),
+                tokens,
+                padded = inputs.len() * inputs.iter().map(|t| t.len()).max().unwrap_or(0),
+                eval_ms = started.elapsed().as_secs_f64() * 1e3,
+                "prefill together"
+            );
+            Ok::<_, mlx_rs::error::Exception>(out.as_slice::<f32>().to_vec())
+        });
+        let logits = match outcome {
+            Ok(Ok(logits)) => logits,
+            failed => {
+                let why = match failed {
+                    Ok(Err(error)) => error.what().to_owned(),
+                    Err(panic) => panic,
+                    Ok(Ok(_)) => unreachable!(),
+                };
+                tracing::warn!(error = %why, prompts = batch.len(), "prefilling arrivals together failed; prefilling each alone");
+                for mut prefill in batch {
+                    match prefill.seq.cache.rewound(prefill.done) {
+                        Some(cache) => prefill.seq.cache = cache,
+                        None => {
+                            fail_prefill(&prefill, &why);
+                            continue;
+                        }
+                    }
+                    let mut next = Some(prefill);
+                    while let Some(prefill) = next {
+                        next = self.prefill_step(prefill, PREFILL_CHUNK, running);
+                    }
+                }
+                return;
+            }
+        };
+        let vocab = logits.len() / batch.len().max(1);
+        for (row, mut prefill) in batch.into_iter().enumerate() {
+            prefill.done = prefill.seq.history.len();
+            self.prefilled(
+                prefill,
+                Some(&logits[row * vocab..(row + 1) * vocab]),
+                running,
+            );
+        }
     }
 
     /// A new request's prompt is in: offer its cache to the memory tier,
     /// fork its other choices and emit each one's first token; returns those
     /// that go on. A request's choices start together, so `max_batch` may
     /// be passed by up to `n - 1` for a while.
-    fn first_tokens(&mut self, seq: Sequence, start: Start, logits: &Array) -> Vec<Sequence> {
+    fn first_tokens(&mut self, seq: Sequence, start: Start, row: &[f32]) -> Vec<Sequence> {
         self.remember_prompt(
             &seq.cache_scope,
             &seq.history,
             &seq.cache,
             &seq.adapters_key,
         );
-        let row = logits.as_slice::<f32>();
         let forks: Vec<Sequence> = start
             .forks
             .into_iter()

@@ -8,7 +8,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::nn::{gelu_approximate, silu};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{add, concatenate, multiply};
+use mlx_rs::ops::{add, concatenate, multiply, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 mod native;
@@ -394,7 +394,8 @@ impl Transformer {
         targets
     }
 
-    /// Runs `tokens` (B sequences of equal length) through the base model,
+    /// Runs `tokens` (B sequences, of any lengths: one pass over the
+    /// weights, left-padded to the longest) through the base model,
     /// extending each sequence's cache; returns logits of each sequence's
     /// last position, `[B, vocab]`, as float32.
     pub fn forward(&self, tokens: &[&[u32]], caches: &mut [&mut KvCache]) -> MlxResult<Array> {
@@ -560,11 +561,13 @@ impl Transformer {
         }
         let ids = token_ids(tokens);
         let length = ids.shape()[1];
+        let lengths: Vec<i32> = tokens.iter().map(|t| t.len() as i32).collect();
         let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
-            let mut attended = self.attention(block, index, &normed, caches, adapters)?;
+            let mut attended =
+                self.attention(block, index, &normed, (caches, &lengths), adapters)?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
@@ -576,8 +579,8 @@ impl Transformer {
             }
             x = add(&x, &mlp)?;
         }
-        for cache in caches.iter_mut() {
-            cache.offset += length as usize;
+        for (cache, tokens) in caches.iter_mut().zip(tokens) {
+            cache.offset += tokens.len();
             for layer in &mut cache.layers {
                 layer.trim()?;
             }
@@ -763,12 +766,15 @@ impl Transformer {
         self.all_ranks(project(&mlp.down_proj, Projection::Down, &gated)?, true)
     }
 
+    /// Attention of B sequences (`x`: `[B, L, hidden]`, left-padded: each
+    /// sequence's `lengths[b]` tokens are its last columns), each over its
+    /// own cache; padding columns come out zero.
     fn attention(
         &self,
         block: &Block,
         layer: usize,
         x: &Array,
-        caches: &mut [&mut KvCache],
+        (caches, lengths): (&mut [&mut KvCache], &[i32]),
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let c = &self.config;
@@ -809,12 +815,19 @@ impl Transformer {
             let b = b as i32;
             let offset = cache.offset as i32;
             let rotate = |y: Array| block.rotate(y, c, offset);
-            // One sequence (the common case) needs no per-sequence slices.
+            // One sequence (the common case) needs no per-sequence slices;
+            // a shorter one in a batch, its own columns.
+            let pad = length - lengths[b as usize];
             let one = |all: &Array| {
-                if batch == 1 {
+                let row = if batch == 1 {
                     all.clone()
                 } else {
                     all.index(b..b + 1)
+                };
+                if pad == 0 {
+                    row
+                } else {
+                    row.index((.., .., pad.., ..))
                 }
             };
             let (q, k) = match &rotated_rows {
@@ -825,11 +838,17 @@ impl Transformer {
             let layer_cache = &mut cache.layers[layer];
             let span = Span {
                 offset: offset as usize,
-                length: length as usize,
+                length: (length - pad) as usize,
                 cached_start: layer_cache.start,
             };
             let (k, v) = layer_cache.append(k, v)?;
-            outputs.push(block.attend(&q, &k, &v, span, scale, c.head_dim)?);
+            let attended = block.attend(&q, &k, &v, span, scale, c.head_dim)?;
+            outputs.push(if pad == 0 {
+                attended
+            } else {
+                let padding = zeros_dtype(&[1, pad, heads, head_dim], attended.dtype())?;
+                concatenate(&[padding, attended], 1)?
+            });
         }
         let attended = if outputs.len() == 1 {
             outputs.pop().expect("one output")
@@ -869,9 +888,14 @@ fn gated_activation(
 
 /// B sequences of equal length as a `[B, L]` array of token ids.
 fn token_ids(tokens: &[&[u32]]) -> Array {
-    let length = tokens.first().map_or(0, |t| t.len()) as i32;
-    let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
-    Array::from_slice(&flat, &[tokens.len() as i32, length])
+    let length = tokens.iter().map(|t| t.len()).max().unwrap_or(0);
+    let mut flat = Vec::with_capacity(tokens.len() * length);
+    for t in tokens {
+        // Left-padded: every sequence's last token is in the last column.
+        flat.extend(std::iter::repeat_n(0, length - t.len()));
+        flat.extend_from_slice(t);
+    }
+    Array::from_slice(&flat, &[tokens.len() as i32, length as i32])
 }
 
 /// Boolean `[queries, keys]` mask: causal and within `window` positions.
