@@ -755,16 +755,15 @@ impl Scheduler {
         batch.retain(|prefill| !prefill.abandoned());
         let started = Instant::now();
         let outcome = guarded(|| {
-            let (inputs, (mut caches, stacks)): (
-                Vec<&[u32]>,
-                (Vec<&mut KvCache>, Vec<&AdapterStack>),
-            ) = batch
-                .iter_mut()
-                .map(|p| {
-                    let seq = &mut p.seq;
-                    (&seq.history[p.done..], (&mut seq.cache, &seq.adapters))
-                })
-                .unzip();
+            let mut inputs: Vec<&[u32]> = Vec::with_capacity(batch.len());
+            let mut caches: Vec<&mut KvCache> = Vec::with_capacity(batch.len());
+            let mut stacks: Vec<&AdapterStack> = Vec::with_capacity(batch.len());
+            for prefill in batch.iter_mut() {
+                let seq = &mut prefill.seq;
+                inputs.push(&seq.history[prefill.done..]);
+                caches.push(&mut seq.cache);
+                stacks.push(&seq.adapters);
+            }
             let tokens: usize = inputs.iter().map(|t| t.len()).sum();
             let out = self
                 .model
