@@ -134,23 +134,8 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
             }
         }
         for (s, (b, a)) in batched.iter().zip(&alone).enumerate() {
-            assert_eq!(b.offset, a.offset, "sequence {s}");
             assert_eq!(b.nbytes(), a.nbytes(), "sequence {s}'s reported bytes");
-            let b = b.settled().unwrap();
-            for (lb, la) in b.layers.iter().zip(&a.layers) {
-                // Copies: slab rows are strided views.
-                let dense = |a: mlx_rs::Array| {
-                    let a = a.contiguous().unwrap();
-                    a.eval().unwrap();
-                    a
-                };
-                let (kb, vb) = lb.mlx_arrays().unwrap().unwrap();
-                let (ka, va) = la.mlx_arrays().unwrap().unwrap();
-                assert_eq!(kb.shape(), ka.shape());
-                let (kb, vb, ka, va) = (dense(kb), dense(vb), dense(ka), dense(va));
-                assert!(max_abs_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
-                assert!(max_abs_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
-            }
+            assert_same_cache(b, a, s);
         }
         let (kept, reference) = kept.unwrap();
         assert_eq!(kept.offset, reference.offset);
@@ -281,21 +266,7 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
     assert_eq!(deferred, 5, "newcomers wait one call");
     assert!(given > 60, "{given} tokens given");
     for (s, (b, a)) in batched.iter().zip(&alone).enumerate() {
-        assert_eq!(b.offset, a.offset, "sequence {s}");
-        let b = b.settled().unwrap();
-        for (lb, la) in b.layers.iter().zip(&a.layers) {
-            let dense = |a: mlx_rs::Array| {
-                let a = a.contiguous().unwrap();
-                a.eval().unwrap();
-                a
-            };
-            let (kb, vb) = lb.mlx_arrays().unwrap().unwrap();
-            let (ka, va) = la.mlx_arrays().unwrap().unwrap();
-            assert_eq!(kb.shape(), ka.shape(), "sequence {s}");
-            let (kb, vb, ka, va) = (dense(kb), dense(vb), dense(ka), dense(va));
-            assert!(max_abs_diff(kb.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
-            assert!(max_abs_diff(vb.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
-        }
+        assert_same_cache(b, a, s);
     }
 }
 
@@ -354,20 +325,27 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
                 diff < 1e-4,
                 "{architecture:?} sequence {s}: logits differ by {diff}"
             );
-            assert_eq!(together[s].offset, alone.offset, "sequence {s}");
-            for (lt, la) in together[s].layers.iter().zip(&alone.layers) {
-                let dense = |a: mlx_rs::Array| {
-                    let a = a.contiguous().unwrap();
-                    a.eval().unwrap();
-                    a
-                };
-                let (kt, vt) = lt.mlx_arrays().unwrap().unwrap();
-                let (ka, va) = la.mlx_arrays().unwrap().unwrap();
-                assert_eq!(kt.shape(), ka.shape(), "sequence {s}");
-                let (kt, vt, ka, va) = (dense(kt), dense(vt), dense(ka), dense(va));
-                assert!(max_abs_diff(kt.as_slice::<f32>(), ka.as_slice::<f32>()) < 1e-5);
-                assert!(max_abs_diff(vt.as_slice::<f32>(), va.as_slice::<f32>()) < 1e-5);
-            }
+            assert_same_cache(&together[s], &alone, s);
         }
+    }
+}
+
+/// `got` holds the positions `want` holds (within float32 rounding).
+fn assert_same_cache(got: &KvCache, want: &KvCache, sequence: usize) {
+    assert_eq!(got.offset, want.offset, "sequence {sequence}");
+    let got = got.settled().unwrap();
+    for (lg, lw) in got.layers.iter().zip(&want.layers) {
+        // Copies: slab rows are strided views.
+        let dense = |a: mlx_rs::Array| {
+            let a = a.contiguous().unwrap();
+            a.eval().unwrap();
+            a
+        };
+        let (kg, vg) = lg.mlx_arrays().unwrap().unwrap();
+        let (kw, vw) = lw.mlx_arrays().unwrap().unwrap();
+        assert_eq!(kg.shape(), kw.shape(), "sequence {sequence}");
+        let (kg, vg, kw, vw) = (dense(kg), dense(vg), dense(kw), dense(vw));
+        assert!(max_abs_diff(kg.as_slice::<f32>(), kw.as_slice::<f32>()) < 1e-5);
+        assert!(max_abs_diff(vg.as_slice::<f32>(), vw.as_slice::<f32>()) < 1e-5);
     }
 }
