@@ -34,21 +34,8 @@ fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
         write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
         let model = LoadedModel::load(dir.path()).unwrap().transformer;
         let vocab = model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = [30usize, 7, 19, 3, 60, 5, 8, 9, 10, 11]
-            .iter()
-            .enumerate()
-            .map(|(s, &n)| {
-                (0..n)
-                    .map(|i| 3 + ((i * 37 + s * 11) % 250) as u32)
-                    .collect()
-            })
-            .collect();
-        let prefill = |tokens: &[u32]| -> KvCache {
-            let mut cache = model.new_cache();
-            let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
-            out.eval().unwrap();
-            cache
-        };
+        let prompts = prompts(&[30, 7, 19, 3, 60, 5, 8, 9, 10, 11], 37, 11);
+        let prefill = |tokens: &[u32]| prefilled(&model, tokens).0;
         // Sequence s in the batch, and the same sequence decoded alone by
         // the row-by-row path.
         let mut batched: Vec<KvCache> = prompts.iter().map(|p| prefill(p)).collect();
@@ -178,21 +165,10 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
     write_tiny_model(dir.path(), &spec).unwrap();
     let model = LoadedModel::load(dir.path()).unwrap().transformer;
     model.prepare_decode();
-    let prompts: Vec<Vec<u32>> = [12usize, 5, 20, 9, 40, 7]
-        .iter()
-        .enumerate()
-        .map(|(s, &n)| {
-            (0..n)
-                .map(|i| 3 + ((i * 29 + s * 7) % 250) as u32)
-                .collect()
-        })
-        .collect();
-    let prefill = |tokens: &[u32]| -> (KvCache, u32) {
-        let mut cache = model.new_cache();
-        let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
-        out.eval().unwrap();
-        let first = argmax(out.as_slice::<f32>()) as u32;
-        (cache, first)
+    let prompts = prompts(&[12, 5, 20, 9, 40, 7], 29, 7);
+    let prefill = |tokens: &[u32]| {
+        let (cache, logits) = prefilled(&model, tokens);
+        (cache, argmax(&logits) as u32)
     };
     let (mut batched, mut last): (Vec<KvCache>, Vec<u32>) =
         prompts.iter().map(|p| prefill(p)).unzip();
@@ -282,15 +258,7 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
         write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
         let model = LoadedModel::load(dir.path()).unwrap().transformer;
         let vocab = model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = [7usize, 19, 3, 12]
-            .iter()
-            .enumerate()
-            .map(|(s, &n)| {
-                (0..n)
-                    .map(|i| 3 + ((i * 31 + s * 13) % 250) as u32)
-                    .collect()
-            })
-            .collect();
+        let prompts = prompts(&[7, 19, 3, 12], 31, 13);
         // Sequence 1 has its first 5 tokens cached already.
         let cached = 5;
         let fresh = |s: usize| -> KvCache {
@@ -348,4 +316,29 @@ fn assert_same_cache(got: &KvCache, want: &KvCache, sequence: usize) {
         assert!(max_abs_diff(kg.as_slice::<f32>(), kw.as_slice::<f32>()) < 1e-5);
         assert!(max_abs_diff(vg.as_slice::<f32>(), vw.as_slice::<f32>()) < 1e-5);
     }
+}
+
+/// Prompts of these lengths, token `i` of prompt `s` drawn as
+/// `3 + (i * step + s * shift) % 250`.
+fn prompts(lengths: &[usize], step: usize, shift: usize) -> Vec<Vec<u32>> {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            (0..n)
+                .map(|i| 3 + ((i * step + s * shift) % 250) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// `tokens` prefilled into a new cache: the cache and the last logits.
+fn prefilled(
+    model: &mlxgate::engine::model::transformer::Transformer,
+    tokens: &[u32],
+) -> (KvCache, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
+    out.eval().unwrap();
+    (cache, out.as_slice::<f32>().to_vec())
 }

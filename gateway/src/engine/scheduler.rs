@@ -781,39 +781,32 @@ impl Scheduler {
             );
             Ok::<_, mlx_rs::error::Exception>(out.as_slice::<f32>().to_vec())
         });
-        let logits = match outcome {
-            Ok(Ok(logits)) => logits,
-            failed => {
-                let why = match failed {
-                    Ok(Err(error)) => error.what().to_owned(),
-                    Err(panic) => panic,
-                    Ok(Ok(_)) => unreachable!(),
-                };
-                tracing::warn!(error = %why, prompts = batch.len(), "prefilling arrivals together failed; prefilling each alone");
-                for mut prefill in batch {
-                    match prefill.seq.cache.rewound(prefill.done) {
-                        Some(cache) => prefill.seq.cache = cache,
-                        None => {
-                            fail_prefill(&prefill, &why);
-                            continue;
-                        }
-                    }
-                    let mut next = Some(prefill);
-                    while let Some(prefill) = next {
-                        next = self.prefill_step(prefill, PREFILL_CHUNK, running);
-                    }
+        let why = match outcome {
+            Ok(Ok(logits)) => {
+                let vocab = logits.len() / batch.len().max(1);
+                for (row, mut prefill) in batch.into_iter().enumerate() {
+                    prefill.done = prefill.seq.history.len();
+                    let row = &logits[row * vocab..(row + 1) * vocab];
+                    self.prefilled(prefill, Some(row), running);
                 }
                 return;
             }
+            Ok(Err(error)) => error.what().to_owned(),
+            Err(panic) => panic,
         };
-        let vocab = logits.len() / batch.len().max(1);
-        for (row, mut prefill) in batch.into_iter().enumerate() {
-            prefill.done = prefill.seq.history.len();
-            self.prefilled(
-                prefill,
-                Some(&logits[row * vocab..(row + 1) * vocab]),
-                running,
-            );
+        tracing::warn!(error = %why, prompts = batch.len(), "prefilling arrivals together failed; prefilling each alone");
+        for mut prefill in batch {
+            match prefill.seq.cache.rewound(prefill.done) {
+                Some(cache) => prefill.seq.cache = cache,
+                None => {
+                    fail_prefill(&prefill, &why);
+                    continue;
+                }
+            }
+            let mut next = Some(prefill);
+            while let Some(prefill) = next {
+                next = self.prefill_step(prefill, PREFILL_CHUNK, running);
+            }
         }
     }
 

@@ -271,7 +271,7 @@ impl Transformer {
                 row_given[row] = Some(given(b));
             }
             let ids = Array::from_slice(&row_tokens, &[width as i32, 1]);
-            let picked =
+            let (picked, _) =
                 self.launch_greedy(slab, caches, &placed, &ids, &row_given, pick, &copies)?;
             copies.clear();
             mark_in_slab(slab, caches, &placed);
@@ -317,9 +317,10 @@ impl Transformer {
             Array::from_slice(&row_tokens, &[width as i32]),
         )?
         .reshape(&[width as i32, 1])?;
-        let built = started.elapsed();
-        let next = self.launch_greedy(slab, caches, &placed, &ids, &row_given, pick, &copies)?;
+        let (next, built) =
+            self.launch_greedy(slab, caches, &placed, &ids, &row_given, pick, &copies)?;
         let launched = started.elapsed();
+        let built = built - started;
         // Wait for the step taken (the next one runs behind it).
         ahead.picked.eval()?;
         let picked: Vec<u32> = ahead.picked.as_slice::<u32>().to_vec();
@@ -343,7 +344,8 @@ impl Transformer {
 
     /// Launches a greedy step over every slab row (`ids`: `[rows, 1]`, the
     /// rows `given`; holes pick garbage nobody reads): each row's pick,
-    /// `[rows]` uint32, evaluating asynchronously.
+    /// `[rows]` uint32, evaluating asynchronously, and when its graph was
+    /// built (MLX's encoding of it follows, in `async_eval`).
     #[allow(clippy::too_many_arguments)]
     fn launch_greedy(
         &self,
@@ -354,15 +356,13 @@ impl Transformer {
         given: &[Option<Given>],
         pick: &GreedyPick,
         copies: &KeysValues,
-    ) -> MlxResult<Array> {
-        if slab.end >= slab.capacity {
-            self.grow(slab)?;
-        }
+    ) -> MlxResult<(Array, std::time::Instant)> {
         let none = AdapterStack::new();
         let row_adapters = vec![&none; slab.rows.len()];
         let launched = self.launch(slab, caches, rows_of, ids, &row_adapters, None)?;
         let barred: Vec<bool> = given.iter().map(|g| g.is_some_and(|g| g.barred)).collect();
         let picked = self.pick_greedy(&launched.logits, pick.banned, &barred)?;
+        let built = std::time::Instant::now();
         mlx_rs::transforms::async_eval(
             std::iter::once(&picked).chain(
                 launched
@@ -372,7 +372,7 @@ impl Transformer {
                     .flat_map(|(k, v)| [k, v]),
             ),
         )?;
-        Ok(picked)
+        Ok((picked, built))
     }
 
     /// Builds a step's graph over the slab (each row's token `ids`; the
