@@ -15,7 +15,7 @@ use float_common::max_abs_diff;
 use mlxgate::engine::LoadedModel;
 use mlxgate::engine::lora::AdapterStack;
 use mlxgate::engine::model::KvCache;
-use mlxgate::engine::model::transformer::GreedyPick;
+use mlxgate::engine::model::transformer::{GreedyPick, Transformer};
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
 /// Turns the slab on for this process, before anything reads it.
@@ -30,9 +30,7 @@ fn slab_on() {
 fn slab_decode_equals_decoding_alone_through_joins_and_leaves() {
     slab_on();
     for architecture in [Architecture::Llama, Architecture::Qwen3] {
-        let dir = tempfile::tempdir().unwrap();
-        write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
-        let model = LoadedModel::load(dir.path()).unwrap().transformer;
+        let model = tiny_model(&TinyModelSpec::new(architecture));
         let vocab = model.config.vocab_size;
         let prompts = prompts(&[30, 7, 19, 3, 60, 5, 8, 9, 10, 11], 37, 11);
         let prefill = |tokens: &[u32]| prefilled(&model, tokens).0;
@@ -157,13 +155,11 @@ fn argmax(values: &[f32]) -> usize {
 #[test]
 fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
     slab_on();
-    let dir = tempfile::tempdir().unwrap();
     // Heads of 32: on CUDA, rows of different lengths then attend through
     // mlxgate's ragged kernel (it takes multiples of 32).
     let mut spec = TinyModelSpec::new(Architecture::Llama);
     spec.head_dim = 32;
-    write_tiny_model(dir.path(), &spec).unwrap();
-    let model = LoadedModel::load(dir.path()).unwrap().transformer;
+    let model = tiny_model(&spec);
     model.prepare_decode();
     let prompts = prompts(&[12, 5, 20, 9, 40, 7], 29, 7);
     let prefill = |tokens: &[u32]| {
@@ -254,9 +250,7 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
 fn prompts_of_different_lengths_prefill_together_as_alone() {
     slab_on();
     for architecture in [Architecture::Llama, Architecture::Qwen3] {
-        let dir = tempfile::tempdir().unwrap();
-        write_tiny_model(dir.path(), &TinyModelSpec::new(architecture)).unwrap();
-        let model = LoadedModel::load(dir.path()).unwrap().transformer;
+        let model = tiny_model(&TinyModelSpec::new(architecture));
         let vocab = model.config.vocab_size;
         let prompts = prompts(&[7, 19, 3, 12], 31, 13);
         // Sequence 1 has its first 5 tokens cached already.
@@ -333,12 +327,18 @@ fn prompts(lengths: &[usize], step: usize, shift: usize) -> Vec<Vec<u32>> {
 }
 
 /// `tokens` prefilled into a new cache: the cache and the last logits.
-fn prefilled(
-    model: &mlxgate::engine::model::transformer::Transformer,
-    tokens: &[u32],
-) -> (KvCache, Vec<f32>) {
+fn prefilled(model: &Transformer, tokens: &[u32]) -> (KvCache, Vec<f32>) {
     let mut cache = model.new_cache();
     let out = model.forward(&[tokens], &mut [&mut cache]).unwrap();
     out.eval().unwrap();
     (cache, out.as_slice::<f32>().to_vec())
+}
+
+/// A tiny random model of `spec`, its weights read in before its files go.
+fn tiny_model(spec: &TinyModelSpec) -> Transformer {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), spec).unwrap();
+    let model = LoadedModel::load(dir.path()).unwrap().transformer;
+    mlx_rs::transforms::eval(model.parameters()).unwrap();
+    model
 }
