@@ -322,8 +322,8 @@ impl Activation {
     fn apply(self, x: &Array) -> MlxResult<Array> {
         match self {
             Activation::Gelu if kernels::gelu_is_native(x) => kernels::gelu(x),
-            Activation::Gelu => mlx_rs::nn::gelu(x),
-            Activation::GeluTanh => mlx_rs::nn::gelu_approximate(x),
+            Activation::Gelu => crate::mlx::compiled::gelu(x),
+            Activation::GeluTanh => crate::mlx::compiled::gelu_tanh(x),
             Activation::Relu => mlx_rs::nn::relu(x),
         }
     }

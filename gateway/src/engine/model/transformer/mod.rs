@@ -6,7 +6,6 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
-use mlx_rs::nn::{gelu_approximate, silu};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{add, concatenate, multiply, zeros_dtype};
 use mlx_rs::{Array, Dtype};
@@ -23,6 +22,7 @@ use super::kv_cache::KvCache;
 use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
 use crate::engine::distributed::lockstep;
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
+use crate::mlx::compiled;
 use crate::mlx::kernels::{self, KernelChoice};
 use native::NativeDecoder;
 
@@ -878,11 +878,11 @@ fn gated_activation(
     gradients: Gradients,
 ) -> MlxResult<Array> {
     match family {
-        Family::Gemma3 => multiply(&gelu_approximate(gate)?, up),
+        Family::Gemma3 => compiled::geglu_tanh(gate, up),
         _ if gradients == Gradients::NotNeeded && kernels::silu_multiply_is_native(gate, up) => {
             kernels::silu_multiply(gate, up)
         }
-        _ => multiply(&silu(gate)?, up),
+        _ => compiled::swiglu(gate, up),
     }
 }
 
