@@ -16,7 +16,7 @@ Targets are run one after another (never at the same time) with the same
 workload and the same random seed, so numbers from one run are comparable;
 with two targets the ratios first/second of aggregate tok/s are printed.
 
-Scenarios (`--scenario`, repeatable, default all four):
+Scenarios (`--scenario`, repeatable, default all but `batch`):
 
   concurrency   for each level N of --streams, N clients each send short chats
                 back to back for --duration s (at least one request each).
@@ -24,6 +24,11 @@ Scenarios (`--scenario`, repeatable, default all four):
                 --long-prompt-delay s one ~2,000-token document (max_tokens 16)
                 arrives. Compares the streams' ITL before it with their ITL
                 while it is prefilled (its send until its first token).
+  batch         for each level N of --streams, N requests (short chats, each
+                --max-tokens) sent at once, once: the aggregate decode rate
+                while all N decode together (tokens arriving between the
+                last request's first token and the first request's last,
+                over that window), as a static batch in-process measures.
   poisson       Poisson arrivals at --rate req/s for --duration s: 80% short
                 chats (max_tokens 64), 20% long documents (max_tokens 32).
   overload      --burst requests at once, each on its own connection: who is
@@ -776,11 +781,44 @@ async def scenario_overload(cfg, target):
     return s
 
 
+async def scenario_batch(cfg, target):
+    out = []
+    for n in cfg.streams:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(send_chat(cfg, target, "short", short_prompt(cfg.seed, f"batch{n}", c, 0), cfg.max_tokens)
+              for c in range(n))
+        )
+        s = summarize(results, t0, time.perf_counter())
+        s["streams"] = n
+        # The window in which all n decode together.
+        started = [r.token_times[0] for r in results if r.token_times]
+        ended = [r.token_times[-1] for r in results if r.token_times]
+        s["decode_tok_s"] = None
+        if len(started) == n and n > 0:
+            lo, hi = max(started), min(ended)
+            inside = sum(sum(1 for t in r.token_times if lo < t <= hi) for r in results)
+            if hi > lo:
+                s["decode_window_s"] = round(hi - lo, 3)
+                s["decode_tok_s"] = round(inside / (hi - lo), 1)
+        out.append(s)
+        table(
+            f"[{target.name}] batch, {n} requests at once (decode tok/s while all decode; ms)",
+            [("streams", "streams"), ("decode tok/s", "decode_tok_s"), ("window s", "decode_window_s")]
+            + COMMON_COLS,
+            [s],
+        )
+        note_anomalies(s, f"{target.name} batch {n}")
+        await asyncio.sleep(cfg.settle)
+    return out
+
+
 SCENARIOS = {
     "concurrency": scenario_concurrency,
     "long-prompt": scenario_long_prompt,
     "poisson": scenario_poisson,
     "overload": scenario_overload,
+    "batch": scenario_batch,
 }
 
 
@@ -952,7 +990,7 @@ def parse_args(argv):
     if len({t.name for t in cfg.targets}) != len(cfg.targets):
         p.error("target names must differ")
     names = []
-    for s in cfg.scenario or list(SCENARIOS):
+    for s in cfg.scenario or [n for n in SCENARIOS if n != "batch"]:
         for n in s.split(","):
             n = n.strip()
             if n not in SCENARIOS:

@@ -2,7 +2,9 @@
 # GPU benchmark of one model directory, in one sitting on the GPU machine
 # (run through scripts/gpu/remote.sh, which sets MLXGATE and the libraries):
 # mlxgate over HTTP (benches/serve_load.py at 1/8/32/128 streams of short
-# chats decoding 64 tokens, and a 2,048-token prefill), then Hugging Face
+# chats decoding 64 tokens back to back, then the same numbers of requests
+# sent at once, whose decode rate while all decode together is what a peer's
+# static batch measures; and a 2,048-token prefill), then Hugging Face
 # transformers and Python mlx-lm on the same weights (scripts/gpu/bench_peers.py).
 #
 #   scripts/gpu/bench.sh MODEL_DIR OUT_DIR
@@ -34,7 +36,7 @@ gw=$!
 trap 'kill $gw 2>/dev/null || true' EXIT
 url="http://127.0.0.1:$port"
 python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 --wait-ready 600 | tee "$out/mlxgate-prefill.json" || true
-python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency \
+python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency --scenario batch \
     --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
     --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
