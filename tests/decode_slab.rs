@@ -293,6 +293,40 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
 }
 
 /// `got` holds the positions `want` holds (within float32 rounding).
+/// Projections stacked into one matmul each (q/k/v, gate/up), as models
+/// load on a GPU, compute what the separate ones do: a prompt's logits
+/// (strided views of the stacked output) and decode steps after it, in
+/// the slab where the family decodes there.
+#[test]
+fn stacked_projections_compute_what_separate_ones_do() {
+    slab_on();
+    for architecture in Architecture::ALL {
+        let spec = TinyModelSpec::new(architecture);
+        let separate = tiny_model(&spec);
+        let mut stacked = tiny_model(&spec);
+        stacked.stack_projections().unwrap();
+        let prompt = &prompts(&[21], 29, 0)[0];
+        let (mut want_cache, want) = prefilled(&separate, prompt);
+        let (mut got_cache, got) = prefilled(&stacked, prompt);
+        assert!(max_abs_diff(&got, &want) < 1e-5, "{architecture:?} prefill");
+        let none = AdapterStack::new();
+        for step in 0..4u32 {
+            let token = [7 + step * 11];
+            let want = separate
+                .decode(&token, &mut [&mut want_cache], &[&none])
+                .unwrap();
+            let got = stacked
+                .decode(&token, &mut [&mut got_cache], &[&none])
+                .unwrap();
+            assert!(
+                max_abs_diff(&got, &want) < 1e-5,
+                "{architecture:?} step {step}"
+            );
+            assert_eq!(argmax(&got), argmax(&want), "{architecture:?} step {step}");
+        }
+    }
+}
+
 fn assert_same_cache(got: &KvCache, want: &KvCache, sequence: usize) {
     assert_eq!(got.offset, want.offset, "sequence {sequence}");
     let got = got.settled().unwrap();

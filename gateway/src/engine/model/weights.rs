@@ -402,6 +402,83 @@ impl Linear {
             None => Ok(y),
         }
     }
+
+    /// `parts` as one projection, their output features one after another
+    /// (evaluated), with each part then a view of its rows: one matmul where
+    /// there were several, in the memory they took. `None` (nothing
+    /// changed) where the parts are stored differently: dense and
+    /// quantized, other bits or groups, other dtypes, a bias on some only.
+    pub fn stack(parts: &mut [&mut Linear]) -> MlxResult<Option<Linear>> {
+        let first = &parts[0];
+        let alike = parts.iter().all(|p| {
+            p.kernel.quantization() == first.kernel.quantization()
+                && p.bias.is_some() == first.bias.is_some()
+                && p.kernel
+                    .arrays()
+                    .iter()
+                    .zip(first.kernel.arrays())
+                    .all(|(a, b)| a.dtype() == b.dtype() && a.shape()[1..] == b.shape()[1..])
+        });
+        if !alike {
+            return Ok(None);
+        }
+        let rows: Vec<i32> = parts
+            .iter()
+            .map(|p| p.kernel.arrays()[0].shape()[0])
+            .collect();
+        let joined = |arrays: Vec<&Array>| -> MlxResult<Array> {
+            let all = mlx_rs::ops::concatenate(&arrays, 0)?;
+            all.eval()?;
+            Ok(all)
+        };
+        let kernels: Vec<Vec<&Array>> = parts.iter().map(|p| p.kernel.arrays()).collect();
+        let stacked_arrays = (0..kernels[0].len())
+            .map(|i| joined(kernels.iter().map(|k| k[i]).collect()))
+            .collect::<MlxResult<Vec<Array>>>()?;
+        let mut stacked_arrays = stacked_arrays.into_iter();
+        let mut next = || {
+            stacked_arrays
+                .next()
+                .expect("one stacked array per stored array")
+        };
+        let kernel = match &first.kernel {
+            Kernel::Dense(_) => Kernel::Dense(next()),
+            Kernel::Quantized {
+                group_size, bits, ..
+            } => Kernel::Quantized {
+                weight: next(),
+                scales: next(),
+                biases: next(),
+                group_size: *group_size,
+                bits: *bits,
+            },
+        };
+        let bias = match first.bias {
+            Some(_) => Some(joined(
+                parts
+                    .iter()
+                    .map(|p| p.bias.as_ref().expect("alike"))
+                    .collect(),
+            )?),
+            None => None,
+        };
+        let stacked = Linear { kernel, bias };
+        // Each part's arrays become views of its rows of the stack.
+        let mut start = 0;
+        for (part, rows) in parts.iter_mut().zip(rows) {
+            let range = start..start + rows;
+            let view = |all: &Array| -> MlxResult<Array> {
+                use mlx_rs::ops::indexing::IndexOp;
+                let view = all.index(range.clone());
+                view.eval()?;
+                Ok(view)
+            };
+            part.kernel = stacked.kernel.clone().map_rows(view)?;
+            part.bias = stacked.bias.as_ref().map(view).transpose()?;
+            start += rows;
+        }
+        Ok(Some(stacked))
+    }
 }
 
 /// Token embeddings; also the output projection when embeddings are tied.

@@ -26,11 +26,20 @@ use crate::mlx::compiled;
 use crate::mlx::kernels::{self, KernelChoice};
 use native::NativeDecoder;
 
+/// What a projection's output goes through: `residual(y, x, layer,
+/// projection)`, `y` its base output and `x` its input. Inference adds the
+/// rows' LoRA adapters ([`lora::residual_of`]); training, deltas autograd
+/// can differentiate.
+type Residual<'a> = &'a dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>;
+
 struct Attention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// On a GPU, q, k and v in one matmul (the three above are then views
+    /// of its rows): see [`Block::stack_projections`].
+    qkv: Option<Linear>,
     /// Qwen3 / Gemma3 normalise queries and keys per head before RoPE.
     q_norm: Option<Array>,
     k_norm: Option<Array>,
@@ -40,6 +49,8 @@ struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// On a GPU, gate and up in one matmul, as `qkv`.
+    gate_up: Option<Linear>,
 }
 
 struct Block {
@@ -81,9 +92,54 @@ impl Attention {
             k_proj: weights.linear(&format!("{p}.self_attn.k_proj"), kv_dim, h)?,
             v_proj: weights.linear(&format!("{p}.self_attn.v_proj"), kv_dim, h)?,
             o_proj: weights.linear(&format!("{p}.self_attn.o_proj"), h, q_dim)?,
+            qkv: None,
             q_norm: qk_norm(weights, "q_norm")?,
             k_norm: qk_norm(weights, "k_norm")?,
         })
+    }
+
+    /// Queries, keys and values of `x` (`[B, L, hidden]`), each `[B, heads,
+    /// L, head_dim]` (keys and values with `kv_heads`), normed per head
+    /// where the family does, not yet rotated.
+    fn project(
+        &self,
+        x: &Array,
+        layer: usize,
+        residual: Residual,
+        c: &ModelConfig,
+    ) -> MlxResult<(Array, Array, Array)> {
+        let (batch, length) = (x.shape()[0], x.shape()[1]);
+        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let (q, k, v) = match &self.qkv {
+            Some(qkv) => {
+                let y = qkv.forward(x)?;
+                let (q_end, k_end) = (heads * head_dim, (heads + kv_heads) * head_dim);
+                (
+                    y.index((.., .., ..q_end)),
+                    y.index((.., .., q_end..k_end)),
+                    y.index((.., .., k_end..)),
+                )
+            }
+            None => (
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            ),
+        };
+        // [B, L, heads * head_dim] -> [B, heads, L, head_dim]
+        let split = |y: Array, projection, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
+            let y = residual(y, x, layer, projection)?;
+            let mut y = y.reshape(&[batch, length, n, head_dim])?;
+            if let Some(norm) = norm {
+                y = rms_norm(&y, Some(norm), c.rms_norm_eps)?;
+            }
+            y.transpose_axes(&[0, 2, 1, 3])
+        };
+        Ok((
+            split(q, Projection::Q, heads, &self.q_norm)?,
+            split(k, Projection::K, kv_heads, &self.k_norm)?,
+            split(v, Projection::V, kv_heads, &None)?,
+        ))
     }
 }
 
@@ -95,7 +151,35 @@ impl Mlp {
             gate_proj: weights.linear(&format!("{p}.mlp.gate_proj"), i, h)?,
             up_proj: weights.linear(&format!("{p}.mlp.up_proj"), i, h)?,
             down_proj: weights.linear(&format!("{p}.mlp.down_proj"), h, i)?,
+            gate_up: None,
         })
+    }
+
+    /// The MLP of `x` (`[B, L, hidden]`): `down(act(gate(x)) * up(x))`.
+    fn forward(
+        &self,
+        x: &Array,
+        (layer, family): (usize, Family),
+        residual: Residual,
+        gradients: Gradients,
+    ) -> MlxResult<Array> {
+        let (gate, up) = match &self.gate_up {
+            Some(gate_up) => {
+                let y = gate_up.forward(x)?;
+                let middle = y.shape()[2] / 2;
+                (y.index((.., .., ..middle)), y.index((.., .., middle..)))
+            }
+            None => (self.gate_proj.forward(x)?, self.up_proj.forward(x)?),
+        };
+        let gate = residual(gate, x, layer, Projection::Gate)?;
+        let up = residual(up, x, layer, Projection::Up)?;
+        let gated = gated_activation(family, &gate, &up, gradients)?;
+        residual(
+            self.down_proj.forward(&gated)?,
+            &gated,
+            layer,
+            Projection::Down,
+        )
     }
 }
 
@@ -156,6 +240,19 @@ impl Block {
             },
             rope_scale: if sliding { 1.0 } else { c.rope_scale },
         })
+    }
+
+    /// Stacks q, k and v into one projection, and gate and up into another,
+    /// where each group is stored alike (see [`Linear::stack`]). On a GPU a
+    /// decode step is launch-bound: each matmul is a kernel, and small ones
+    /// (a 3B model's k and v) read their weights below the bandwidth the
+    /// larger ones reach.
+    fn stack_projections(&mut self) -> MlxResult<()> {
+        let a = &mut self.attention;
+        a.qkv = Linear::stack(&mut [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj])?;
+        let m = &mut self.mlp;
+        m.gate_up = Linear::stack(&mut [&mut m.gate_proj, &mut m.up_proj])?;
+        Ok(())
     }
 
     /// RoPE with this layer's settings, the first position at `offset`.
@@ -280,8 +377,16 @@ impl Transformer {
         let (h, offset) = (c.hidden_size, c.norm_weight_offset);
         let embed = weights.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut blocks = Vec::with_capacity(c.layers);
+        let stack = stacks_projections();
         for layer in 0..c.layers {
-            blocks.push(Block::load(weights, c, layer, from_gguf)?);
+            let mut block = Block::load(weights, c, layer, from_gguf)?;
+            if stack {
+                // Layer by layer: the separate weights go as each is stacked.
+                block
+                    .stack_projections()
+                    .map_err(|e| LoadError::Mlx(e.to_string()))?;
+            }
+            blocks.push(block);
         }
         let final_norm = weights.vector("model.norm.weight", h, offset)?;
         let lm_head = if weights.contains("lm_head.weight") {
@@ -301,6 +406,14 @@ impl Transformer {
             slab: std::sync::Mutex::new(None),
             tp: None,
         })
+    }
+
+    /// Stacks every layer's projections as a GPU does at load (see
+    /// `Block::stack_projections`); the function computed is the same.
+    pub fn stack_projections(&mut self) -> MlxResult<()> {
+        self.blocks
+            .iter_mut()
+            .try_for_each(Block::stack_projections)
     }
 
     /// Every weight array, to evaluate once at load: casts and renames are
@@ -623,6 +736,7 @@ impl Transformer {
                     k_proj: dense(&a.k_proj)?,
                     v_proj: dense(&a.v_proj)?,
                     o_proj: dense(&a.o_proj)?,
+                    qkv: None,
                     q_norm: a.q_norm.clone(),
                     k_norm: a.k_norm.clone(),
                 },
@@ -632,6 +746,7 @@ impl Transformer {
                     gate_proj: dense(&b.mlp.gate_proj)?,
                     up_proj: dense(&b.mlp.up_proj)?,
                     down_proj: dense(&b.mlp.down_proj)?,
+                    gate_up: None,
                 },
                 post_mlp_norm: b.post_mlp_norm.clone(),
                 sliding_window: b.sliding_window,
@@ -674,34 +789,15 @@ impl Transformer {
         let mut x = self.embed_ids(ids)?;
         let shape = x.shape().to_vec();
         let (batch, length) = (shape[0], shape[1]);
-        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let (heads, head_dim) = (c.heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
         let scale = c.attention_scale();
         for (layer, block) in self.blocks.iter().enumerate() {
-            let project = |linear: &Linear, projection, x: &Array| {
-                residual(linear.forward(x)?, x, layer, projection)
-            };
             let a = &block.attention;
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
-            let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
-                let mut y = y.reshape(&[batch, length, n, head_dim])?;
-                if let Some(norm) = norm {
-                    y = rms_norm(&y, Some(norm), eps)?;
-                }
-                y.transpose_axes(&[0, 2, 1, 3])
-            };
-            let rotate = |y: Array| block.rotate(y, c, 0);
-            let q = rotate(split(
-                project(&a.q_proj, Projection::Q, &normed)?,
-                heads,
-                &a.q_norm,
-            )?)?;
-            let k = rotate(split(
-                project(&a.k_proj, Projection::K, &normed)?,
-                kv_heads,
-                &a.k_norm,
-            )?)?;
-            let v = split(project(&a.v_proj, Projection::V, &normed)?, kv_heads, &None)?;
+            let (q, k, v) = a.project(&normed, layer, residual, c)?;
+            let q = block.rotate(q, c, 0)?;
+            let k = block.rotate(k, c, 0)?;
             let window_mask;
             let mask = match block.sliding_window.filter(|&w| length as usize > w) {
                 Some(window) => {
@@ -713,17 +809,21 @@ impl Transformer {
             let attended = scaled_dot_product_attention(&q, &k, &v, scale, Some(mask), None)?
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[batch, length, heads * head_dim])?;
-            let mut attended = project(&a.o_proj, Projection::O, &attended)?;
+            let mut attended = residual(
+                a.o_proj.forward(&attended)?,
+                &attended,
+                layer,
+                Projection::O,
+            )?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
             x = add(&x, &attended)?;
             let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
-            let m = &block.mlp;
-            let gate = project(&m.gate_proj, Projection::Gate, &normed)?;
-            let up = project(&m.up_proj, Projection::Up, &normed)?;
-            let gated = gated_activation(c.family, &gate, &up, Gradients::Needed)?;
-            let mut mlp = project(&m.down_proj, Projection::Down, &gated)?;
+            let mut mlp =
+                block
+                    .mlp
+                    .forward(&normed, (layer, c.family), residual, Gradients::Needed)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
@@ -757,13 +857,15 @@ impl Transformer {
         x: &Array,
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
-        let project = |linear: &Linear, projection, x: &Array| {
-            lora::apply(linear.forward(x)?, x, layer, projection, adapters)
-        };
-        let gate = project(&mlp.gate_proj, Projection::Gate, x)?;
-        let up = project(&mlp.up_proj, Projection::Up, x)?;
-        let gated = gated_activation(self.config.family, &gate, &up, Gradients::NotNeeded)?;
-        self.all_ranks(project(&mlp.down_proj, Projection::Down, &gated)?, true)
+        let with_adapters =
+            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, adapters);
+        let out = mlp.forward(
+            x,
+            (layer, self.config.family),
+            &with_adapters,
+            Gradients::NotNeeded,
+        )?;
+        self.all_ranks(out, true)
     }
 
     /// Attention of B sequences (`x`: `[B, L, hidden]`, left-padded: each
@@ -778,24 +880,13 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let c = &self.config;
-        let project = |linear: &Linear, projection, x: &Array| {
-            lora::apply(linear.forward(x)?, x, layer, projection, adapters)
-        };
+        let with_adapters =
+            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, adapters);
         let shape = x.shape();
         let (batch, length) = (shape[0], shape[1]);
-        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let (heads, head_dim) = (c.heads as i32, c.head_dim as i32);
         let a = &block.attention;
-        // [B, L, heads, head_dim] -> [B, heads, L, head_dim]
-        let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
-            let mut y = y.reshape(&[batch, length, n, head_dim])?;
-            if let Some(norm) = norm {
-                y = rms_norm(&y, Some(norm), c.rms_norm_eps)?;
-            }
-            y.transpose_axes(&[0, 2, 1, 3])
-        };
-        let queries = split(project(&a.q_proj, Projection::Q, x)?, heads, &a.q_norm)?;
-        let keys = split(project(&a.k_proj, Projection::K, x)?, kv_heads, &a.k_norm)?;
-        let values = split(project(&a.v_proj, Projection::V, x)?, kv_heads, &None)?;
+        let (queries, keys, values) = a.project(x, layer, &with_adapters, c)?;
         let scale = c.attention_scale();
         // A decode step of several sequences rotates every row in one op,
         // each at its own position: a graph node per row costs MLX's CPU
@@ -857,7 +948,8 @@ impl Transformer {
         };
         let merged = attended.reshape(&[batch, length, heads * head_dim])?;
         let split = self.tp.as_ref().is_some_and(|tp| tp.attention_split);
-        self.all_ranks(project(&a.o_proj, Projection::O, &merged)?, split)
+        let out = with_adapters(a.o_proj.forward(&merged)?, &merged, layer, Projection::O)?;
+        self.all_ranks(out, split)
     }
 }
 
@@ -867,6 +959,19 @@ impl Transformer {
 enum Gradients {
     Needed,
     NotNeeded,
+}
+
+/// Whether models stack their projections as they load
+/// ([`Block::stack_projections`]): on a GPU, unless
+/// `MLXGATE_STACK_PROJECTIONS=0`; on the CPU only when it is `1` (tests),
+/// since the native kernels take each projection packed on its own.
+fn stacks_projections() -> bool {
+    let asked = std::env::var("MLXGATE_STACK_PROJECTIONS").ok();
+    match asked.as_deref() {
+        Some("0") => false,
+        Some("1") => true,
+        _ => crate::mlx::Backend::detect() != crate::mlx::Backend::Cpu,
+    }
 }
 
 /// The MLP's gated activation, `act(gate) * up`: GELU (tanh form) for Gemma,

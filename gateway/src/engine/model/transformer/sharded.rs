@@ -96,6 +96,7 @@ impl Transformer {
                 gate_proj: column_parallel(&m.gate_proj, plan.ffn.clone()).map_err(mlx)?,
                 up_proj: column_parallel(&m.up_proj, plan.ffn.clone()).map_err(mlx)?,
                 down_proj: row_parallel(&m.down_proj, plan.ffn.clone(), keep_bias).map_err(mlx)?,
+                gate_up: None,
             };
             let attention = if split {
                 let a = &b.attention;
@@ -104,6 +105,7 @@ impl Transformer {
                     k_proj: column_parallel(&a.k_proj, plan.kv_rows()).map_err(mlx)?,
                     v_proj: column_parallel(&a.v_proj, plan.kv_rows()).map_err(mlx)?,
                     o_proj: row_parallel(&a.o_proj, plan.q_rows(), keep_bias).map_err(mlx)?,
+                    qkv: None,
                     q_norm: a.q_norm.clone(),
                     k_norm: a.k_norm.clone(),
                 }

@@ -537,34 +537,16 @@ impl Transformer {
         (rows, end): (i32, usize),
     ) -> MlxResult<(Array, Vec<(Array, Array)>)> {
         let c = &self.config;
-        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let (heads, head_dim) = (c.heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
+        let with_adapters =
+            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, row_adapters);
         let mut x = self.embed_ids(ids)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let a = &block.attention;
-            let project = |linear: &super::Linear, projection, x: &Array| {
-                lora::apply(linear.forward(x)?, x, index, projection, row_adapters)
-            };
-            let split = |y: Array, n: i32, norm: &Option<Array>| -> MlxResult<Array> {
-                let mut y = y.reshape(&[rows, 1, n, head_dim])?;
-                if let Some(norm) = norm {
-                    y = rms_norm(&y, Some(norm), eps)?;
-                }
-                y.transpose_axes(&[0, 2, 1, 3])
-            };
-            let q = split(
-                project(&a.q_proj, Projection::Q, &normed)?,
-                heads,
-                &a.q_norm,
-            )?;
-            let k = split(
-                project(&a.k_proj, Projection::K, &normed)?,
-                kv_heads,
-                &a.k_norm,
-            )?;
-            let v = split(project(&a.v_proj, Projection::V, &normed)?, kv_heads, &None)?;
+            let (q, k, v) = a.project(&normed, index, &with_adapters, c)?;
             let q = block.rotate_rows(&q, c, offsets)?;
             let k = block.rotate_rows(&k, c, offsets)?;
             let (all_keys, all_values) = &held[index];
@@ -596,7 +578,12 @@ impl Transformer {
                 }
             }
             .reshape(&[rows, 1, heads * head_dim])?;
-            let mut attended = project(&a.o_proj, Projection::O, &attended)?;
+            let mut attended = with_adapters(
+                a.o_proj.forward(&attended)?,
+                &attended,
+                index,
+                Projection::O,
+            )?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
