@@ -98,6 +98,11 @@ impl Attention {
         })
     }
 
+    /// The output projection of the heads' concatenated outputs `merged`.
+    fn output(&self, merged: &Array, layer: usize, residual: Residual) -> MlxResult<Array> {
+        residual(self.o_proj.forward(merged)?, merged, layer, Projection::O)
+    }
+
     /// Queries, keys and values of `x` (`[B, L, hidden]`), each `[B, heads,
     /// L, head_dim]` (keys and values with `kv_heads`), normed per head
     /// where the family does, not yet rotated.
@@ -809,12 +814,7 @@ impl Transformer {
             let attended = scaled_dot_product_attention(&q, &k, &v, scale, Some(mask), None)?
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[batch, length, heads * head_dim])?;
-            let mut attended = residual(
-                a.o_proj.forward(&attended)?,
-                &attended,
-                layer,
-                Projection::O,
-            )?;
+            let mut attended = a.output(&attended, layer, residual)?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
@@ -948,7 +948,7 @@ impl Transformer {
         };
         let merged = attended.reshape(&[batch, length, heads * head_dim])?;
         let split = self.tp.as_ref().is_some_and(|tp| tp.attention_split);
-        let out = with_adapters(a.o_proj.forward(&merged)?, &merged, layer, Projection::O)?;
+        let out = a.output(&merged, layer, &with_adapters)?;
         self.all_ranks(out, split)
     }
 }

@@ -33,7 +33,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
 use super::{Decoded, GreedyPick, Transformer};
-use crate::engine::lora::{self, AdapterStack, Projection};
+use crate::engine::lora::{self, AdapterStack};
 use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
 use crate::mlx::kernels;
@@ -578,12 +578,7 @@ impl Transformer {
                 }
             }
             .reshape(&[rows, 1, heads * head_dim])?;
-            let mut attended = with_adapters(
-                a.o_proj.forward(&attended)?,
-                &attended,
-                index,
-                Projection::O,
-            )?;
+            let mut attended = a.output(&attended, index, &with_adapters)?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
