@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A whole GPU sitting in one command, the most wanted results first, each
+# written under OUT_DIR as it finishes (a call that runs out of time still
+# brings back what finished). Runs on the GPU machine through
+# scripts/gpu/remote.sh, after packing here the test binary of
+# `cargo test --release --no-run --test decode_slab` (README, GPU):
+#
+#   scripts/gpu/remote.sh run scripts/gpu/sitting.sh OUT_DIR [3b|8b]
+#
+# 1. the random-weight model (scripts/gpu/random_model.py) and its benchmark
+#    against Python mlx-lm, with the step trace (scripts/gpu/bench.sh);
+# 2. the decode_slab tests in float32 (the packed test binary), but for the
+#    stacked-projections one: on a GPU both of its models load stacked;
+# 3. one and 32 streams with projections kept apart
+#    (MLXGATE_STACK_PROJECTIONS=0), to measure what stacking brings.
+set -u
+out=$1 size=${2:-3b}
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+model=/tmp/m$size
+[ -d "$model" ] || python3 "$root/scripts/gpu/random_model.py" "$size" "$model" "$PAYLOAD/target/gpu-tokenizer" > "$out/model.log" 2>&1 \
+    || { tail -5 "$out/model.log"; exit 1; }
+bench() {
+    local name=$1; shift
+    env "$@" GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 GPU_BENCH_DURATION=5 \
+        "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
+    rm -f "$out/$name/gateway.log"
+    grep -E "^ +[0-9]+ |prefill|mlx-lm" "$out/$name.txt" | head -30
+    cat "$out/$name/steps.txt" 2>/dev/null
+}
+echo "== $size, mlxgate and mlx-lm"
+bench "$size" GPU_BENCH_PEERS=mlx-lm
+echo "== decode_slab, float32"
+(cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 120 \
+    "$PAYLOAD"/target/release/deps/decode_slab-* --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
+echo "== $size, projections kept apart"
+bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
