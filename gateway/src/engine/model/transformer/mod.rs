@@ -28,8 +28,8 @@ use native::NativeDecoder;
 
 /// What a projection's output goes through: `residual(y, x, layer,
 /// projection)`, `y` its base output and `x` its input. Inference adds the
-/// rows' LoRA adapters ([`lora::residual_of`]); training, deltas autograd
-/// can differentiate.
+/// rows' LoRA adapters ([`lora::apply`]); training, deltas autograd can
+/// differentiate.
 type Residual<'a> = &'a dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>;
 
 struct Attention {
@@ -248,10 +248,10 @@ impl Block {
     }
 
     /// Stacks q, k and v into one projection, and gate and up into another,
-    /// where each group is stored alike (see [`Linear::stack`]). On a GPU a
-    /// decode step is launch-bound: each matmul is a kernel, and small ones
-    /// (a 3B model's k and v) read their weights below the bandwidth the
-    /// larger ones reach.
+    /// where each group is stored alike (see [`Linear::stack`]). On a GPU
+    /// each matmul of a decode step is a kernel launch, and small ones (a
+    /// 3B model's k and v) read their weights below the bandwidth larger
+    /// ones reach: stacked, a layer launches three fewer.
     fn stack_projections(&mut self) -> MlxResult<()> {
         let a = &mut self.attention;
         a.qkv = Linear::stack(&mut [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj])?;
