@@ -460,6 +460,14 @@ pub fn load(
     })
 }
 
+/// [`apply`] with these stacks, as the residual every projection's output
+/// goes through in the decoder's forward passes.
+pub fn residual_of<'a>(
+    stacks: &'a [&'a AdapterStack],
+) -> impl Fn(Array, &Array, usize, Projection) -> MlxResult<Array> + 'a {
+    move |y, x, layer, projection| apply(y, x, layer, projection, stacks)
+}
+
 /// Adds each sequence's adapter residuals to `y = base(x)`, `x` being
 /// `[B, L, in]` with one stack per sequence. Sequences sharing one stack
 /// (the common case) are done as one batch; a mixed batch row by row.

@@ -28,7 +28,7 @@ use native::NativeDecoder;
 
 /// What a projection's output goes through: `residual(y, x, layer,
 /// projection)`, `y` its base output and `x` its input. Inference adds the
-/// rows' LoRA adapters ([`lora::apply`]); training, deltas autograd can
+/// rows' LoRA adapters ([`lora::residual_of`]); training, deltas autograd can
 /// differentiate.
 type Residual<'a> = &'a dyn Fn(Array, &Array, usize, Projection) -> MlxResult<Array>;
 
@@ -857,8 +857,7 @@ impl Transformer {
         x: &Array,
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
-        let with_adapters =
-            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, adapters);
+        let with_adapters = lora::residual_of(adapters);
         let out = mlp.forward(
             x,
             (layer, self.config.family),
@@ -880,8 +879,7 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let c = &self.config;
-        let with_adapters =
-            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, adapters);
+        let with_adapters = lora::residual_of(adapters);
         let shape = x.shape();
         let (batch, length) = (shape[0], shape[1]);
         let (heads, head_dim) = (c.heads as i32, c.head_dim as i32);

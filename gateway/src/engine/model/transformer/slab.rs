@@ -539,8 +539,7 @@ impl Transformer {
         let c = &self.config;
         let (heads, head_dim) = (c.heads as i32, c.head_dim as i32);
         let eps = c.rms_norm_eps;
-        let with_adapters =
-            |y, x: &Array, layer, projection| lora::apply(y, x, layer, projection, row_adapters);
+        let with_adapters = lora::residual_of(row_adapters);
         let mut x = self.embed_ids(ids)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
