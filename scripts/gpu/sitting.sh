@@ -26,13 +26,15 @@ bench() {
     env "$@" GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 GPU_BENCH_DURATION=5 \
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
-    grep -E "^ +[0-9]+ |prefill|mlx-lm" "$out/$name.txt" | head -30
+    grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -30
     cat "$out/$name/steps.txt" 2>/dev/null
 }
 echo "== $size, mlxgate and mlx-lm"
 bench "$size" GPU_BENCH_PEERS=mlx-lm
 echo "== decode_slab, float32"
+# The packed test binary (a glob could also match cargo's .d files here).
+for slab in "$PAYLOAD"/target/release/deps/decode_slab-*; do [ -x "$slab" ] && break; done
 (cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 120 \
-    "$PAYLOAD"/target/release/deps/decode_slab-* --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
+    "$slab" --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
 echo "== $size, projections kept apart"
 bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
