@@ -234,6 +234,10 @@ int mlxgate_ragged_decode_attention(
     char* error,
     size_t error_len);
 
+/* Writes the unevaluated graph behind `outputs` to the file `path` in
+ * Graphviz dot (MLX's export_to_dot). Returns 0, or 1 on any failure. */
+int mlxgate_export_to_dot(const mlx_array* outputs, size_t count, const char* path);
+
 #ifdef __cplusplus
 }
 #endif

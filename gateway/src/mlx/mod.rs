@@ -5,6 +5,7 @@
 
 pub mod compiled;
 pub mod distributed;
+pub mod graph;
 pub mod kernels;
 mod runtime;
 

@@ -363,6 +363,8 @@ impl Transformer {
         let barred: Vec<bool> = given.iter().map(|g| g.is_some_and(|g| g.barred)).collect();
         let picked = self.pick_greedy(&launched.logits, pick.banned, &barred)?;
         let built = std::time::Instant::now();
+        let width = slab.rows.len();
+        crate::mlx::graph::dump_once(|| format!("decode-{width}"), &[&picked]);
         mlx_rs::transforms::async_eval(
             std::iter::once(&picked).chain(
                 launched

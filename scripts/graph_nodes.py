@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Compares one decode step's graph in mlxgate with Python mlx-lm's, node
+by node (each node a primitive: on a GPU a kernel launch or a view). The
+step is mlxgate's GPU step (`MLXGATE_KERNELS=mlx MLXGATE_DECODE_SLAB=1
+MLXGATE_STACK_PROJECTIONS=1`) run here on the CPU, and mlx-lm's cached decode
+of B sequences of one length (what scripts/gpu/bench_peers.py times). Both
+use the same fast ops (RMS norm, RoPE, attention); on the CPU MLX expands
+them into their fallbacks in both graphs alike.
+
+    graph_nodes.py MLXGATE MODEL_DIR PYTHON [--rows 1,8]
+
+MLXGATE is the binary, MODEL_DIR an mlx-community directory (`mlxgate
+convert`), PYTHON one with mlx-lm 0.32.2 (scripts/bench-vs-mlx-lm.sh makes
+.deps/refenv). Prints, per row count, the node totals and every primitive
+whose count differs.
+"""
+import argparse
+import collections
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+# mlx-lm's step: B copies of a prompt prefilled, seven steps taken, the
+# eighth written (mlxgate writes its eighth step of each width).
+MLX_LM_STEP = r"""
+import sys, mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+model, tok = load(sys.argv[1])
+rows = int(sys.argv[3])
+cache = make_prompt_cache(model)
+y = mx.argmax(model(mx.array([tok.encode("Hi there")] * rows), cache=cache)[:, -1, :], axis=-1)
+for _ in range(7):
+    y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+mx.export_to_dot(sys.argv[2], mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1))
+"""
+
+
+def nodes(dot):
+    """Primitive name -> count: each node once (siblings share one)."""
+    text = open(dot).read()
+    return collections.Counter(dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', text)).values())
+
+
+def chat(url, model, max_tokens):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi there"}],
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+    urllib.request.urlopen(req, timeout=600).read()
+
+
+def mlxgate_steps(binary, model, rows, out):
+    """Serves `model` with the GPU's step on the CPU and sends `rows` chats
+    at once for each row count, so that each width's eighth step is written."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MLXGATE_KERNELS="mlx", MLXGATE_DECODE_SLAB="1",
+               MLXGATE_STACK_PROJECTIONS="1", MLXGATE_GRAPH_DOT=out)
+    server = subprocess.Popen([binary, "serve", "-m", model, "-p", str(port), "--data-dir",
+                               os.path.join(out, "data")], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/readyz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        name = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+        for n in rows:
+            threads = [threading.Thread(target=chat, args=(url, name, 24)) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mlxgate")
+    p.add_argument("model")
+    p.add_argument("python")
+    p.add_argument("--rows", default="1,8")
+    a = p.parse_args()
+    rows = [int(n) for n in a.rows.split(",")]
+    with tempfile.TemporaryDirectory() as out:
+        mlxgate_steps(a.mlxgate, a.model, rows, out)
+        for n in rows:
+            ours = os.path.join(out, f"decode-{n}.dot")
+            theirs = os.path.join(out, f"mlx-lm-{n}.dot")
+            subprocess.run([a.python, "-c", MLX_LM_STEP, a.model, theirs, str(n)], check=True)
+            if not os.path.exists(ours):
+                sys.exit(f"mlxgate wrote no step of {n} rows (did all {n} chats decode together?)")
+            mine, peer = nodes(ours), nodes(theirs)
+            print(f"{n} rows: mlxgate {sum(mine.values())} nodes, mlx-lm {sum(peer.values())}")
+            for name in sorted(mine.keys() | peer.keys(), key=lambda k: -(mine[k] + peer[k])):
+                if mine[name] != peer[name]:
+                    print(f"  {name:28} {mine[name]:6} {peer[name]:6}")
+
+
+if __name__ == "__main__":
+    main()
