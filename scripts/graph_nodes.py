@@ -8,6 +8,10 @@ use the same fast ops (RMS norm, RoPE, attention); on the CPU MLX expands
 them into their fallbacks in both graphs alike.
 
     graph_nodes.py MLXGATE MODEL_DIR PYTHON [--rows 1,8]
+    graph_nodes.py --count FILE.dot...     each file's nodes by primitive
+    graph_nodes.py --mlx-lm MODEL_DIR OUT.dot ROWS
+                                           mlx-lm's step of ROWS rows, with
+                                           this Python (on a GPU: its graph there)
 
 MLXGATE is the binary, MODEL_DIR an mlx-community directory (`mlxgate
 convert`), PYTHON one with mlx-lm 0.32.2 (scripts/bench-vs-mlx-lm.sh makes
@@ -88,7 +92,18 @@ def mlxgate_steps(binary, model, rows, out):
         server.wait()
 
 
+def count(files):
+    for f in files:
+        found = nodes(f)
+        top = ", ".join(f"{name} {n}" for name, n in found.most_common(12))
+        print(f"{os.path.basename(f)}: {sum(found.values())} nodes: {top}")
+
+
 def main():
+    if sys.argv[1:2] == ["--count"]:
+        return count(sys.argv[2:])
+    if sys.argv[1:2] == ["--mlx-lm"]:
+        return subprocess.run([sys.executable, "-c", MLX_LM_STEP, *sys.argv[2:5]], check=True)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mlxgate")
     p.add_argument("model")

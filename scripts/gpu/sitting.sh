@@ -12,7 +12,9 @@
 # 2. the decode_slab tests in float32 (the packed test binary), but for the
 #    stacked-projections one: on a GPU both of its models load stacked;
 # 3. one and 32 streams with projections kept apart
-#    (MLXGATE_STACK_PROJECTIONS=0), to measure what stacking brings.
+#    (MLXGATE_STACK_PROJECTIONS=0), to measure what stacking brings;
+# 4. mlx-lm's decode step graph there, to hold against mlxgate's (each bench
+#    counts the nodes of mlxgate's steps, MLXGATE_GRAPH_DOT).
 set -u
 out=$1 size=${2:-3b}
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -23,11 +25,14 @@ model=/tmp/m$size
     || { tail -5 "$out/model.log"; exit 1; }
 bench() {
     local name=$1; shift
-    env "$@" GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 GPU_BENCH_DURATION=5 \
+    mkdir -p "/tmp/dot-$name"
+    env "$@" GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 GPU_BENCH_DURATION=5 MLXGATE_GRAPH_DOT="/tmp/dot-$name" \
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -30
     cat "$out/$name/steps.txt" 2>/dev/null
+    # The GPU step's nodes by primitive, per batch width (MLXGATE_GRAPH_DOT).
+    python3 "$root/scripts/graph_nodes.py" --count /tmp/dot-$name/decode-*.dot 2>&1 | head -40
 }
 echo "== $size, mlxgate and mlx-lm"
 bench "$size" GPU_BENCH_PEERS=mlx-lm
@@ -38,3 +43,8 @@ for slab in "$PAYLOAD"/target/release/deps/decode_slab-*; do [ -x "$slab" ] && b
     "$slab" --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
 echo "== $size, projections kept apart"
 bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
+echo "== mlx-lm's step graph on the GPU, 1 and 8 rows"
+for rows in 1 8; do
+    python3 "$root/scripts/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows > /dev/null 2>&1
+done
+python3 "$root/scripts/graph_nodes.py" --count /tmp/dot-mlx-lm-*.dot

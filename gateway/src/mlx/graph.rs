@@ -3,7 +3,8 @@
 //! (`scripts/graph_nodes.py`): on a GPU each node is a kernel launch or a
 //! view, so a step with more nodes than mlx-lm's costs more at the same
 //! weights. `MLXGATE_GRAPH_DOT=DIR` writes the eighth decode step of each
-//! batch width there: the first ones also build or grow the KV slab.
+//! batch width of a power of two there: the first ones also build or grow
+//! the KV slab.
 
 use std::collections::HashMap;
 use std::ffi::CString;

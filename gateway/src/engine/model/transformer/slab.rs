@@ -364,7 +364,10 @@ impl Transformer {
         let picked = self.pick_greedy(&launched.logits, pick.banned, &barred)?;
         let built = std::time::Instant::now();
         let width = slab.rows.len();
-        crate::mlx::graph::dump_once(|| format!("decode-{width}"), &[&picked]);
+        if width.is_power_of_two() {
+            // Widths of powers of two alone: few files, few pauses in a benchmark.
+            crate::mlx::graph::dump_once(|| format!("decode-{width}"), &[&picked]);
+        }
         mlx_rs::transforms::async_eval(
             std::iter::once(&picked).chain(
                 launched
