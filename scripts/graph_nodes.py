@@ -11,12 +11,14 @@ them into their fallbacks in both graphs alike.
     graph_nodes.py --count FILE.dot...     each file's nodes by primitive
     graph_nodes.py --mlx-lm MODEL_DIR OUT.dot ROWS
                                            mlx-lm's step of ROWS rows, with
-                                           this Python (on a GPU: its graph there)
+                                           this Python (on a GPU: its graph
+                                           there); prints its build in ms
 
 MLXGATE is the binary, MODEL_DIR an mlx-community directory (`mlxgate
 convert`), PYTHON one with mlx-lm 0.32.2 (scripts/bench-vs-mlx-lm.sh makes
-.deps/refenv). Prints, per row count, the node totals and every primitive
-whose count differs.
+.deps/refenv). Prints, per row count, the node totals, the median time to
+build a step's graph (the host's share of a step before MLX runs it), and
+every primitive whose count differs.
 """
 import argparse
 import collections
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,20 +34,26 @@ import threading
 import time
 import urllib.request
 
-# mlx-lm's step: B copies of a prompt prefilled, seven steps taken, the
-# eighth written (mlxgate writes its eighth step of each width).
+# mlx-lm's step: B copies of a prompt prefilled, steps taken, the eighth
+# written (mlxgate writes its eighth step of each width); prints the median
+# time to build a step's graph (the host's share, before MLX runs it).
 MLX_LM_STEP = r"""
-import sys, mlx.core as mx
+import statistics, sys, time, mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 model, tok = load(sys.argv[1])
 rows = int(sys.argv[3])
 cache = make_prompt_cache(model)
 y = mx.argmax(model(mx.array([tok.encode("Hi there")] * rows), cache=cache)[:, -1, :], axis=-1)
-for _ in range(7):
+built = []
+for step in range(2, 24):
+    start = time.perf_counter()
     y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+    built.append((time.perf_counter() - start) * 1e3)
+    if step == 8:
+        mx.export_to_dot(sys.argv[2], y)
     mx.eval(y)
-mx.export_to_dot(sys.argv[2], mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1))
+print(statistics.median(built))
 """
 
 
@@ -69,9 +78,10 @@ def mlxgate_steps(binary, model, rows, out):
         port = s.getsockname()[1]
     env = dict(os.environ, MLXGATE_KERNELS="mlx", MLXGATE_DECODE_SLAB="1",
                MLXGATE_STACK_PROJECTIONS="1", MLXGATE_GRAPH_DOT=out)
+    env.update(MLXGATE_LOG_FORMAT="json", RUST_LOG="info,mlxgate::engine::steps=debug")
+    log = open(os.path.join(out, "gateway.log"), "w")
     server = subprocess.Popen([binary, "serve", "-m", model, "-p", str(port), "--data-dir",
-                               os.path.join(out, "data")], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               os.path.join(out, "data")], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -90,6 +100,18 @@ def mlxgate_steps(binary, model, rows, out):
     finally:
         server.terminate()
         server.wait()
+        log.close()
+
+
+def build_ms(log, rows):
+    """The median graph build of mlxgate's slab steps of `rows` rows."""
+    times = []
+    for line in open(log, errors="replace"):
+        if '"slab decode step"' in line:
+            event = json.loads(line)
+            if event.get("rows") == rows and "build_ms" in event:
+                times.append(float(event["build_ms"]))
+    return statistics.median(times) if times else float("nan")
 
 
 def count(files):
@@ -116,11 +138,13 @@ def main():
         for n in rows:
             ours = os.path.join(out, f"decode-{n}.dot")
             theirs = os.path.join(out, f"mlx-lm-{n}.dot")
-            subprocess.run([a.python, "-c", MLX_LM_STEP, a.model, theirs, str(n)], check=True)
+            peer_ms = float(subprocess.run([a.python, "-c", MLX_LM_STEP, a.model, theirs, str(n)],
+                                           check=True, capture_output=True, text=True).stdout.split()[-1])
             if not os.path.exists(ours):
                 sys.exit(f"mlxgate wrote no step of {n} rows (did all {n} chats decode together?)")
             mine, peer = nodes(ours), nodes(theirs)
-            print(f"{n} rows: mlxgate {sum(mine.values())} nodes, mlx-lm {sum(peer.values())}")
+            print(f"{n} rows: mlxgate {sum(mine.values())} nodes, built in {build_ms(os.path.join(out, 'gateway.log'), n):.2f} ms;"
+                  f" mlx-lm {sum(peer.values())} nodes, built in {peer_ms:.2f} ms (medians)")
             for name in sorted(mine.keys() | peer.keys(), key=lambda k: -(mine[k] + peer[k])):
                 if mine[name] != peer[name]:
                     print(f"  {name:28} {mine[name]:6} {peer[name]:6}")

@@ -45,6 +45,6 @@ echo "== $size, projections kept apart"
 bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
 echo "== mlx-lm's step graph on the GPU, 1 and 8 rows"
 for rows in 1 8; do
-    python3 "$root/scripts/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows > /dev/null 2>&1
+    echo "mlx-lm, $rows rows: a step's graph built in $(python3 "$root/scripts/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows 2>&1 | tail -1) ms (median)"
 done
 python3 "$root/scripts/graph_nodes.py" --count /tmp/dot-mlx-lm-*.dot
