@@ -13,13 +13,14 @@ where the answers part.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from served import served
 
 PROMPTS = [
     "What is the capital of France?",
@@ -32,34 +33,9 @@ PROMPTS = [
 MAX_TOKENS = 32
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def answers(binary, model):
-    port = free_port()
     data = tempfile.mkdtemp(prefix="mlxgate-parity-")
-    log = open(os.path.join(data, "gateway.log"), "w")
-    gw = subprocess.Popen(
-        [binary, "serve", "-p", str(port), "-m", os.path.abspath(model), "--data-dir", data],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/readyz", timeout=1)
-                break
-            except Exception:
-                if gw.poll() is not None:
-                    sys.exit(f"the gateway exited: see {log.name}")
-                time.sleep(0.1)
-        models = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))
-        name = models["data"][0]["id"]
+    with served(binary, model, data) as (url, name):
         out = []
         for prompt in PROMPTS:
             body = {
@@ -86,9 +62,6 @@ def answers(binary, model):
         doctor = subprocess.run([binary, "doctor", "-m", os.path.abspath(model)],
                                 capture_output=True, text=True)
         return {"doctor": doctor.stdout + doctor.stderr, "answers": out}
-    finally:
-        gw.terminate()
-        gw.wait()
 
 
 def main():

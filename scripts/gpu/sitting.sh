@@ -32,7 +32,7 @@ bench() {
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -30
     cat "$out/$name/steps.txt" 2>/dev/null
     # The GPU step's nodes by primitive, per batch width (MLXGATE_GRAPH_DOT).
-    python3 "$root/scripts/graph_nodes.py" --count /tmp/dot-$name/decode-*.dot 2>&1 | head -40
+    python3 "$root/scripts/gpu/graph_nodes.py" --count /tmp/dot-$name/decode-*.dot 2>&1 | head -40
 }
 echo "== $size, mlxgate and mlx-lm"
 bench "$size" GPU_BENCH_PEERS=mlx-lm
@@ -45,6 +45,6 @@ echo "== $size, projections kept apart"
 bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
 echo "== mlx-lm's step graph on the GPU, 1 and 8 rows"
 for rows in 1 8; do
-    echo "mlx-lm, $rows rows: a step's graph built in $(python3 "$root/scripts/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows 2>&1 | tail -1) ms (median)"
+    echo "mlx-lm, $rows rows: a step's graph built in $(python3 "$root/scripts/gpu/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows 2>&1 | tail -1) ms (median)"
 done
-python3 "$root/scripts/graph_nodes.py" --count /tmp/dot-mlx-lm-*.dot
+python3 "$root/scripts/gpu/graph_nodes.py" --count /tmp/dot-mlx-lm-*.dot

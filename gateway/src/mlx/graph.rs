@@ -1,6 +1,6 @@
 //! A step's lazily built graph written out as Graphviz dot (MLX's
 //! `export_to_dot`), to compare its nodes with Python mlx-lm's step
-//! (`scripts/graph_nodes.py`): on a GPU each node is a kernel launch or a
+//! (`scripts/gpu/graph_nodes.py`): on a GPU each node is a kernel launch or a
 //! view, so a step with more nodes than mlx-lm's costs more at the same
 //! weights. `MLXGATE_GRAPH_DOT=DIR` writes the eighth decode step of each
 //! batch width of a power of two there: the first ones also build or grow

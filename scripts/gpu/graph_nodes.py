@@ -7,7 +7,7 @@ of B sequences of one length (what scripts/gpu/bench_peers.py times). Both
 use the same fast ops (RMS norm, RoPE, attention); on the CPU MLX expands
 them into their fallbacks in both graphs alike.
 
-    graph_nodes.py MLXGATE MODEL_DIR PYTHON [--rows 1,8]
+    scripts/gpu/graph_nodes.py MLXGATE MODEL_DIR PYTHON [--rows 1,8]
     graph_nodes.py --count FILE.dot...     each file's nodes by primitive
     graph_nodes.py --mlx-lm MODEL_DIR OUT.dot ROWS
                                            mlx-lm's step of ROWS rows, with
@@ -25,14 +25,14 @@ import collections
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
+
+from served import served
 
 # mlx-lm's step: B copies of a prompt prefilled, steps taken, the eighth
 # written (mlxgate writes its eighth step of each width); prints the median
@@ -73,34 +73,16 @@ def chat(url, model, max_tokens):
 def mlxgate_steps(binary, model, rows, out):
     """Serves `model` with the GPU's step on the CPU and sends `rows` chats
     at once for each row count, so that each width's eighth step is written."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, MLXGATE_KERNELS="mlx", MLXGATE_DECODE_SLAB="1",
-               MLXGATE_STACK_PROJECTIONS="1", MLXGATE_GRAPH_DOT=out)
-    env.update(MLXGATE_LOG_FORMAT="json", RUST_LOG="info,mlxgate::engine::steps=debug")
-    log = open(os.path.join(out, "gateway.log"), "w")
-    server = subprocess.Popen([binary, "serve", "-m", model, "-p", str(port), "--data-dir",
-                               os.path.join(out, "data")], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/readyz", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        name = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+               MLXGATE_STACK_PROJECTIONS="1", MLXGATE_GRAPH_DOT=out,
+               MLXGATE_LOG_FORMAT="json", RUST_LOG="info,mlxgate::engine::steps=debug")
+    with served(binary, model, out, env) as (url, name):
         for n in rows:
             threads = [threading.Thread(target=chat, args=(url, name, 24)) for _ in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-    finally:
-        server.terminate()
-        server.wait()
-        log.close()
 
 
 def build_ms(log, rows):
