@@ -142,13 +142,18 @@ extern "C" int mlxgate_ragged_decode_attention(
     const int dim = qa.shape(1) / heads;
     const int kv_heads = ka.shape(1);
     if (dim != ka.shape(3) || dim % 32 != 0 || dim > 256 || heads % kv_heads != 0 ||
-        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype() || !qa.flags().row_contiguous ||
-        ka.strides(3) != 1 || va.strides(3) != 1) {
+        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype() || ka.strides(3) != 1 ||
+        va.strides(3) != 1) {
       throw std::invalid_argument(
           "[mlxgate ragged attention] unsupported shapes, dtypes or layout");
     }
+    // The kernel reads q as packed rows, but q is often a lazy view whose
+    // layout is known only when it runs (rows sliced out of a stacked q/k/v
+    // projection are `q + k + v` wide apart): MLX's `contiguous` copies it
+    // there only if it is not packed.
+    const mx::array packed_q = mx::contiguous(qa, false, mlx_stream_get_(s));
     auto outputs = kernel(
-        {qa, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
+        {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
         {qa.shape()}, {qa.dtype()}, {128 * heads, rows, 1}, {128, 1, 1},
         {{"T", qa.dtype()}, {"D", dim}, {"GQA", heads / kv_heads}}, std::nullopt, false,
         mlx_stream_get_(s));

@@ -39,7 +39,7 @@ bench "$size" GPU_BENCH_PEERS=mlx-lm
 echo "== decode_slab, float32"
 # The packed test binary (a glob could also match cargo's .d files here).
 for slab in "$PAYLOAD"/target/release/deps/decode_slab-*; do [ -x "$slab" ] && break; done
-(cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 120 \
+(cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 240 \
     "$slab" --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
 echo "== $size, projections kept apart"
 bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
