@@ -292,9 +292,8 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
     }
 }
 
-/// `got` holds the positions `want` holds (within float32 rounding).
 /// Projections stacked into one matmul each (q/k/v, gate/up), as models
-/// load on a GPU, compute what the separate ones do: a prompt's logits
+/// load with `MLXGATE_STACK_PROJECTIONS=1`, compute what the separate ones do: a prompt's logits
 /// (strided views of the stacked output) and decode steps after it, in
 /// the slab where the family decodes there.
 #[test]
@@ -338,6 +337,7 @@ fn stacked_projections_compute_what_separate_ones_do() {
     }
 }
 
+/// `got` holds the positions `want` holds (within float32 rounding).
 fn assert_same_cache(got: &KvCache, want: &KvCache, sequence: usize) {
     assert_eq!(got.offset, want.offset, "sequence {sequence}");
     let got = got.settled().unwrap();

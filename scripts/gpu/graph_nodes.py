@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compares one decode step's graph in mlxgate with Python mlx-lm's, node
 by node (each node a primitive: on a GPU a kernel launch or a view). The
-step is mlxgate's GPU step (`MLXGATE_KERNELS=mlx MLXGATE_DECODE_SLAB=1
-MLXGATE_STACK_PROJECTIONS=1`) run here on the CPU, and mlx-lm's cached decode
+step is mlxgate's GPU step (`MLXGATE_KERNELS=mlx MLXGATE_DECODE_SLAB=1`;
+MLXGATE_STACK_PROJECTIONS as set by the caller) run here on the CPU, and mlx-lm's cached decode
 of B sequences of one length (what scripts/gpu/bench_peers.py times). Both
 use the same fast ops (RMS norm, RoPE, attention); on the CPU MLX expands
 them into their fallbacks in both graphs alike.
@@ -73,8 +73,7 @@ def chat(url, model, max_tokens):
 def mlxgate_steps(binary, model, rows, out):
     """Serves `model` with the GPU's step on the CPU and sends `rows` chats
     at once for each row count, so that each width's eighth step is written."""
-    env = dict(os.environ, MLXGATE_KERNELS="mlx", MLXGATE_DECODE_SLAB="1",
-               MLXGATE_STACK_PROJECTIONS="1", MLXGATE_GRAPH_DOT=out,
+    env = dict(os.environ, MLXGATE_KERNELS="mlx", MLXGATE_DECODE_SLAB="1", MLXGATE_GRAPH_DOT=out,
                MLXGATE_LOG_FORMAT="json", RUST_LOG="info,mlxgate::engine::steps=debug")
     with served(binary, model, out, env) as (url, name):
         for n in rows:

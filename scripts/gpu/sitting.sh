@@ -9,10 +9,9 @@
 #
 # 1. the random-weight model (scripts/gpu/random_model.py) and its benchmark
 #    against Python mlx-lm, with the step trace (scripts/gpu/bench.sh);
-# 2. the decode_slab tests in float32 (the packed test binary), but for the
-#    stacked-projections one: on a GPU both of its models load stacked;
-# 3. one and 32 streams with projections kept apart
-#    (MLXGATE_STACK_PROJECTIONS=0), to measure what stacking brings;
+# 2. the decode_slab tests in float32 (the packed test binary);
+# 3. one and 32 streams with projections stacked
+#    (MLXGATE_STACK_PROJECTIONS=1), to measure what stacking brings;
 # 4. mlx-lm's decode step graph there, to hold against mlxgate's (each bench
 #    counts the nodes of mlxgate's steps, MLXGATE_GRAPH_DOT).
 set -u
@@ -40,9 +39,9 @@ echo "== decode_slab, float32"
 # The packed test binary (a glob could also match cargo's .d files here).
 for slab in "$PAYLOAD"/target/release/deps/decode_slab-*; do [ -x "$slab" ] && break; done
 (cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 240 \
-    "$slab" --skip stacked 2>&1 | tail -8) | tee "$out/decode_slab.txt"
-echo "== $size, projections kept apart"
-bench "$size-apart" MLXGATE_STACK_PROJECTIONS=0 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
+    "$slab" 2>&1 | tail -8) | tee "$out/decode_slab.txt"
+echo "== $size, projections stacked"
+bench "$size-stacked" MLXGATE_STACK_PROJECTIONS=1 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
 echo "== mlx-lm's step graph on the GPU, 1 and 8 rows"
 for rows in 1 8; do
     echo "mlx-lm, $rows rows: a step's graph built in $(python3 "$root/scripts/gpu/graph_nodes.py" --mlx-lm "$model" "/tmp/dot-mlx-lm-$rows.dot" $rows 2>&1 | tail -1) ms (median)"
