@@ -9,7 +9,7 @@
 // `start[row] ..= end`, of the whole slab in place: one kernel a layer.
 //
 // Layout: q and out [rows, heads * D]; k and v [rows, kv_heads, columns, D]
-// with any strides; starts int32 [rows]; end int32 [1] (the last column,
+// with any strides but a packed last dimension; starts int32 [rows]; end int32 [1] (the last column,
 // the same for every row); scale float32 [1]. One block of 128 threads
 // (four warps) per (head, row); each warp takes every fourth column with
 // an online softmax in float32, and the warps are merged at the end.
@@ -142,15 +142,17 @@ extern "C" int mlxgate_ragged_decode_attention(
     const int dim = qa.shape(1) / heads;
     const int kv_heads = ka.shape(1);
     if (dim != ka.shape(3) || dim % 32 != 0 || dim > 256 || heads % kv_heads != 0 ||
-        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype() || ka.strides(3) != 1 ||
-        va.strides(3) != 1) {
-      throw std::invalid_argument(
-          "[mlxgate ragged attention] unsupported shapes, dtypes or layout");
+        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype()) {
+      throw std::invalid_argument("[mlxgate ragged attention] unsupported shapes or dtypes");
     }
-    // The kernel reads q as packed rows, but q is often a lazy view whose
-    // layout is known only when it runs (rows sliced out of a stacked q/k/v
-    // projection are `q + k + v` wide apart): MLX's `contiguous` copies it
-    // there only if it is not packed.
+    // No layout can be checked here: the inputs are lazy, and a lazy array's
+    // strides are the packed ones MLX assumes, not those it runs with (a
+    // check of q's once passed while q ran strided). k and v are read by
+    // their runtime strides over rows, heads and columns; their last
+    // dimension is packed, as the slab MLX writes them into always is. q is
+    // read as packed rows, but rows sliced out of a stacked q/k/v projection
+    // are `q + k + v` wide apart: MLX's `contiguous` copies q where it runs,
+    // only if it is not packed.
     const mx::array packed_q = mx::contiguous(qa, false, mlx_stream_get_(s));
     auto outputs = kernel(
         {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
