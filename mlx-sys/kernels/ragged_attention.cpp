@@ -9,10 +9,11 @@
 // `start[row] ..= end`, of the whole slab in place: one kernel a layer.
 //
 // Layout: q and out [rows, heads * D]; k and v [rows, kv_heads, columns, D]
-// with any strides but a packed last dimension; starts int32 [rows]; end int32 [1] (the last column,
-// the same for every row); scale float32 [1]. One block of 128 threads
-// (four warps) per (head, row); each warp takes every fourth column with
-// an online softmax in float32, and the warps are merged at the end.
+// with any strides but a packed last dimension; starts int32 [rows]; end
+// int32 [1] (the last column, the same for every row); scale float32 [1].
+// One block of 128 threads (four warps) per (head, row); each warp takes
+// every fourth column with an online softmax in float32, and the warps are
+// merged at the end.
 
 #include <cstdio>
 #include <exception>
