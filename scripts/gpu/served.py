@@ -41,6 +41,8 @@ def served(binary, model, data_dir, env=None):
                 if gw.poll() is not None:
                     sys.exit(f"the gateway exited: see {log.name}")
                 time.sleep(0.1)
+        else:
+            sys.exit(f"the gateway was not ready after 10 minutes: see {log.name}")
         models = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))
         yield url, models["data"][0]["id"]
     finally:

@@ -2,9 +2,9 @@
 //! `export_to_dot`), to compare its nodes with Python mlx-lm's step
 //! (`scripts/gpu/graph_nodes.py`): on a GPU each node is a kernel launch or a
 //! view, so a step with more nodes than mlx-lm's costs more at the same
-//! weights. `MLXGATE_GRAPH_DOT=DIR` writes the eighth decode step of each
-//! batch width of a power of two there: the first ones also build or grow
-//! the KV slab.
+//! weights. `MLXGATE_GRAPH_DOT=DIR` writes the eighth greedy decode step
+//! of the GPU's slab for each batch width of a power of two there: the
+//! first ones also build or grow the KV slab.
 
 use std::collections::HashMap;
 use std::ffi::CString;
