@@ -244,50 +244,61 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
 
 /// Prompts of different lengths prefilled together (one pass, left-padded,
 /// as the GPU's scheduler prefills arrivals) give each sequence the logits
-/// and the cache it gets prefilled alone, including one that continues a
-/// cached prefix.
+/// and the cache it gets prefilled alone: all of them fresh (attending
+/// together under one mask), and with one that continues a cached prefix
+/// (which attends on its own); Gemma 3 with a window shorter than the
+/// longest prompt.
 #[test]
 fn prompts_of_different_lengths_prefill_together_as_alone() {
     slab_on();
-    for architecture in [Architecture::Llama, Architecture::Qwen3] {
-        let model = tiny_model(&TinyModelSpec::new(architecture));
+    let mut gemma = TinyModelSpec::new(Architecture::Gemma3);
+    gemma.sliding_window = 8;
+    for spec in [
+        TinyModelSpec::new(Architecture::Llama),
+        TinyModelSpec::new(Architecture::Qwen3),
+        gemma,
+    ] {
+        let architecture = spec.architecture;
+        let model = tiny_model(&spec);
         let vocab = model.config.vocab_size;
         let prompts = prompts(&[7, 19, 3, 12], 31, 13);
-        // Sequence 1 has its first 5 tokens cached already.
-        let cached = 5;
-        let fresh = |s: usize| -> KvCache {
-            let mut cache = model.new_cache();
-            if s == 1 {
-                let out = model
-                    .forward(&[&prompts[1][..cached]], &mut [&mut cache])
-                    .unwrap();
-                out.eval().unwrap();
+        // `Some(s)`: sequence s has its first 5 tokens cached already.
+        for cached_row in [None, Some(1)] {
+            let cached = 5;
+            let fresh = |s: usize| -> KvCache {
+                let mut cache = model.new_cache();
+                if cached_row == Some(s) {
+                    let out = model
+                        .forward(&[&prompts[s][..cached]], &mut [&mut cache])
+                        .unwrap();
+                    out.eval().unwrap();
+                }
+                cache
+            };
+            let rest = |s: usize| -> &[u32] {
+                if cached_row == Some(s) {
+                    &prompts[s][cached..]
+                } else {
+                    &prompts[s]
+                }
+            };
+            let mut together: Vec<KvCache> = (0..prompts.len()).map(fresh).collect();
+            let inputs: Vec<&[u32]> = (0..prompts.len()).map(rest).collect();
+            let mut refs: Vec<&mut KvCache> = together.iter_mut().collect();
+            let got = model.forward(&inputs, &mut refs).unwrap();
+            got.eval().unwrap();
+            let got = got.as_slice::<f32>();
+            for s in 0..prompts.len() {
+                let mut alone = fresh(s);
+                let want = model.forward(&[rest(s)], &mut [&mut alone]).unwrap();
+                want.eval().unwrap();
+                let diff = max_abs_diff(&got[s * vocab..(s + 1) * vocab], want.as_slice::<f32>());
+                assert!(
+                    diff < 1e-4,
+                    "{architecture:?}, cached {cached_row:?}, sequence {s}: logits differ by {diff}"
+                );
+                assert_same_cache(&together[s], &alone, s);
             }
-            cache
-        };
-        let rest = |s: usize| -> &[u32] {
-            if s == 1 {
-                &prompts[1][cached..]
-            } else {
-                &prompts[s]
-            }
-        };
-        let mut together: Vec<KvCache> = (0..prompts.len()).map(fresh).collect();
-        let inputs: Vec<&[u32]> = (0..prompts.len()).map(rest).collect();
-        let mut refs: Vec<&mut KvCache> = together.iter_mut().collect();
-        let got = model.forward(&inputs, &mut refs).unwrap();
-        got.eval().unwrap();
-        let got = got.as_slice::<f32>();
-        for s in 0..prompts.len() {
-            let mut alone = fresh(s);
-            let want = model.forward(&[rest(s)], &mut [&mut alone]).unwrap();
-            want.eval().unwrap();
-            let diff = max_abs_diff(&got[s * vocab..(s + 1) * vocab], want.as_slice::<f32>());
-            assert!(
-                diff < 1e-4,
-                "{architecture:?} sequence {s}: logits differ by {diff}"
-            );
-            assert_same_cache(&together[s], &alone, s);
         }
     }
 }

@@ -11,6 +11,9 @@
 #   GPU_BENCH_PEERS="transformers mlx-lm"   which peers (mlx-lm needs PYTHONPATH
 #                                          with the mlx and mlx-lm packages)
 #   GPU_BENCH_STREAMS=1,8,32,128  GPU_BENCH_DURATION=10  GPU_BENCH_PREFILL_CHUNK=512
+#   GPU_BENCH_MAX_TOKENS=64   tokens each answer decodes (mlxgate and the peers);
+#                             longer answers give the `batch` scenario a longer
+#                             window in which all N decode together
 #   GPU_BENCH_TRACE=1    log every engine step's timings and summarise them
 #                        (scripts/gpu/steps_summary.py) into OUT_DIR/steps.txt
 set -euo pipefail
@@ -37,7 +40,7 @@ trap 'kill $gw 2>/dev/null || true' EXIT
 url="http://127.0.0.1:$port"
 python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 --wait-ready 600 | tee "$out/mlxgate-prefill.json" || true
 python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 --scenario concurrency --scenario batch \
-    --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens 64 \
+    --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens "${GPU_BENCH_MAX_TOKENS:-64}" \
     --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
 rm -rf "$out/data"
@@ -45,6 +48,6 @@ if [ "${GPU_BENCH_TRACE:-0}" = 1 ]; then
     python3 "$root/scripts/gpu/steps_summary.py" "$out/gateway.log" | tee "$out/steps.txt"
 fi
 for peer in ${GPU_BENCH_PEERS-transformers mlx-lm}; do
-    python3 "$root/scripts/gpu/bench_peers.py" "$peer" "$model" --batches "${GPU_BENCH_STREAMS:-1,8,32,128}" \
+    python3 "$root/scripts/gpu/bench_peers.py" "$peer" "$model" --batches "${GPU_BENCH_STREAMS:-1,8,32,128}" --new "${GPU_BENCH_MAX_TOKENS:-64}" \
         2>"$out/$peer.err" | tee "$out/$peer.json" || tail -5 "$out/$peer.err"
 done

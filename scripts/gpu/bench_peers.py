@@ -2,10 +2,11 @@
 """Decode and prefill speed of a model directory under Hugging Face
 transformers (PyTorch, `generate`) or Python mlx-lm, measured the way
 scripts/gpu/bench.sh measures mlxgate: B sequences of a 32-token prompt
-decoding 64 greedy tokens together (decode tok/s = B x 63 / the time of
-tokens 2..64), and one 2,048-token prompt prefilled alone.
+decoding NEW greedy tokens together (decode tok/s = B x (NEW - 1) / the time
+of tokens 2..NEW; NEW is 64 unless --new says), and one 2,048-token prompt
+prefilled alone.
 
-    bench_peers.py transformers|mlx-lm MODEL_DIR [--batches 1,8,32,128] [--dtype bfloat16]
+    bench_peers.py transformers|mlx-lm MODEL_DIR [--batches 1,8,32,128] [--new 64] [--dtype bfloat16]
 
 Prints one JSON object per measurement.
 """
@@ -13,7 +14,7 @@ import argparse
 import json
 import time
 
-PROMPT, NEW, PREFILL = 32, 64, 2048
+PROMPT, PREFILL = 32, 2048
 
 
 def transformers_bench(a):
@@ -35,8 +36,8 @@ def transformers_bench(a):
     for b in a.batches:
         ids = torch.randint(3, vocab, (b, PROMPT), generator=g).cuda()
         gen(ids, 4)
-        first, full = gen(ids, 1), gen(ids, NEW)
-        yield {"peer": "transformers", "batch": b, "decode_tok_s": round(b * (NEW - 1) / (full - first), 1)}
+        first, full = gen(ids, 1), gen(ids, a.new)
+        yield {"peer": "transformers", "batch": b, "decode_tok_s": round(b * (a.new - 1) / (full - first), 1)}
     ids = torch.randint(3, vocab, (1, PREFILL), generator=g).cuda()
     with torch.no_grad():
         model(ids)
@@ -71,7 +72,7 @@ def mlx_lm_bench(a):
 
     for b in a.batches:
         run(b, 4)
-        yield {"peer": "mlx-lm", "batch": b, "decode_tok_s": round(b * (NEW - 1) / run(b, NEW - 1), 1)}
+        yield {"peer": "mlx-lm", "batch": b, "decode_tok_s": round(b * (a.new - 1) / run(b, a.new - 1), 1)}
     ids = mx.random.randint(3, vocab, (1, PREFILL))
     for _ in range(2):
         cache = make_prompt_cache(model)
@@ -86,6 +87,7 @@ def main():
     p.add_argument("peer", choices=["transformers", "mlx-lm"])
     p.add_argument("model")
     p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--new", type=int, default=64, help="tokens each sequence decodes (default 64)")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     a.batches = [int(b) for b in a.batches.split(",")]

@@ -1,8 +1,10 @@
 //! The decoder forward pass shared by llama, qwen2/3 and gemma3, on MLX ops.
 //!
 //! Batching: a step takes B sequences of the same length L. The projections
-//! and MLP run on the whole `[B, L, hidden]` batch (one matmul per weight);
-//! RoPE and attention run per sequence, since each has its own cache length.
+//! and MLP run on the whole `[B, L, hidden]` batch (one matmul per weight),
+//! as does RoPE (each row at its own position); attention runs per sequence,
+//! since each has its own cache length, except for prompts with nothing
+//! cached, which attend together under one mask (`fresh`).
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
@@ -10,6 +12,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{add, concatenate, multiply, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
+mod fresh;
 mod native;
 mod sharded;
 mod slab;
@@ -24,6 +27,7 @@ use crate::engine::distributed::lockstep;
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
 use crate::mlx::compiled;
 use crate::mlx::kernels::{self, KernelChoice};
+use fresh::FreshRows;
 use native::NativeDecoder;
 
 /// What a projection's output goes through: `residual(y, x, layer,
@@ -680,12 +684,18 @@ impl Transformer {
         let ids = token_ids(tokens);
         let length = ids.shape()[1];
         let lengths: Vec<i32> = tokens.iter().map(|t| t.len() as i32).collect();
+        let fresh = FreshRows::of(caches, &lengths, length)?;
         let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
-            let mut attended =
-                self.attention(block, index, &normed, (caches, &lengths), adapters)?;
+            let mut attended = self.attention(
+                block,
+                index,
+                &normed,
+                (caches, &lengths, fresh.as_ref()),
+                adapters,
+            )?;
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
@@ -869,13 +879,14 @@ impl Transformer {
 
     /// Attention of B sequences (`x`: `[B, L, hidden]`, left-padded: each
     /// sequence's `lengths[b]` tokens are its last columns), each over its
-    /// own cache; padding columns come out zero.
+    /// own cache; what padding columns hold means nothing. Rows with nothing
+    /// cached (`fresh`) attend in one masked call; the others one by one.
     fn attention(
         &self,
         block: &Block,
         layer: usize,
         x: &Array,
-        (caches, lengths): (&mut [&mut KvCache], &[i32]),
+        (caches, lengths, fresh): (&mut [&mut KvCache], &[i32], Option<&FreshRows>),
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let c = &self.config;
@@ -886,11 +897,14 @@ impl Transformer {
         let a = &block.attention;
         let (queries, keys, values) = a.project(x, layer, &with_adapters, c)?;
         let scale = c.attention_scale();
-        // A decode step of several sequences rotates every row in one op,
-        // each at its own position: a graph node per row costs MLX's CPU
-        // backend microseconds and a GPU a kernel launch.
-        let rotated_rows = if batch > 1 && length == 1 {
-            let offsets: Vec<i32> = caches.iter().map(|cache| cache.offset as i32).collect();
+        // Several sequences rotate every row in one op, each at its own
+        // position (a left-padded row's first token at its cache's offset):
+        // a graph node per row costs MLX's CPU backend microseconds and a
+        // GPU a kernel launch.
+        let rotated_rows = if batch > 1 {
+            let offsets: Vec<i32> = (caches.iter().zip(lengths))
+                .map(|(cache, &n)| cache.offset as i32 - (length - n))
+                .collect();
             let offsets = Array::from_slice(&offsets, &[batch]);
             Some((
                 block.rotate_rows(&queries, c, &offsets)?,
@@ -899,14 +913,26 @@ impl Transformer {
         } else {
             None
         };
+        let together = match (fresh, &rotated_rows) {
+            (Some(fresh), Some((q, k))) => {
+                let mask = fresh.mask(block.sliding_window)?;
+                let mask = ScaledDotProductAttentionMask::Array(&mask);
+                Some(
+                    scaled_dot_product_attention(q, k, &values, scale, Some(mask), None)?
+                        .transpose_axes(&[0, 2, 1, 3])?,
+                )
+            }
+            _ => None,
+        };
         let mut outputs = Vec::with_capacity(batch as usize);
         for (b, cache) in caches.iter_mut().enumerate() {
+            let row = b;
             let b = b as i32;
             let offset = cache.offset as i32;
             let rotate = |y: Array| block.rotate(y, c, offset);
             // One sequence (the common case) needs no per-sequence slices;
             // a shorter one in a batch, its own columns.
-            let pad = length - lengths[b as usize];
+            let pad = length - lengths[row];
             let one = |all: &Array| {
                 let row = if batch == 1 {
                     all.clone()
@@ -925,6 +951,14 @@ impl Transformer {
             };
             let v = one(&values);
             let layer_cache = &mut cache.layers[layer];
+            if let Some(together) = together
+                .as_ref()
+                .filter(|_| fresh.is_some_and(|f| f.rows[row]))
+            {
+                layer_cache.append(k, v)?;
+                outputs.push(together.index(b..b + 1));
+                continue;
+            }
             let span = Span {
                 offset: offset as usize,
                 length: (length - pad) as usize,
@@ -939,10 +973,10 @@ impl Transformer {
                 concatenate(&[padding, attended], 1)?
             });
         }
-        let attended = if outputs.len() == 1 {
-            outputs.pop().expect("one output")
-        } else {
-            concatenate(&outputs, 0)?
+        let attended = match together {
+            Some(together) if fresh.is_some_and(|f| f.all) => together,
+            _ if outputs.len() == 1 => outputs.pop().expect("one output"),
+            _ => concatenate(&outputs, 0)?,
         };
         let merged = attended.reshape(&[batch, length, heads * head_dim])?;
         let split = self.tp.as_ref().is_some_and(|tp| tp.attention_split);

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Where batched decode stops scaling, for each model size named, mlxgate
+# against Python mlx-lm in one sitting on the GPU machine: 1, 8, 32, 64 and
+# 128 streams, answers of 256 tokens (so that N requests sent at once share a
+# window of several seconds in which all N decode), and the 2,048-token
+# prefill. Run through scripts/gpu/remote.sh (README, GPU):
+#
+#   scripts/gpu/remote.sh run scripts/gpu/scale.sh OUT_DIR [8b 3b ...]
+set -u
+out=$1; shift
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+for size in "${@:-8b}"; do
+    model=/tmp/m$size
+    [ -d "$model" ] || python3 "$root/scripts/gpu/random_model.py" "$size" "$model" "$PAYLOAD/target/gpu-tokenizer" \
+        > "$out/model-$size.log" 2>&1 || { tail -5 "$out/model-$size.log"; continue; }
+    echo "== $size"
+    GPU_BENCH_PEERS=mlx-lm GPU_BENCH_STREAMS=${GPU_BENCH_STREAMS:-1,8,32,64,128} GPU_BENCH_MAX_TOKENS=256 \
+        GPU_BENCH_DURATION=5 GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 \
+        "$root/scripts/gpu/bench.sh" "$model" "$out/$size" > "$out/$size.txt" 2>&1
+    rm -f "$out/$size/gateway.log"
+    grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$size.txt" | head -40
+    cat "$out/$size/steps.txt" 2>/dev/null | head -30
+done
