@@ -6,6 +6,8 @@
 # prefill. Run through scripts/gpu/remote.sh (README, GPU):
 #
 #   scripts/gpu/remote.sh run scripts/gpu/scale.sh OUT_DIR [8b 3b ...]
+#   SCALE_COMPARE="NAME=VALUE ..."   then mlxgate alone again at 32 and 128
+#                                    streams with these switches (README, GPU)
 set -u
 out=$1; shift
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -22,4 +24,13 @@ for size in "${@:-8b}"; do
     rm -f "$out/$size/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$size.txt" | head -40
     cat "$out/$size/steps.txt" 2>/dev/null | head -30
+    if [ -n "${SCALE_COMPARE:-}" ]; then
+        echo "== $size with $SCALE_COMPARE"
+        env $SCALE_COMPARE GPU_BENCH_PEERS= GPU_BENCH_STREAMS=32,128 GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 \
+            GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 "$root/scripts/gpu/bench.sh" "$model" "$out/$size-compare" \
+            > "$out/$size-compare.txt" 2>&1
+        rm -f "$out/$size-compare/gateway.log"
+        grep -E '^ +[0-9]+ |Traceback|Error' "$out/$size-compare.txt" | head -20
+        cat "$out/$size-compare/steps.txt" 2>/dev/null | head -30
+    fi
 done

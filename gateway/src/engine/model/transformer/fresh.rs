@@ -9,6 +9,13 @@ use mlx_rs::ops::logical_or;
 use super::super::kv_cache::KvCache;
 use super::super::weights::MlxResult;
 
+/// Whether fresh prompts attend together; `MLXGATE_FRESH_TOGETHER=0` turns
+/// it off (each attends on its own, to measure what it brings).
+fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("MLXGATE_FRESH_TOGETHER").map_or(true, |v| v != "0"))
+}
+
 /// The fresh rows of a batch and the mask they attend under.
 pub(super) struct FreshRows {
     /// `rows[b]`: row `b` had nothing cached (its cache offset was 0).
