@@ -41,7 +41,7 @@ impl FreshRows {
         length: i32,
     ) -> MlxResult<Option<FreshRows>> {
         let rows: Vec<bool> = caches.iter().map(|cache| cache.offset == 0).collect();
-        if length < 2 || rows.iter().filter(|&&fresh| fresh).count() < 2 {
+        if length < 2 || rows.iter().filter(|&&fresh| fresh).count() < 2 || !enabled() {
             return Ok(None);
         }
         let positions = Array::arange::<_, i32>(None, length, None)?;
