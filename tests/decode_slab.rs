@@ -18,12 +18,17 @@ use mlxgate::engine::model::KvCache;
 use mlxgate::engine::model::transformer::{GreedyPick, Transformer};
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
-/// Turns the slab on for this process, before anything reads it.
+/// Turns the slab on for this process, before anything reads it, and fresh
+/// prompts attending together (opt-in where served), so that both paths
+/// of a prefill together are checked.
 fn slab_on() {
     static ON: std::sync::Once = std::sync::Once::new();
     // SAFETY: every test of this binary calls this first, and the others
     // wait on the `Once` meanwhile: nothing reads the environment then.
-    ON.call_once(|| unsafe { std::env::set_var("MLXGATE_DECODE_SLAB", "1") });
+    ON.call_once(|| unsafe {
+        std::env::set_var("MLXGATE_DECODE_SLAB", "1");
+        std::env::set_var("MLXGATE_FRESH_TOGETHER", "1");
+    });
 }
 
 #[test]
@@ -245,9 +250,9 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
 /// Prompts of different lengths prefilled together (one pass, left-padded,
 /// as the GPU's scheduler prefills arrivals) give each sequence the logits
 /// and the cache it gets prefilled alone: all of them fresh (attending
-/// together under one mask), and with one that continues a cached prefix
-/// (which attends on its own); Gemma 3 with a window shorter than the
-/// longest prompt.
+/// together under one mask, `MLXGATE_FRESH_TOGETHER=1`), and with one that
+/// continues a cached prefix (which attends on its own); Gemma 3 with a
+/// window shorter than the longest prompt.
 #[test]
 fn prompts_of_different_lengths_prefill_together_as_alone() {
     slab_on();

@@ -3,7 +3,7 @@
 # scripts/gpu/remote.sh, README GPU): the 3B model at 32 streams of chats
 # and 32 requests at once (256-token answers), with the step trace, run as
 # built, with cuDNN's attention (MLX_CUDA_USE_CUDNN_SDPA=1) and with fresh
-# prompts attending one by one (MLXGATE_FRESH_TOGETHER=0); then Python
+# fresh prompts attending together (MLXGATE_FRESH_TOGETHER=1); then Python
 # mlx-lm at 1, 8 and 32 sequences decoding 64 and 256 tokens.
 #
 #   scripts/gpu/remote.sh run scripts/gpu/prefill_switches.sh OUT_DIR
@@ -12,10 +12,10 @@ out=$1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mkdir -p "$out"
 [ -d /tmp/m3b ] || python3 "$root/scripts/gpu/random_model.py" 3b /tmp/m3b "$PAYLOAD/target/gpu-tokenizer" > "$out/model.log" 2>&1
-for variant in as-built cudnn-on fresh-off; do
+for variant in as-built cudnn-on fresh-together; do
     switch=
     [ $variant = cudnn-on ] && switch="MLX_CUDA_USE_CUDNN_SDPA=1"
-    [ $variant = fresh-off ] && switch="MLXGATE_FRESH_TOGETHER=0"
+    [ $variant = fresh-together ] && switch="MLXGATE_FRESH_TOGETHER=1"
     echo "== $variant"
     env $switch GPU_BENCH_PEERS= GPU_BENCH_STREAMS=32 GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 \
         GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 "$root/scripts/gpu/bench.sh" /tmp/m3b "$out/$variant" > "$out/$variant.txt" 2>&1

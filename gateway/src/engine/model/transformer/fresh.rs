@@ -1,7 +1,9 @@
 //! Prompts with nothing cached yet, in one left-padded batch (the arrivals a
-//! GPU prefills together): they attend in one masked call for the whole
-//! batch instead of one call per prompt (32 prompts of a 28-layer model were
-//! 896 calls, and most of the pass's time).
+//! GPU prefills together), attending in one masked call for the whole batch
+//! instead of one call per prompt (32 prompts of a 28-layer model make 896
+//! calls). Opt-in (`MLXGATE_FRESH_TOGETHER=1`): on an H100 it measured no
+//! gain (passes of 17-32 arrivals: 551 ms against 436 one by one with
+//! cuDNN's attention, 328 against 299 with MLX's; BENCHMARKS.md).
 
 use mlx_rs::Array;
 use mlx_rs::ops::logical_or;
@@ -9,11 +11,11 @@ use mlx_rs::ops::logical_or;
 use super::super::kv_cache::KvCache;
 use super::super::weights::MlxResult;
 
-/// Whether fresh prompts attend together; `MLXGATE_FRESH_TOGETHER=0` turns
-/// it off (each attends on its own, to measure what it brings).
+/// Whether fresh prompts attend together: only when
+/// `MLXGATE_FRESH_TOGETHER=1`.
 fn enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("MLXGATE_FRESH_TOGETHER").map_or(true, |v| v != "0"))
+    *ENABLED.get_or_init(|| std::env::var("MLXGATE_FRESH_TOGETHER").is_ok_and(|v| v == "1"))
 }
 
 /// The fresh rows of a batch and the mask they attend under.
