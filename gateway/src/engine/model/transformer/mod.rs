@@ -3,8 +3,8 @@
 //! Batching: a step takes B sequences of the same length L. The projections
 //! and MLP run on the whole `[B, L, hidden]` batch (one matmul per weight),
 //! as does RoPE (each row at its own position); attention runs per sequence,
-//! since each has its own cache length, except for prompts with nothing
-//! cached, which attend together under one mask (`fresh`).
+//! since each has its own cache length (prompts with nothing cached may
+//! attend together under one mask, opt-in: `fresh`).
 
 use mlx_rs::error::Exception;
 use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
