@@ -18,17 +18,12 @@ use mlxgate::engine::model::KvCache;
 use mlxgate::engine::model::transformer::{GreedyPick, Transformer};
 use mlxgate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
 
-/// Turns the slab on for this process, before anything reads it, and fresh
-/// prompts attending together (opt-in where served), so that both paths
-/// of a prefill together are checked.
+/// Turns the slab on for this process, before anything reads it.
 fn slab_on() {
     static ON: std::sync::Once = std::sync::Once::new();
     // SAFETY: every test of this binary calls this first, and the others
     // wait on the `Once` meanwhile: nothing reads the environment then.
-    ON.call_once(|| unsafe {
-        std::env::set_var("MLXGATE_DECODE_SLAB", "1");
-        std::env::set_var("MLXGATE_FRESH_TOGETHER", "1");
-    });
+    ON.call_once(|| unsafe { std::env::set_var("MLXGATE_DECODE_SLAB", "1") });
 }
 
 #[test]
@@ -249,10 +244,10 @@ fn greedy_steps_running_ahead_pick_what_decoding_alone_picks() {
 
 /// Prompts of different lengths prefilled together (one pass, left-padded,
 /// as the GPU's scheduler prefills arrivals) give each sequence the logits
-/// and the cache it gets prefilled alone: all of them fresh (attending
-/// together under one mask, `MLXGATE_FRESH_TOGETHER=1`), and with one that
-/// continues a cached prefix (which attends on its own); Gemma 3 with a
-/// window shorter than the longest prompt.
+/// and the cache it gets prefilled alone: all of them fresh, and with one
+/// that continues a cached prefix; each with fresh prompts attending one by
+/// one (the default) and together under one mask (the cached one still on
+/// its own); Gemma 3 with a window shorter than the longest prompt.
 #[test]
 fn prompts_of_different_lengths_prefill_together_as_alone() {
     slab_on();
@@ -264,11 +259,18 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
         gemma,
     ] {
         let architecture = spec.architecture;
-        let model = tiny_model(&spec);
+        let mut model = tiny_model(&spec);
         let vocab = model.config.vocab_size;
         let prompts = prompts(&[7, 19, 3, 12], 31, 13);
         // `Some(s)`: sequence s has its first 5 tokens cached already.
-        for cached_row in [None, Some(1)] {
+        for (at_once, cached_row) in [
+            (false, None),
+            (false, Some(1)),
+            (true, None),
+            (true, Some(1)),
+        ] {
+            model.attend_fresh_together(at_once);
+            let model = &model;
             let cached = 5;
             let fresh = |s: usize| -> KvCache {
                 let mut cache = model.new_cache();
@@ -300,7 +302,7 @@ fn prompts_of_different_lengths_prefill_together_as_alone() {
                 let diff = max_abs_diff(&got[s * vocab..(s + 1) * vocab], want.as_slice::<f32>());
                 assert!(
                     diff < 1e-4,
-                    "{architecture:?}, cached {cached_row:?}, sequence {s}: logits differ by {diff}"
+                    "{architecture:?}, together {at_once}, cached {cached_row:?}, sequence {s}: logits differ by {diff}"
                 );
                 assert_same_cache(&together[s], &alone, s);
             }

@@ -13,24 +13,25 @@ out=$1; shift
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# One mlxgate benchmark (bench.sh, 256-token answers, the step trace) under
+# OUT_DIR/NAME, with the settings given; prints its table and step summary.
+run() {
+    local name=$1 model=$2; shift 2
+    env "$@" GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 \
+        "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
+    rm -f "$out/$name/gateway.log"
+    grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40
+    head -30 "$out/$name/steps.txt" 2>/dev/null
+}
 for size in "${@:-8b}"; do
     model=/tmp/m$size
     [ -d "$model" ] || python3 "$root/scripts/gpu/random_model.py" "$size" "$model" "$PAYLOAD/target/gpu-tokenizer" \
         > "$out/model-$size.log" 2>&1 || { tail -5 "$out/model-$size.log"; continue; }
     echo "== $size"
-    GPU_BENCH_PEERS=mlx-lm GPU_BENCH_STREAMS=${GPU_BENCH_STREAMS:-1,8,32,64,128} GPU_BENCH_MAX_TOKENS=256 \
-        GPU_BENCH_DURATION=5 GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 \
-        "$root/scripts/gpu/bench.sh" "$model" "$out/$size" > "$out/$size.txt" 2>&1
-    rm -f "$out/$size/gateway.log"
-    grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$size.txt" | head -40
-    cat "$out/$size/steps.txt" 2>/dev/null | head -30
+    run "$size" "$model" GPU_BENCH_PEERS=mlx-lm GPU_BENCH_STREAMS="${GPU_BENCH_STREAMS:-1,8,32,64,128}"
     if [ -n "${SCALE_COMPARE:-}" ]; then
         echo "== $size with $SCALE_COMPARE"
-        env $SCALE_COMPARE GPU_BENCH_PEERS= GPU_BENCH_STREAMS=32,128 GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 \
-            GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 "$root/scripts/gpu/bench.sh" "$model" "$out/$size-compare" \
-            > "$out/$size-compare.txt" 2>&1
-        rm -f "$out/$size-compare/gateway.log"
-        grep -E '^ +[0-9]+ |Traceback|Error' "$out/$size-compare.txt" | head -20
-        cat "$out/$size-compare/steps.txt" 2>/dev/null | head -30
+        # shellcheck disable=SC2086 # NAME=VALUE pairs, split on purpose
+        run "$size-compare" "$model" $SCALE_COMPARE GPU_BENCH_PEERS= GPU_BENCH_STREAMS=32,128
     fi
 done

@@ -11,19 +11,17 @@ use mlx_rs::ops::logical_or;
 use super::super::kv_cache::KvCache;
 use super::super::weights::MlxResult;
 
-/// Whether fresh prompts attend together: only when
-/// `MLXGATE_FRESH_TOGETHER=1`.
-fn enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("MLXGATE_FRESH_TOGETHER").is_ok_and(|v| v == "1"))
+/// Whether models load with fresh prompts attending together: only when
+/// `MLXGATE_FRESH_TOGETHER=1` (`Transformer::attend_fresh_together` sets
+/// it on a loaded model).
+pub(super) fn asked() -> bool {
+    std::env::var("MLXGATE_FRESH_TOGETHER").is_ok_and(|v| v == "1")
 }
 
 /// The fresh rows of a batch and the mask they attend under.
 pub(super) struct FreshRows {
     /// `rows[b]`: row `b` had nothing cached (its cache offset was 0).
     pub rows: Vec<bool>,
-    /// Every row is fresh: the batched output needs no rows picked out.
-    pub all: bool,
     /// `[B, 1, L, L]`: query `i` of row `b` sees key `j <= i` of its own
     /// tokens (`j >= pads[b]`). A padding query sees only its own key: a
     /// query that sees nothing has no softmax (NaN), which would reach the
@@ -42,8 +40,11 @@ impl FreshRows {
         lengths: &[i32],
         length: i32,
     ) -> MlxResult<Option<FreshRows>> {
+        if length < 2 {
+            return Ok(None);
+        }
         let rows: Vec<bool> = caches.iter().map(|cache| cache.offset == 0).collect();
-        if length < 2 || rows.iter().filter(|&&fresh| fresh).count() < 2 || !enabled() {
+        if rows.iter().filter(|&&fresh| fresh).count() < 2 {
             return Ok(None);
         }
         let positions = Array::arange::<_, i32>(None, length, None)?;
@@ -55,11 +56,15 @@ impl FreshRows {
         let mask = logical_or(&seen, keys.eq(&queries)?)?;
         let distance = queries.subtract(&keys)?;
         Ok(Some(FreshRows {
-            all: rows.iter().all(|&fresh| fresh),
             rows,
             mask,
             distance,
         }))
+    }
+
+    /// Every row is fresh: the batched output needs no rows picked out.
+    pub fn all(&self) -> bool {
+        self.rows.iter().all(|&fresh| fresh)
     }
 
     /// The mask for a layer that sees the last `window` positions (all of

@@ -372,6 +372,8 @@ pub struct Transformer {
     slab: std::sync::Mutex<Option<slab::DecodeSlab>>,
     /// This rank's part of a model split over processes (see `sharded`).
     tp: Option<sharded::TensorParallel>,
+    /// Whether prompts with nothing cached attend together (see `fresh`).
+    fresh_together: bool,
 }
 
 impl Transformer {
@@ -414,6 +416,7 @@ impl Transformer {
             native: OnceLock::new(),
             slab: std::sync::Mutex::new(None),
             tp: None,
+            fresh_together: fresh::asked(),
         })
     }
 
@@ -423,6 +426,13 @@ impl Transformer {
         self.blocks
             .iter_mut()
             .try_for_each(Block::stack_projections)
+    }
+
+    /// Makes prompts with nothing cached, prefilled together, attend in one
+    /// call (`on`) or one by one, whatever `MLXGATE_FRESH_TOGETHER` says;
+    /// the function computed is the same.
+    pub fn attend_fresh_together(&mut self, on: bool) {
+        self.fresh_together = on;
     }
 
     /// Every weight array, to evaluate once at load: casts and renames are
@@ -684,7 +694,10 @@ impl Transformer {
         let ids = token_ids(tokens);
         let length = ids.shape()[1];
         let lengths: Vec<i32> = tokens.iter().map(|t| t.len() as i32).collect();
-        let fresh = FreshRows::of(caches, &lengths, length)?;
+        let fresh = match self.fresh_together {
+            true => FreshRows::of(caches, &lengths, length)?,
+            false => None,
+        };
         let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
         for (index, block) in self.blocks.iter().enumerate() {
@@ -782,6 +795,7 @@ impl Transformer {
             native: OnceLock::new(),
             slab: std::sync::Mutex::new(None),
             tp: None,
+            fresh_together: self.fresh_together,
         })
     }
 
@@ -897,39 +911,48 @@ impl Transformer {
         let a = &block.attention;
         let (queries, keys, values) = a.project(x, layer, &with_adapters, c)?;
         let scale = c.attention_scale();
-        // Several sequences rotate every row in one op, each at its own
-        // position (a left-padded row's first token at its cache's offset):
-        // a graph node per row costs MLX's CPU backend microseconds and a
-        // GPU a kernel launch.
-        let rotated_rows = if batch > 1 {
+        // Every row rotates in one op, each at its own position (a
+        // left-padded row's first token at its cache's offset): a graph node
+        // per row costs MLX's CPU backend microseconds and a GPU a kernel
+        // launch.
+        let (queries, keys) = if batch > 1 {
             let offsets: Vec<i32> = (caches.iter().zip(lengths))
                 .map(|(cache, &n)| cache.offset as i32 - (length - n))
                 .collect();
             let offsets = Array::from_slice(&offsets, &[batch]);
-            Some((
+            (
                 block.rotate_rows(&queries, c, &offsets)?,
                 block.rotate_rows(&keys, c, &offsets)?,
-            ))
+            )
         } else {
-            None
+            let offset = caches[0].offset as i32;
+            (
+                block.rotate(queries, c, offset)?,
+                block.rotate(keys, c, offset)?,
+            )
         };
-        let together = match (fresh, &rotated_rows) {
-            (Some(fresh), Some((q, k))) => {
+        let together = match fresh {
+            Some(fresh) => {
                 let mask = fresh.mask(block.sliding_window)?;
                 let mask = ScaledDotProductAttentionMask::Array(&mask);
                 Some(
-                    scaled_dot_product_attention(q, k, &values, scale, Some(mask), None)?
-                        .transpose_axes(&[0, 2, 1, 3])?,
+                    scaled_dot_product_attention(
+                        &queries,
+                        &keys,
+                        &values,
+                        scale,
+                        Some(mask),
+                        None,
+                    )?
+                    .transpose_axes(&[0, 2, 1, 3])?,
                 )
             }
-            _ => None,
+            None => None,
         };
         let mut outputs = Vec::with_capacity(batch as usize);
-        for (b, cache) in caches.iter_mut().enumerate() {
-            let row = b;
-            let b = b as i32;
+        for (row, cache) in caches.iter_mut().enumerate() {
+            let b = row as i32;
             let offset = cache.offset as i32;
-            let rotate = |y: Array| block.rotate(y, c, offset);
             // One sequence (the common case) needs no per-sequence slices;
             // a shorter one in a batch, its own columns.
             let pad = length - lengths[row];
@@ -945,10 +968,7 @@ impl Transformer {
                     row.index((.., .., pad.., ..))
                 }
             };
-            let (q, k) = match &rotated_rows {
-                Some((q, k)) => (one(q), one(k)),
-                None => (rotate(one(&queries))?, rotate(one(&keys))?),
-            };
+            let (q, k) = (one(&queries), one(&keys));
             let v = one(&values);
             let layer_cache = &mut cache.layers[layer];
             if let Some(together) = together
@@ -974,7 +994,7 @@ impl Transformer {
             });
         }
         let attended = match together {
-            Some(together) if fresh.is_some_and(|f| f.all) => together,
+            Some(together) if fresh.is_some_and(FreshRows::all) => together,
             _ if outputs.len() == 1 => outputs.pop().expect("one output"),
             _ => concatenate(&outputs, 0)?,
         };

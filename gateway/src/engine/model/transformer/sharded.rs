@@ -87,6 +87,7 @@ impl Transformer {
             blocks: whole,
             final_norm,
             lm_head,
+            fresh_together,
             ..
         } = self;
         let mut blocks = Vec::with_capacity(whole.len());
@@ -127,6 +128,7 @@ impl Transformer {
             native: std::sync::OnceLock::new(),
             slab: std::sync::Mutex::new(None),
             tp: None,
+            fresh_together,
         };
         Ok(model.with_plan(plan))
     }
