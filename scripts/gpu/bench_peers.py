@@ -6,7 +6,14 @@ decoding NEW greedy tokens together (decode tok/s = B x (NEW - 1) / the time
 of tokens 2..NEW; NEW is 64 unless --new says), and one 2,048-token prompt
 prefilled alone.
 
-    bench_peers.py transformers|mlx-lm MODEL_DIR [--batches 1,8,32,128] [--new 64] [--dtype bfloat16]
+`mlx-lm` is mlx-lm's model in a bare loop: every step launched before the
+last is read, no token ever read back. `mlx-lm-batch` is its serving
+engine (`BatchGenerator`, what `mlx_lm.server` and `batch_generate` run):
+B prompts of 24-40 tokens (lengths differ, as served chats do), each
+step's tokens read back; decode tok/s over the steps in which all B
+decode, as serve_load.py's `batch` scenario measures a server.
+
+    bench_peers.py transformers|mlx-lm|mlx-lm-batch MODEL_DIR [--batches 1,8,32,128] [--new 64] [--dtype bfloat16]
 
 Prints one JSON object per measurement.
 """
@@ -82,16 +89,47 @@ def mlx_lm_bench(a):
     yield {"peer": "mlx-lm", "prefill_tokens": PREFILL, "prefill_tok_s": round(PREFILL / took, 0)}
 
 
+def mlx_lm_batch_bench(a):
+    import random
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(a.model)
+    model.set_dtype(getattr(mx, a.dtype))
+    vocab = model.args.vocab_size
+    rng = random.Random(0)
+
+    def run(b, new):
+        gen = BatchGenerator(model, max_tokens=new, completion_batch_size=b, prefill_batch_size=b)
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(24, 41))] for _ in range(b)]
+        gen.insert(prompts, [new] * b)
+        full = []  # when a step gave all B a token and none finished
+        while responses := gen.next_generated():
+            if len(responses) == b and all(r.finish_reason is None for r in responses):
+                full.append(time.perf_counter())
+            elif full:
+                break
+        gen.close()
+        return b * (len(full) - 1) / (full[-1] - full[0])
+
+    for b in a.batches:
+        run(b, 8)
+        yield {"peer": "mlx-lm-batch", "batch": b, "decode_tok_s": round(run(b, a.new), 1)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("peer", choices=["transformers", "mlx-lm"])
+    p.add_argument("peer", choices=["transformers", "mlx-lm", "mlx-lm-batch"])
     p.add_argument("model")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--new", type=int, default=64, help="tokens each sequence decodes (default 64)")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     a.batches = [int(b) for b in a.batches.split(",")]
-    for row in (transformers_bench if a.peer == "transformers" else mlx_lm_bench)(a):
+    bench = {"transformers": transformers_bench, "mlx-lm": mlx_lm_bench, "mlx-lm-batch": mlx_lm_batch_bench}[a.peer]
+    for row in bench(a):
         print(json.dumps(row), flush=True)
 
 

@@ -6,8 +6,11 @@
 # prefill. Run through scripts/gpu/remote.sh (README, GPU):
 #
 #   scripts/gpu/remote.sh run scripts/gpu/scale.sh OUT_DIR [8b 3b ...]
-#   SCALE_COMPARE="NAME=VALUE ..."   then mlxgate alone again at 32 and 128
-#                                    streams with these switches (README, GPU)
+#   SCALE_COMPARE="NAME=VALUE ...[; NAME=VALUE ...]"   then mlxgate alone
+#                                    again with each set of switches (README, GPU)
+#   SCALE_COMPARE_STREAMS=32,128     the streams those runs take
+#   SCALE_PEERS="mlx-lm mlx-lm-batch"  the peers (scripts/gpu/bench_peers.py)
+#   GPU_BENCH_STREAMS, GPU_BENCH_SCENARIOS   as scripts/gpu/bench.sh takes them
 set -u
 out=$1; shift
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -21,17 +24,22 @@ run() {
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40
-    head -30 "$out/$name/steps.txt" 2>/dev/null
+    # Decode steps by batch size, the slow ones of the largest batch, and
+    # the slowest few slab steps.
+    grep -E '^(decode step|slab decode step) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
+    grep -A8 '^decode steps of' "$out/$name/steps.txt" 2>/dev/null
+    grep -A5 '^slowest' "$out/$name/steps.txt" 2>/dev/null
 }
 for size in "${@:-8b}"; do
     model=/tmp/m$size
     [ -d "$model" ] || python3 "$root/scripts/gpu/random_model.py" "$size" "$model" "$PAYLOAD/target/gpu-tokenizer" \
         > "$out/model-$size.log" 2>&1 || { tail -5 "$out/model-$size.log"; continue; }
     echo "== $size"
-    run "$size" "$model" GPU_BENCH_PEERS=mlx-lm GPU_BENCH_STREAMS="${GPU_BENCH_STREAMS:-1,8,32,64,128}"
-    if [ -n "${SCALE_COMPARE:-}" ]; then
-        echo "== $size with $SCALE_COMPARE"
+    run "$size" "$model" GPU_BENCH_PEERS="${SCALE_PEERS:-mlx-lm mlx-lm-batch}" GPU_BENCH_STREAMS="${GPU_BENCH_STREAMS:-1,8,32,64,128}"
+    IFS=';' read -ra variants <<< "${SCALE_COMPARE:-}"
+    for i in "${!variants[@]}"; do
+        echo "== $size with ${variants[$i]}"
         # shellcheck disable=SC2086 # NAME=VALUE pairs, split on purpose
-        run "$size-compare" "$model" $SCALE_COMPARE GPU_BENCH_PEERS= GPU_BENCH_STREAMS=32,128
-    fi
+        run "$size-compare$i" "$model" ${variants[$i]} GPU_BENCH_PEERS= GPU_BENCH_STREAMS="${SCALE_COMPARE_STREAMS:-32,128}"
+    done
 done

@@ -2,7 +2,11 @@
 """Summarises the engine's step timings from a gateway log written with
 MLXGATE_LOG_FORMAT=json and RUST_LOG=info,mlxgate::engine::steps=debug:
 per kind of step (prefill chunk, slab decode step, decode step) and batch
-size, the count and the median and p90 of each timing field.
+size, the count and the median, p90 and mean of each timing field (a
+rate over a window sees the mean). A decode step's `period_ms` is the
+time from the last step's end to this one's (`between_ms`: the loop's
+other work) plus its own; the slowest slab steps of the largest batch
+follow, with what they attended and where the slab ended.
 
     steps_summary.py GATEWAY_LOG
 """
@@ -22,6 +26,7 @@ def bucket(n):
 
 def main():
     groups = collections.defaultdict(list)
+    slab_before = None  # the slab event logged inside the decode step that follows
     for line in open(sys.argv[1], errors="replace"):
         if not line.startswith("{"):
             continue
@@ -35,19 +40,60 @@ def main():
         fields = dict(event.get("fields", event))
         kind = fields.pop("message", "?")
         size = fields.get("sequences", fields.get("tokens", 0))
+        if kind == "slab decode step":
+            slab_before = fields
+        elif kind == "decode step":
+            fields["slab"], slab_before = slab_before, None
+        if kind == "decode step" and fields.get("between_ms") is not None:
+            fields["period_ms"] = sum(
+                float(fields.get(k, 0)) for k in ("between_ms", "forward_ms", "sample_ms", "keep_finished_ms")
+            )
         groups[(kind, bucket(int(size)))].append(fields)
     for (kind, size), rows in sorted(groups.items()):
-        timings = sorted({k for r in rows for k, v in r.items() if k.endswith(("_ms", "_mb"))})
+        timings = sorted({k for r in rows for k in r if k.endswith(("_ms", "_mb"))})
         parts = []
         for key in timings:
             values = sorted(float(r[key]) for r in rows if key in r)
             p90 = values[min(len(values) - 1, int(len(values) * 0.9))]
-            parts.append(f"{key} {statistics.median(values):.2f}/{p90:.2f}")
+            mean = statistics.fmean(values)
+            parts.append(f"{key} {statistics.median(values):.2f}/{p90:.2f}/{mean:.2f}")
         extra = ""
         if kind == "slab decode step":
             ahead = sum(1 for r in rows if r.get("ahead") in (True, "true"))
-            extra = " rows~%d ahead=%d" % (statistics.median(r["rows"] for r in rows), ahead)
-        print(f"{kind:18} size<={size:<5} n={len(rows):<6}{extra}  " + "  ".join(parts) + "  (median/p90)")
+            kinds = collections.Counter(r.get("attend", "?") for r in rows)
+            extra = " rows~%d ahead=%d %s" % (
+                statistics.median(r["rows"] for r in rows),
+                ahead,
+                ",".join(f"{k}={n}" for k, n in sorted(kinds.items())),
+            )
+        print(f"{kind:18} size<={size:<5} n={len(rows):<6}{extra}  " + "  ".join(parts) + "  (median/p90/mean)")
+    # Decode steps of the largest batch whose period is 1.5x the median or
+    # more: where the time went, with the slab step inside each.
+    decode = [k for k in groups if k[0] == "decode step"]
+    if decode:
+        largest = [r for r in groups[max(decode, key=lambda k: k[1])] if "period_ms" in r]
+        if largest:
+            median = statistics.median(float(r["period_ms"]) for r in largest)
+            slow = [r for r in largest if float(r["period_ms"]) >= 1.5 * median]
+            print(f"decode steps of the largest batch at 1.5x its median period ({median:.2f} ms) or more: "
+                  f"{len(slow)} of {len(largest)}, {sum(float(r['period_ms']) - median for r in slow):.0f} ms over the median")
+            print("  period = between + forward (slab: build/eval/read, end/columns) + sample")
+            for r in slow[:15]:
+                slab = r.get("slab") or {}
+                print(f"  {float(r['period_ms']):6.2f} = {float(r['between_ms']):.2f} + {float(r['forward_ms']):.2f}"
+                      f" ({float(slab.get('build_ms', 0)):.2f}/{float(slab.get('eval_ms', 0)):.2f}/"
+                      f"{float(slab.get('read_ms', 0)):.2f}, {slab.get('end', '?')}/{slab.get('columns', '?')})"
+                      f" + {float(r['sample_ms']):.2f}")
+    slab = [k for k in groups if k[0] == "slab decode step"]
+    if slab:
+        largest = groups[max(slab, key=lambda k: k[1])]
+        total = lambda r: sum(float(r.get(k, 0)) for k in ("build_ms", "eval_ms", "read_ms"))
+        print("slowest slab steps of the largest batch (rows end/columns attend build/eval/read ms):")
+        for r in sorted(largest, key=total, reverse=True)[:12]:
+            print(
+                f"  {r['rows']:>4} {r.get('end', '?')}/{r['columns']} {r.get('attend', '?'):8}"
+                f" {float(r['build_ms']):.2f}/{float(r['eval_ms']):.2f}/{float(r['read_ms']):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -260,6 +260,9 @@ pub struct Scheduler {
     /// The model id adapters' recorded base models are checked against.
     model_id: String,
     faults: Faults,
+    /// When the last decode step ended, while steps follow each other: the
+    /// step log's `between_ms` (the loop's other work) is measured from it.
+    last_step_end: Option<Instant>,
 }
 
 /// A request received and not yet started, with its adapters taken when it
@@ -348,6 +351,7 @@ impl Scheduler {
             adapters: HashMap::new(),
             model_id,
             faults: Faults::default(),
+            last_step_end: None,
         }
     }
 
@@ -409,6 +413,7 @@ impl Scheduler {
             }
             if idle {
                 generating = None;
+                self.last_step_end = None;
             } else if generating.is_none() {
                 generating = Some(super::Generating::start());
             }
@@ -438,6 +443,7 @@ impl Scheduler {
             if !running.is_empty() {
                 self.step_isolated(&mut running);
             }
+            crate::mlx::trim_gpu_buffer_cache();
             let sequences = running.len() + usize::from(prefilling.is_some());
             self.admission
                 .publish_load(sequences, Scheduler::kv_in_use(&running));
@@ -1068,6 +1074,7 @@ impl Scheduler {
             }
         }
         let started = Instant::now();
+        let between = self.last_step_end.map(|end| started - end);
         let tokens: Vec<u32> = running.iter().map(|seq| seq.last_token).collect();
         // Where every row wants its most likely token, the device picks it.
         let greedy = running.iter().all(|seq| {
@@ -1092,6 +1099,7 @@ impl Scheduler {
                 Decoded::Logits(self.model.decode(&tokens, &mut caches, &stacks)?)
             }
         };
+        let forwarded = started.elapsed();
         let rows = running.len();
         let mut keep = Vec::with_capacity(running.len());
         let mut finished = Vec::new();
@@ -1134,14 +1142,18 @@ impl Scheduler {
             self.memory
                 .insert(&seq.cache_scope, &seq.adapters_key, seq.history, seq.cache);
         }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::debug!(
             target: "mlxgate::engine::steps",
             sequences = tokens.len(),
-            forward_and_sample_ms = sampled.as_secs_f64() * 1e3,
+            between_ms = between.map(ms),
+            forward_ms = ms(forwarded),
+            sample_ms = ms(sampled - forwarded),
             finished = finishing,
-            keep_finished_ms = (started.elapsed() - sampled).as_secs_f64() * 1e3,
+            keep_finished_ms = ms(started.elapsed() - sampled),
             "decode step"
         );
+        self.last_step_end = Some(Instant::now());
         Ok(())
     }
 

@@ -11,5 +11,5 @@ mod runtime;
 
 pub use runtime::{
     Backend, CUDA_ENV_DEFAULTS, CudaDevice, RuntimeInfo, gpu_buffer_cache_mb,
-    limit_gpu_buffer_cache, set_process_defaults,
+    limit_gpu_buffer_cache, set_process_defaults, trim_gpu_buffer_cache,
 };

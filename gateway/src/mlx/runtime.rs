@@ -165,6 +165,30 @@ pub fn limit_gpu_buffer_cache() -> Option<usize> {
     })
 }
 
+/// Empties MLX's buffer cache on a GPU once it holds more than 7/8 of its
+/// bound ([`limit_gpu_buffer_cache`]); call between engine steps.
+///
+/// Why: at its bound MLX frees a released buffer instead of caching it, and
+/// the small arrays a step makes from host data live in unified memory,
+/// whose `cudaFree` waits for the whole GPU. A cache left full (big buffers
+/// of a prefill or of a grown slab that nothing reuses) turned the inputs
+/// of every decode step into such waits, stalling the step running ahead.
+/// Emptied, the cache refills with the step's own buffers, reused each step.
+/// `MLXGATE_TRIM_CACHE=0` turns this off.
+pub fn trim_gpu_buffer_cache() {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let enabled =
+        *ENABLED.get_or_init(|| std::env::var("MLXGATE_TRIM_CACHE").map_or(true, |v| v != "0"));
+    let Some(limit) = limit_gpu_buffer_cache().filter(|_| enabled) else {
+        return;
+    };
+    if mlx_rs::memory::cache_memory().is_ok_and(|held| held > limit / 8 * 7)
+        && let Err(error) = mlx_rs::memory::clear_cache()
+    {
+        tracing::warn!(%error, "cannot empty MLX's buffer cache");
+    }
+}
+
 /// The first CUDA device as the NVIDIA driver describes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaDevice {

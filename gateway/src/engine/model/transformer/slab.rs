@@ -61,6 +61,8 @@ pub(super) struct DecodeSlab {
     /// (its keys and values are already the arrays'), and is taken by
     /// advancing `end`.
     ahead: Option<Ahead>,
+    /// How the last step launched attended (the step log's `attend`).
+    attended: &'static str,
 }
 
 /// A slab row in use: its first column (its sequence's position 0; it ends
@@ -441,6 +443,11 @@ impl Transformer {
             let mask = Array::from_slice(&valid, &[width as i32, 1, 1, keys_read as i32]);
             Attend::Masked(skip..span, mask)
         };
+        slab.attended = match attend {
+            Attend::Columns(_) => "columns",
+            Attend::Masked(..) => "masked",
+            Attend::Ragged(..) => "ragged",
+        };
         let previous = std::mem::take(&mut *slab.arrays.layers.borrow_mut());
         let graph = self.slab_graph(
             &previous,
@@ -795,6 +802,7 @@ impl Transformer {
             end,
             rows: Vec::new(),
             ahead: None,
+            attended: "",
         })
     }
 
@@ -869,6 +877,8 @@ fn trace_step(
         sequences,
         rows = slab.rows.len(),
         columns = slab.capacity,
+        end = slab.end,
+        attend = slab.attended,
         ahead,
         build_ms = built.as_secs_f64() * 1e3,
         eval_ms = (ran - built).as_secs_f64() * 1e3,
