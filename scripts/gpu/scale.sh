@@ -9,7 +9,7 @@
 #   SCALE_COMPARE="NAME=VALUE ...[; NAME=VALUE ...]"   then mlxgate alone
 #                                    again with each set of switches (README, GPU)
 #   SCALE_COMPARE_STREAMS=32,128     the streams those runs take
-#   SCALE_PEERS="mlx-lm mlx-lm-batch"  the peers (scripts/gpu/bench_peers.py)
+#   SCALE_PEERS="mlx-lm mlx-lm-batch"  the peers (scripts/gpu/bench_peers.py; empty: none)
 #   GPU_BENCH_STREAMS, GPU_BENCH_SCENARIOS   as scripts/gpu/bench.sh takes them
 set -u
 out=$1; shift
@@ -35,7 +35,7 @@ for size in "${@:-8b}"; do
     [ -d "$model" ] || python3 "$root/scripts/gpu/random_model.py" "$size" "$model" "$PAYLOAD/target/gpu-tokenizer" \
         > "$out/model-$size.log" 2>&1 || { tail -5 "$out/model-$size.log"; continue; }
     echo "== $size"
-    run "$size" "$model" GPU_BENCH_PEERS="${SCALE_PEERS:-mlx-lm mlx-lm-batch}" GPU_BENCH_STREAMS="${GPU_BENCH_STREAMS:-1,8,32,64,128}"
+    run "$size" "$model" GPU_BENCH_PEERS="${SCALE_PEERS-mlx-lm mlx-lm-batch}" GPU_BENCH_STREAMS="${GPU_BENCH_STREAMS:-1,8,32,64,128}"
     IFS=';' read -ra variants <<< "${SCALE_COMPARE:-}"
     for i in "${!variants[@]}"; do
         echo "== $size with ${variants[$i]}"
