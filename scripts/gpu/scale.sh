@@ -26,7 +26,7 @@ run() {
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40
     # Decode steps by batch size, the slow ones of the largest batch, and
     # the slowest few slab steps.
-    grep -E '^(decode step|slab decode step) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
+    grep -E '^(decode step|slab decode step|buffer cache emptied) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
     grep -A8 '^decode steps of' "$out/$name/steps.txt" 2>/dev/null
     grep -A5 '^slowest' "$out/$name/steps.txt" 2>/dev/null
 }

@@ -27,6 +27,7 @@ def bucket(n):
 def main():
     groups = collections.defaultdict(list)
     slab_before = None  # the slab event logged inside the decode step that follows
+    emptied = []  # MLX's buffer cache emptied between steps: its size then, MB
     for line in open(sys.argv[1], errors="replace"):
         if not line.startswith("{"):
             continue
@@ -39,6 +40,9 @@ def main():
         # Flattened (MLXGATE_LOG_FORMAT=json) or nested under "fields".
         fields = dict(event.get("fields", event))
         kind = fields.pop("message", "?")
+        if kind == "buffer cache emptied":
+            emptied.append(float(fields.get("cached_mb", 0)))
+            continue
         size = fields.get("sequences", fields.get("tokens", 0))
         if kind == "slab decode step":
             slab_before = fields
@@ -67,6 +71,8 @@ def main():
                 ",".join(f"{k}={n}" for k, n in sorted(kinds.items())),
             )
         print(f"{kind:18} size<={size:<5} n={len(rows):<6}{extra}  " + "  ".join(parts) + "  (median/p90/mean)")
+    if emptied:
+        print(f"buffer cache emptied {len(emptied)} times (median {statistics.median(emptied):.0f} MB)")
     # Decode steps of the largest batch whose period is 1.5x the median or
     # more: where the time went, with the slab step inside each.
     decode = [k for k in groups if k[0] == "decode step"]

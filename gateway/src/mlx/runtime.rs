@@ -183,10 +183,18 @@ pub fn trim_gpu_buffer_cache() {
     let Some(limit) = limit_gpu_buffer_cache().filter(|_| enabled) else {
         return;
     };
-    if mlx_rs::memory::cache_memory().is_ok_and(|held| held > limit / 8 * 7)
-        && let Err(error) = mlx_rs::memory::clear_cache()
-    {
-        tracing::warn!(%error, "cannot empty MLX's buffer cache");
+    let held = mlx_rs::memory::cache_memory().unwrap_or(0);
+    if held <= limit / 8 * 7 {
+        return;
+    }
+    match mlx_rs::memory::clear_cache() {
+        // Logged beside the steps, so a step log shows how often it empties.
+        Ok(()) => tracing::debug!(
+            target: "mlxgate::engine::steps",
+            cached_mb = held >> 20,
+            "buffer cache emptied"
+        ),
+        Err(error) => tracing::warn!(%error, "cannot empty MLX's buffer cache"),
     }
 }
 
