@@ -24,9 +24,9 @@ run() {
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40
-    # Decode steps by batch size, the slow ones of the largest batch, and
-    # the slowest few slab steps.
-    grep -E '^(decode step|slab decode step|buffer cache emptied) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
+    # Steps by kind and batch size, the slow decode steps of the largest
+    # batch, and the slowest few slab steps.
+    grep -E '^(decode step|slab decode step|prefill chunk|prefill together|buffer cache emptied) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
     grep -A8 '^decode steps of' "$out/$name/steps.txt" 2>/dev/null
     grep -A5 '^slowest' "$out/$name/steps.txt" 2>/dev/null
 }
