@@ -6,11 +6,14 @@ attention over bucketed columns (the fallback it replaces) and MLX's fused
 vector attention where every row starts at one column (the bound).
 
     attention_probe.py [--rows 1,8,32,64,128] [--columns 384] [--layers 28]
+                       [--candidate scripts/gpu/ragged_gqa_candidate.cu]
 
 Shapes are Llama-3.2-3B's (24 heads, 8 key/value heads, head_dim 128),
 bfloat16; each timing evaluates `--layers` attentions at once, as a step
 does. Prints one JSON line per batch size: the largest difference from the
-masked reference and the milliseconds of each variant.
+masked reference and the milliseconds of each variant. `--candidate` adds
+a kernel body written as its file says (a block of 256 threads per
+key/value head and row) beside the one in use.
 """
 import argparse
 import json
@@ -43,7 +46,15 @@ def main():
     parser.add_argument("--rows", default="1,8,32,64,128")
     parser.add_argument("--columns", type=int, default=384)
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--candidate", help="a kernel body to time beside the one in use")
     args = parser.parse_args()
+    candidate = args.candidate and mx.fast.cuda_kernel(
+        name="mlxgate_ragged_candidate",
+        input_names=["q", "k", "v", "starts", "end", "scale"],
+        output_names=["out"],
+        source=open(args.candidate).read(),
+        ensure_row_contiguous=False,
+    )
     ragged = mx.fast.cuda_kernel(
         name="mlxgate_ragged_decode_attention",
         input_names=["q", "k", "v", "starts", "end", "scale"],
@@ -82,6 +93,13 @@ def main():
                            template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
                     for q, k, v in layers]
 
+        def run_candidate():
+            return [candidate(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
+                              output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
+                              grid=(256 * KV_HEADS, rows, 1), threadgroup=(256, 1, 1),
+                              template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
+                    for q, k, v in layers]
+
         def unmasked():
             first = int(starts.min().item())
             return [mx.fast.scaled_dot_product_attention(q, k[:, :, first:end + 1], v[:, :, first:end + 1], scale=scale)
@@ -90,13 +108,18 @@ def main():
         want = masked()[0].astype(mx.float32).reshape(rows, HEADS * DIM)
         got = run_ragged()[0].astype(mx.float32)
         diff = mx.abs(want - got).max().item()
-        print(json.dumps({
+        report = {
             "rows": rows, "columns": args.columns, "layers": args.layers,
             "max_abs_diff_vs_masked": diff,
             "masked_ms": round(timed(masked), 3),
             "ragged_ms": round(timed(run_ragged), 3),
             "unmasked_one_start_ms": round(timed(unmasked), 3),
-        }), flush=True)
+        }
+        if candidate:
+            got = run_candidate()[0].astype(mx.float32)
+            report["candidate_max_abs_diff_vs_masked"] = mx.abs(want - got).max().item()
+            report["candidate_ms"] = round(timed(run_candidate), 3)
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
