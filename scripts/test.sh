@@ -12,6 +12,8 @@ step "layers (dependencies point down: docs/ARCHITECTURE.md)"
 scripts/check-layers.sh
 step "console libraries (gateway/console/vendor matches its package-lock.json)"
 scripts/vendor-console.sh --check
+step "CUDA kernel bodies, emulated on the CPU (scripts/gpu/kernel_emulator.cpp)"
+scripts/gpu/check_kernels.sh
 step "Wasm policies"
 scripts/build-policies.sh
 step "clippy"

@@ -1,6 +1,7 @@
 // A candidate for mlx-sys/kernels/ragged_attention.cpp's kernel body, not
-// yet wired in: measured only by `attention_probe.py --candidate` on the GPU
-// machine. Same inputs and output as the kernel in use (q and out
+// yet wired in: checked on the CPU by scripts/gpu/check_kernels.sh (an
+// emulation, in CI), to be timed by `attention_probe.py --candidate` on the
+// GPU machine. Same inputs and output as the kernel in use (q and out
 // [rows, heads * D]; k and v [rows, kv_heads, columns, D] with any strides
 // but a packed last dimension; starts int32 [rows]; end int32 [1]; scale
 // float32 [1]); template T, D and GQA (query heads per key/value head, at

@@ -1,0 +1,131 @@
+// Runs a ragged decode attention kernel body (CUDA, as MLX's
+// `fast::cuda_kernel` takes it) on the CPU, one OS thread per CUDA thread,
+// and checks it against attention computed plainly: CI has no GPU, and
+// this keeps the kernels' logic (rows' column ranges, the online softmax,
+// the warps' merge) checked there. scripts/gpu/check_kernels.sh builds it
+// once per body:
+//
+//   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DTHREADS=128 -DPER_KV_HEAD=0 kernel_emulator.cpp
+//
+// THREADS is the block size; PER_KV_HEAD=1 launches a block per key/value
+// head and row (the candidate), 0 a block per query head and row (the
+// kernel in use). What is emulated: blocks one after another, their
+// threads at once; `__syncthreads` as a barrier of the block; a warp's
+// `__shfl_xor_sync` as an exchange between its 32 threads; `__shared__`
+// arrays shared by the block's threads. Timing, memory order and bfloat16
+// are not (T is float).
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+struct Dim3 {
+  int x = 0, y = 0, z = 0;
+};
+
+static Dim3 blockIdx;
+static Dim3 gridDim;
+static thread_local Dim3 threadIdx;
+static std::unique_ptr<std::barrier<>> block_barrier;
+static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+static float exchange[THREADS / 32][32];
+
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+
+static float __shfl_xor_sync(unsigned, float value, int mask) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  exchange[warp][lane] = value;
+  warp_barriers[warp]->arrive_and_wait();
+  const float other = exchange[warp][lane ^ mask];
+  warp_barriers[warp]->arrive_and_wait();
+  return other;
+}
+
+#define __shared__ static
+#define __expf expf
+
+template <typename T, int D, int GQA>
+static void kernel(const T* q, const T* k, const T* v, const int* starts, const int* end,
+                   const float* scale, const int64_t* k_strides, const int64_t* v_strides,
+                   T* out) {
+#include BODY
+}
+
+// One case: `rows` rows over a slab of `capacity` columns ending at `last`,
+// each row from its start; k and v with a row stride padded past packed, so
+// that the kernel must read them by their strides.
+template <int D, int GQA>
+static double check(int rows, int kv_heads, int capacity, int last, const std::vector<int>& starts) {
+  const int heads = kv_heads * GQA;
+  std::mt19937 rng(rows * 131 + D + GQA);
+  std::normal_distribution<float> normal;
+  const int64_t pad = 3 * D;
+  const int64_t strides[4] = {kv_heads * capacity * D + pad, capacity * D, D, 1};
+  std::vector<float> q(rows * heads * D), k(rows * strides[0]), v(rows * strides[0]);
+  std::vector<float> out(q.size(), NAN);
+  for (auto& x : q) x = normal(rng);
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  const float scale = 1.0f / std::sqrt(float(D));
+  const int end = last;
+  gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, 1};
+  for (int by = 0; by < rows; by++) {
+    for (int bx = 0; bx < gridDim.x; bx++) {
+      blockIdx = {bx, by, 0};
+      block_barrier = std::make_unique<std::barrier<>>(THREADS);
+      warp_barriers.clear();
+      for (int w = 0; w < THREADS / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+      std::vector<std::thread> threads;
+      for (int t = 0; t < THREADS; t++) {
+        threads.emplace_back([&, t] {
+          threadIdx = {t, 0, 0};
+          kernel<float, D, GQA>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides,
+                                strides, out.data());
+        });
+      }
+      for (auto& thread : threads) thread.join();
+    }
+  }
+  double worst = 0;
+  for (int row = 0; row < rows; row++) {
+    for (int head = 0; head < heads; head++) {
+      const int kv = head / GQA;
+      const float* qh = &q[(row * heads + head) * D];
+      std::vector<double> score;
+      double top = -INFINITY;
+      for (int j = starts[row]; j <= last; j++) {
+        const float* kj = &k[row * strides[0] + kv * strides[1] + j * strides[2]];
+        double s = 0;
+        for (int i = 0; i < D; i++) s += double(qh[i]) * kj[i];
+        score.push_back(s * scale);
+        top = std::max(top, score.back());
+      }
+      double total = 0;
+      for (auto& s : score) total += (s = std::exp(s - top));
+      for (int i = 0; i < D; i++) {
+        double want = 0;
+        for (int j = starts[row]; j <= last; j++) {
+          want += score[j - starts[row]] / total *
+                  v[row * strides[0] + kv * strides[1] + j * strides[2] + i];
+        }
+        const double got = out[(row * heads + head) * D + i];
+        worst = std::isnan(got) ? INFINITY : std::max(worst, std::abs(got - want));
+      }
+    }
+  }
+  return worst;
+}
+
+int main() {
+  // Rows of many columns, of a few, and of one (a hole attends its last).
+  const double a = check<64, 3>(3, 2, 48, 40, {0, 29, 40});
+  const double b = check<128, 4>(2, 2, 24, 17, {5, 0});
+  const double c = check<32, 1>(2, 3, 12, 9, {9, 2});
+  std::printf("max |kernel - reference|: %.3g (D 64, GQA 3), %.3g (D 128, GQA 4), %.3g (D 32, GQA 1)\n", a, b, c);
+  return a < 1e-4 && b < 1e-4 && c < 1e-4 ? 0 : 1;
+}
