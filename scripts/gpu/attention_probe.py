@@ -86,19 +86,19 @@ def main():
             return [mx.fast.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], scale=scale, mask=mask)
                     for q, k, v in layers]
 
-        def run_ragged():
-            return [ragged(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
+        def launched(kernel, threads, blocks):
+            """Every layer's attention by `kernel`, `threads` a block, `blocks` blocks a row."""
+            return [kernel(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
                            output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
-                           grid=(128 * HEADS, rows, 1), threadgroup=(128, 1, 1),
+                           grid=(threads * blocks, rows, 1), threadgroup=(threads, 1, 1),
                            template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
                     for q, k, v in layers]
 
+        def run_ragged():
+            return launched(ragged, 128, HEADS)
+
         def run_candidate():
-            return [candidate(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
-                              output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
-                              grid=(256 * KV_HEADS, rows, 1), threadgroup=(256, 1, 1),
-                              template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
-                    for q, k, v in layers]
+            return launched(candidate, 256, KV_HEADS)
 
         def unmasked():
             first = int(starts.min().item())
