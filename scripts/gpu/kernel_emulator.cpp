@@ -126,6 +126,10 @@ int main() {
   const double a = check<64, 3>(3, 2, 48, 40, {0, 29, 40});
   const double b = check<128, 4>(2, 2, 24, 17, {5, 0});
   const double c = check<32, 1>(2, 3, 12, 9, {9, 2});
-  std::printf("max |kernel - reference|: %.3g (D 64, GQA 3), %.3g (D 128, GQA 4), %.3g (D 32, GQA 1)\n", a, b, c);
-  return a < 1e-4 && b < 1e-4 && c < 1e-4 ? 0 : 1;
+  // Gemma 3 270M's heads (256 wide, 4 to a key/value head), Qwen2.5-0.5B's (64, 7).
+  const double d = check<256, 4>(2, 1, 20, 15, {0, 12});
+  const double e = check<64, 7>(2, 2, 16, 11, {3, 0});
+  std::printf("max |kernel - reference|: %.3g (D 64, GQA 3), %.3g (D 128, GQA 4), %.3g (D 32, GQA 1), "
+              "%.3g (D 256, GQA 4), %.3g (D 64, GQA 7)\n", a, b, c, d, e);
+  return a < 1e-4 && b < 1e-4 && c < 1e-4 && d < 1e-4 && e < 1e-4 ? 0 : 1;
 }
