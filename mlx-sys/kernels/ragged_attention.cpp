@@ -32,7 +32,8 @@ namespace mx = mlx::core;
 namespace {
 
 // The kernel's body; MLX writes its signature from the names below.
-// scripts/gpu/attention_probe.py reads it from here, between the markers.
+// scripts/gpu/attention_probe.py (on a GPU) and scripts/gpu/check_kernels.sh
+// (emulated on the CPU, in CI) read it from here, between the markers.
 const char* kSource = R"cuda(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;

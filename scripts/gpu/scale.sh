@@ -24,11 +24,10 @@ run() {
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40
-    # Steps by kind and batch size, the slow decode steps of the largest
-    # batch, and the slowest few slab steps.
+    # Steps by kind and batch size, and the slowest decode steps of the
+    # largest batch.
     grep -E '^(decode step|slab decode step|prefill chunk|prefill together|buffer cache emptied) ' "$out/$name/steps.txt" 2>/dev/null | cut -c1-330
-    grep -A8 '^decode steps of' "$out/$name/steps.txt" 2>/dev/null
-    grep -A5 '^slowest' "$out/$name/steps.txt" 2>/dev/null
+    grep -A10 '^decode steps of' "$out/$name/steps.txt" 2>/dev/null
 }
 for size in "${@:-8b}"; do
     model=/tmp/m$size

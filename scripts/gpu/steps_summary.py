@@ -3,10 +3,12 @@
 MLXGATE_LOG_FORMAT=json and RUST_LOG=info,mlxgate::engine::steps=debug:
 per kind of step (prefill chunk, slab decode step, decode step) and batch
 size, the count and the median, p90 and mean of each timing field (a
-rate over a window sees the mean). A decode step's `period_ms` is the
-time from the last step's end to this one's (`between_ms`: the loop's
-other work) plus its own; the slowest slab steps of the largest batch
-follow, with what they attended and where the slab ended.
+rate over a window sees the mean), and how often MLX's buffer cache was
+emptied. A decode step's `period_ms` is the time from the last step's
+end to this one's (`between_ms`: the loop's other work) plus its own.
+Then the decode steps of the largest batch that took 1.5x its median
+period or more, each with the slab step inside it (its rows, where the
+slab ended, the attention it used, its build/eval/read times).
 
     steps_summary.py GATEWAY_LOG
 """
@@ -83,23 +85,15 @@ def main():
             slow = [r for r in largest if float(r["period_ms"]) >= 1.5 * median]
             print(f"decode steps of the largest batch at 1.5x its median period ({median:.2f} ms) or more: "
                   f"{len(slow)} of {len(largest)}, {sum(float(r['period_ms']) - median for r in slow):.0f} ms over the median")
-            print("  period = between + forward (slab: build/eval/read, end/columns) + sample")
-            for r in slow[:15]:
+            print("  period = between + forward [slab: rows end/columns attend, build/eval/read] + sample + keep")
+            for r in sorted(slow, key=lambda r: float(r["period_ms"]), reverse=True)[:15]:
                 slab = r.get("slab") or {}
+                inside = ""
+                if slab:
+                    inside = (f" [{slab['rows']} {slab.get('end', '?')}/{slab['columns']} {slab.get('attend', '?')},"
+                              f" {float(slab['build_ms']):.2f}/{float(slab['eval_ms']):.2f}/{float(slab['read_ms']):.2f}]")
                 print(f"  {float(r['period_ms']):6.2f} = {float(r['between_ms']):.2f} + {float(r['forward_ms']):.2f}"
-                      f" ({float(slab.get('build_ms', 0)):.2f}/{float(slab.get('eval_ms', 0)):.2f}/"
-                      f"{float(slab.get('read_ms', 0)):.2f}, {slab.get('end', '?')}/{slab.get('columns', '?')})"
-                      f" + {float(r['sample_ms']):.2f}")
-    slab = [k for k in groups if k[0] == "slab decode step"]
-    if slab:
-        largest = groups[max(slab, key=lambda k: k[1])]
-        total = lambda r: sum(float(r.get(k, 0)) for k in ("build_ms", "eval_ms", "read_ms"))
-        print("slowest slab steps of the largest batch (rows end/columns attend build/eval/read ms):")
-        for r in sorted(largest, key=total, reverse=True)[:12]:
-            print(
-                f"  {r['rows']:>4} {r.get('end', '?')}/{r['columns']} {r.get('attend', '?'):8}"
-                f" {float(r['build_ms']):.2f}/{float(r['eval_ms']):.2f}/{float(r['read_ms']):.2f}"
-            )
+                      f"{inside} + {float(r['sample_ms']):.2f} + {float(r.get('keep_finished_ms', 0)):.2f}")
 
 
 if __name__ == "__main__":

@@ -694,9 +694,10 @@ impl Transformer {
         let ids = token_ids(tokens);
         let length = ids.shape()[1];
         let lengths: Vec<i32> = tokens.iter().map(|t| t.len() as i32).collect();
-        let fresh = match self.fresh_together {
-            true => FreshRows::of(caches, &lengths, length)?,
-            false => None,
+        let fresh = if self.fresh_together {
+            FreshRows::of(caches, &lengths, length)?
+        } else {
+            None
         };
         let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
