@@ -17,7 +17,9 @@
 #   GPU_BENCH_TRACE=1    log every engine step's timings and summarise them
 #                        (scripts/gpu/steps_summary.py) into OUT_DIR/steps.txt
 #   GPU_BENCH_SCENARIOS="concurrency batch"   serve_load.py's scenarios to run
-#                        (`batch` alone: the step trace holds its steps only)
+#                        (`batch` alone: the step trace holds its steps only;
+#                        `none`: the prefill alone)
+#   GPU_BENCH_PREFILL_TOKENS=2048   the prefill's prompt lengths (comma-separated)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 model=$1 out=$2
@@ -40,12 +42,14 @@ fi
 gw=$!
 trap 'kill $gw 2>/dev/null || true' EXIT
 url="http://127.0.0.1:$port"
-python3 "$root/scripts/gpu/bench_prefill.py" "$url" 2048 --wait-ready 600 | tee "$out/mlxgate-prefill.json" || true
+python3 "$root/scripts/gpu/bench_prefill.py" "$url" "${GPU_BENCH_PREFILL_TOKENS:-2048}" --wait-ready 600 | tee "$out/mlxgate-prefill.json" || true
 scenarios=()
 for scenario in ${GPU_BENCH_SCENARIOS:-concurrency batch}; do scenarios+=(--scenario "$scenario"); done
-python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 "${scenarios[@]}" \
-    --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens "${GPU_BENCH_MAX_TOKENS:-64}" \
-    --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
+if [ "${GPU_BENCH_SCENARIOS:-}" != none ]; then
+    python3 "$root/benches/serve_load.py" --target "mlxgate=$url" --wait-ready 600 "${scenarios[@]}" \
+        --streams "${GPU_BENCH_STREAMS:-1,8,32,128}" --duration "${GPU_BENCH_DURATION:-10}" --max-tokens "${GPU_BENCH_MAX_TOKENS:-64}" \
+        --warmup 2 --json "$out/mlxgate-load.json" | tee "$out/mlxgate-load.txt"
+fi
 kill $gw; wait $gw 2>/dev/null || true; trap - EXIT
 rm -rf "$out/data"
 if [ "${GPU_BENCH_TRACE:-0}" = 1 ]; then

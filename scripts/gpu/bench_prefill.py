@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Prefill speed of a running gateway: one chat request of about TOKENS
-prompt tokens with max_tokens 1, timed from send to answer (after one
-warm-up of the same length; every prompt's words differ, so no prompt cache
-helps). Prints {"prefill_tokens", "prefill_tok_s"}.
+"""Prefill speed of a running gateway: for each length, two chat requests
+of about that many prompt tokens with max_tokens 1, timed from send to
+answer (every prompt's words differ, so no prompt cache helps). The second
+is the figure; the first, at a length not seen before, is reported beside
+it (a backend that plans per shape pays there). Prints one line per length:
+{"prefill_tokens", "prefill_tok_s", "first_tokens", "first_tok_s"}.
 
-    bench_prefill.py URL [TOKENS] [--wait-ready SECONDS]
+    bench_prefill.py URL [TOKENS[,TOKENS...]] [--wait-ready SECONDS]
 """
 import json
 import random
@@ -44,16 +46,18 @@ def main():
         wait_ready(args[0], float(args[at + 1]))
         del args[at:at + 2]
     url = args[0]
-    tokens = int(args[1]) if len(args) > 1 else 2048
+    lengths = [int(n) for n in args[1].split(",")] if len(args) > 1 else [2048]
     model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
     rng = random.Random(1)
     vocab = "sea river stone light cloud green quiet number table window paper garden music winter summer city road".split()
     words = lambda n: [rng.choice(vocab) + str(rng.randint(0, 9)) for _ in range(n)]  # noqa: E731
     n, _ = ask(url, model, words(100))
     per_word = n / 100
-    count, took = ask(url, model, words(int(tokens / per_word)))
-    count, took = ask(url, model, words(int(tokens / per_word)))
-    print(json.dumps({"peer": "mlxgate", "prefill_tokens": count, "prefill_tok_s": round(count / took, 0)}))
+    for length in lengths:
+        first, first_took = ask(url, model, words(int(length / per_word)))
+        count, took = ask(url, model, words(int(length / per_word)))
+        print(json.dumps({"peer": "mlxgate", "prefill_tokens": count, "prefill_tok_s": round(count / took, 0),
+                          "first_tokens": first, "first_tok_s": round(first / first_took, 0)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 # OUT_DIR/NAME, with the settings given; prints its table and step summary.
 run() {
     local name=$1 model=$2; shift 2
-    env "$@" GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 \
+    env GPU_BENCH_MAX_TOKENS=256 GPU_BENCH_DURATION=5 GPU_BENCH_PREFILL_CHUNK=2048 GPU_BENCH_TRACE=1 "$@" \
         "$root/scripts/gpu/bench.sh" "$model" "$out/$name" > "$out/$name.txt" 2>&1
     rm -f "$out/$name/gateway.log"
     grep -E '^ +[0-9]+ |"prefill_tok_s"|"peer"|Traceback|Error' "$out/$name.txt" | head -40

@@ -3,6 +3,7 @@
 //! Everything here is blocking (MLX calls hold the thread): async callers use
 //! `tokio::task::spawn_blocking`.
 
+pub mod attention;
 pub mod compiled;
 pub mod distributed;
 pub mod graph;

@@ -102,18 +102,10 @@ fn device_count(kind: mlx_sys::mlx_device_type) -> usize {
 /// streams, and MLX then failed the step (and its requests) with an error.
 /// So the cache is larger and its thrashing check, which only throws, off:
 /// a thrashing cache is slow, not wrong.
-///
-/// Prefill attention runs on MLX's own kernel, not cuDNN's: cuDNN builds a
-/// plan for every new shape, and served prompts come in every length. On an
-/// H100 (3B model, 32 streams of chats, one run each) a prompt of up to 32
-/// tokens took 53 ms with cuDNN and 8.9 ms without, time to first token fell
-/// from 679 to 267 ms, and tokens per second rose 1.19x; only a prompt whose
-/// exact length was seen before gains from cuDNN (one 1,810-token prompt,
-/// repeated: 61,658 tok/s against 31,453).
-pub const CUDA_ENV_DEFAULTS: [(&str, &str); 3] = [
+/// (Which attention calls reach cuDNN is decided per call: `attention.rs`.)
+pub const CUDA_ENV_DEFAULTS: [(&str, &str); 2] = [
     ("MLX_CUDA_GRAPH_CACHE_SIZE", "4000"),
     ("MLX_ENABLE_CACHE_THRASHING_CHECK", "0"),
-    ("MLX_CUDA_USE_CUDNN_SDPA", "0"),
 ];
 
 /// Sets [`CUDA_ENV_DEFAULTS`] that are unset. Call first thing in `main`,

@@ -8,13 +8,14 @@
 
 use std::path::Path;
 
-use mlx_rs::fast::{layer_norm, scaled_dot_product_attention};
+use mlx_rs::fast::layer_norm;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{add, addmm, concatenate};
 use mlx_rs::{Array, Dtype};
 
 use crate::engine::model::LoadError;
 use crate::engine::model::weights::{Kernel, MlxResult, WeightMap};
+use crate::mlx::attention::{Mask, attention};
 use crate::mlx::kernels;
 
 /// The facts of `config.json` the forward needs.
@@ -308,8 +309,7 @@ impl Bert {
             let out = if native {
                 kernels::causal_attention(&q, &k, &v, scale, n - 1, 0)?
             } else {
-                scaled_dot_product_attention(&q, &k, &v, scale, None, None)?
-                    .transpose_axes(&[0, 2, 1, 3])?
+                attention(&q, &k, &v, scale, Mask::None)?.transpose_axes(&[0, 2, 1, 3])?
             };
             parts.push(out.reshape(&[n as i32, c.hidden_size as i32])?);
             start += n;

@@ -7,7 +7,7 @@
 //! attend together under one mask, opt-in: `fresh`).
 
 use mlx_rs::error::Exception;
-use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, rope, scaled_dot_product_attention};
+use mlx_rs::fast::{rms_norm, rope};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{add, concatenate, multiply, zeros_dtype};
 use mlx_rs::{Array, Dtype};
@@ -25,6 +25,7 @@ use super::kv_cache::KvCache;
 use super::weights::{Embedding, Kernel, Linear, MlxResult, WeightMap};
 use crate::engine::distributed::lockstep;
 use crate::engine::lora::{self, AdapterStack, Projection, Targets};
+use crate::mlx::attention::{Mask, attention};
 use crate::mlx::compiled;
 use crate::mlx::kernels::{self, KernelChoice};
 use fresh::FreshRows;
@@ -314,7 +315,7 @@ impl Block {
         let key_count = k.shape()[2] as usize;
         let window_mask;
         let mask = if span.length == 1 {
-            None
+            Mask::None
         } else if let Some(window) = self.sliding_window.filter(|&w| key_count > w) {
             window_mask = sliding_mask(
                 span.offset,
@@ -323,12 +324,12 @@ impl Block {
                 key_count,
                 window,
             );
-            Some(ScaledDotProductAttentionMask::Array(&window_mask))
+            Mask::Array(&window_mask)
         } else {
-            Some(ScaledDotProductAttentionMask::Causal)
+            Mask::Causal
         };
         // [1, heads, L, head_dim] -> [1, L, heads, head_dim], as the native kernel gives.
-        scaled_dot_product_attention(q, k, v, scale, mask, None)?.transpose_axes(&[0, 2, 1, 3])
+        attention(q, k, v, scale, mask)?.transpose_axes(&[0, 2, 1, 3])
     }
 }
 
@@ -832,11 +833,11 @@ impl Transformer {
             let mask = match block.sliding_window.filter(|&w| length as usize > w) {
                 Some(window) => {
                     window_mask = sliding_mask(0, length as usize, 0, length as usize, window);
-                    ScaledDotProductAttentionMask::Array(&window_mask)
+                    Mask::Array(&window_mask)
                 }
-                None => ScaledDotProductAttentionMask::Causal,
+                None => Mask::Causal,
             };
-            let attended = scaled_dot_product_attention(&q, &k, &v, scale, Some(mask), None)?
+            let attended = attention(&q, &k, &v, scale, mask)?
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[batch, length, heads * head_dim])?;
             let mut attended = a.output(&attended, layer, residual)?;
@@ -935,17 +936,9 @@ impl Transformer {
         let together = match fresh {
             Some(fresh) => {
                 let mask = fresh.mask(block.sliding_window)?;
-                let mask = ScaledDotProductAttentionMask::Array(&mask);
                 Some(
-                    scaled_dot_product_attention(
-                        &queries,
-                        &keys,
-                        &values,
-                        scale,
-                        Some(mask),
-                        None,
-                    )?
-                    .transpose_axes(&[0, 2, 1, 3])?,
+                    attention(&queries, &keys, &values, scale, Mask::Array(&mask))?
+                        .transpose_axes(&[0, 2, 1, 3])?,
                 )
             }
             None => None,

@@ -28,7 +28,7 @@
 use std::rc::Rc;
 
 use mlx_rs::Array;
-use mlx_rs::fast::{ScaledDotProductAttentionMask, rms_norm, scaled_dot_product_attention};
+use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
@@ -36,6 +36,7 @@ use super::{Decoded, GreedyPick, Transformer};
 use crate::engine::lora::{self, AdapterStack};
 use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
+use crate::mlx::attention::{Mask, attention, cudnn_in_use};
 use crate::mlx::kernels;
 
 /// Spare columns a slab is made or grown with, so most steps write in place.
@@ -406,7 +407,9 @@ impl Transformer {
         let offsets = Array::from_slice(&offsets, &[width as i32]);
         let starts: Vec<usize> = slab.rows.iter().flatten().map(|r| r.start).collect();
         let one_start = starts.len() == width && starts.windows(2).all(|w| w[0] == w[1]);
-        let attend = if one_start && width > 0 && unmasked_enabled() {
+        // Where cuDNN may attend, MLX would give it these single-query steps
+        // (a plan per batch shape): the ragged kernel takes them instead.
+        let attend = if one_start && width > 0 && unmasked_enabled() && !cudnn_in_use() {
             // Every row attends to the same columns: exactly those, unmasked.
             Attend::Columns(starts[0]..end + 1)
         } else if self.attends_ragged() {
@@ -574,16 +577,15 @@ impl Transformer {
                 Attend::Columns(used) | Attend::Masked(used, _) => {
                     let used = used.start as i32..used.end as i32;
                     let mask = match attend {
-                        Attend::Masked(_, mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
-                        _ => None,
+                        Attend::Masked(_, mask) => Mask::Array(mask),
+                        _ => Mask::None,
                     };
-                    scaled_dot_product_attention(
+                    attention(
                         &q,
-                        keys.index((.., .., used.clone(), ..)),
-                        values.index((.., .., used, ..)),
+                        &keys.index((.., .., used.clone(), ..)),
+                        &values.index((.., .., used, ..)),
                         c.attention_scale(),
                         mask,
-                        None,
                     )?
                     .transpose_axes(&[0, 2, 1, 3])?
                 }
