@@ -11,9 +11,15 @@
 // Layout: q and out [rows, heads * D]; k and v [rows, kv_heads, columns, D]
 // with any strides but a packed last dimension; starts int32 [rows]; end
 // int32 [1] (the last column, the same for every row); scale float32 [1].
-// One block of 128 threads (four warps) per (head, row); each warp takes
-// every fourth column with an online softmax in float32, and the warps are
-// merged at the end.
+// Each warp takes every WARPS-th column with an online softmax in float32,
+// and the warps are merged at the end. Two bodies:
+// - per key/value head (GQA <= 8, the usual case): a block of 256 threads
+//   (eight warps) per (key/value head, row) reads each column once for all
+//   GQA query heads it serves. On an H200 (3B shapes, 28 layers, 300
+//   columns) it took 0.54 / 0.94 / 1.91 ms at 8 / 32 / 128 rows against
+//   0.76 / 1.25 / 2.88 for the per-head body.
+// - per query head (any GQA): a block of 128 threads (four warps) per
+//   (head, row), reading a key/value head's columns once per query head.
 
 #include <cstdio>
 #include <exception>
@@ -31,10 +37,10 @@ namespace mx = mlx::core;
 
 namespace {
 
-// The kernel's body; MLX writes its signature from the names below.
+// The kernels' bodies; MLX writes their signatures from the names below.
 // scripts/gpu/attention_probe.py (on a GPU) and scripts/gpu/check_kernels.sh
-// (emulated on the CPU, in CI) read it from here, between the markers.
-const char* kSource = R"cuda(
+// (emulated on the CPU, in CI) read them from here, between the markers.
+const char* kPerHeadSource = R"per_head(
   constexpr int WARPS = 4;
   constexpr int PER = D / 32;
   const int head = blockIdx.x;
@@ -111,7 +117,114 @@ const char* kSource = R"cuda(
       op[i] = static_cast<T>(o[i] / total);
     }
   }
-)cuda";
+)per_head";
+
+// The most query heads a per-key/value-head block serves (its registers).
+constexpr int kMaxGqaPerBlock = 8;
+
+const char* kPerKvHeadSource = R"per_kv_head(
+  constexpr int WARPS = 8;
+  constexpr int PER = D / 32;
+  const int kv_head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int kv_heads = gridDim.x;
+  const int heads = kv_heads * GQA;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int last = end[0];
+  const int first = starts[row];
+  const float s = scale[0];
+  float qv[GQA][PER];
+  for (int g = 0; g < GQA; g++) {
+    const T* qp = q + ((size_t)row * heads + kv_head * GQA + g) * D + lane * PER;
+    for (int i = 0; i < PER; i++) {
+      qv[g][i] = static_cast<float>(qp[i]) * s;
+    }
+  }
+  const T* kp = k + row * k_strides[0] + kv_head * k_strides[1] + lane * PER;
+  const T* vp = v + row * v_strides[0] + kv_head * v_strides[1] + lane * PER;
+  float m[GQA];
+  float l[GQA];
+  float acc[GQA][PER];
+  for (int g = 0; g < GQA; g++) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (int i = 0; i < PER; i++) {
+      acc[g][i] = 0.0f;
+    }
+  }
+  for (int j = first + warp; j <= last; j += WARPS) {
+    const T* kj = kp + j * k_strides[2];
+    const T* vj = vp + j * v_strides[2];
+    float kf[PER];
+    float vf[PER];
+    for (int i = 0; i < PER; i++) {
+      kf[i] = static_cast<float>(kj[i]);
+      vf[i] = static_cast<float>(vj[i]);
+    }
+    float score[GQA];
+    for (int g = 0; g < GQA; g++) {
+      score[g] = 0.0f;
+      for (int i = 0; i < PER; i++) {
+        score[g] += qv[g][i] * kf[i];
+      }
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      for (int g = 0; g < GQA; g++) {
+        score[g] += __shfl_xor_sync(0xffffffff, score[g], o);
+      }
+    }
+    for (int g = 0; g < GQA; g++) {
+      const float m_new = fmaxf(m[g], score[g]);
+      const float kept = __expf(m[g] - m_new);
+      const float p = __expf(score[g] - m_new);
+      l[g] = l[g] * kept + p;
+      for (int i = 0; i < PER; i++) {
+        acc[g][i] = acc[g][i] * kept + p * vf[i];
+      }
+      m[g] = m_new;
+    }
+  }
+  __shared__ float warp_m[WARPS][GQA];
+  __shared__ float warp_l[WARPS][GQA];
+  __shared__ float warp_acc[WARPS][D];
+  if (lane == 0) {
+    for (int g = 0; g < GQA; g++) {
+      warp_m[warp][g] = m[g];
+      warp_l[warp][g] = l[g];
+    }
+  }
+  // One query head at a time: the warps' partial sums, merged by warp 0.
+  for (int g = 0; g < GQA; g++) {
+    __syncthreads();
+    for (int i = 0; i < PER; i++) {
+      warp_acc[warp][lane * PER + i] = acc[g][i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float top = -INFINITY;
+      for (int w = 0; w < WARPS; w++) {
+        top = fmaxf(top, warp_m[w][g]);
+      }
+      float total = 0.0f;
+      float o[PER];
+      for (int i = 0; i < PER; i++) {
+        o[i] = 0.0f;
+      }
+      for (int w = 0; w < WARPS; w++) {
+        const float c = warp_m[w][g] == -INFINITY ? 0.0f : __expf(warp_m[w][g] - top);
+        total += warp_l[w][g] * c;
+        for (int i = 0; i < PER; i++) {
+          o[i] += warp_acc[w][lane * PER + i] * c;
+        }
+      }
+      T* op = out + ((size_t)row * heads + kv_head * GQA + g) * D + lane * PER;
+      for (int i = 0; i < PER; i++) {
+        op[i] = static_cast<T>(o[i] / total);
+      }
+    }
+  }
+)per_kv_head";
 
 }  // namespace
 
@@ -128,9 +241,12 @@ extern "C" int mlxgate_ragged_decode_attention(
     char* error,
     size_t error_len) {
   try {
-    static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
+    static const mx::fast::CustomKernelFunction per_head = mx::fast::cuda_kernel(
         "mlxgate_ragged_decode_attention", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
-        kSource, "", /*ensure_row_contiguous=*/false);
+        kPerHeadSource, "", /*ensure_row_contiguous=*/false);
+    static const mx::fast::CustomKernelFunction per_kv_head = mx::fast::cuda_kernel(
+        "mlxgate_ragged_decode_attention_gqa", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
+        kPerKvHeadSource, "", /*ensure_row_contiguous=*/false);
     const mx::array& qa = mlx_array_get_(q);
     const mx::array& ka = mlx_array_get_(k);
     const mx::array& va = mlx_array_get_(v);
@@ -156,10 +272,13 @@ extern "C" int mlxgate_ragged_decode_attention(
     // are `q + k + v` wide apart: MLX's `contiguous` copies q where it runs,
     // only if it is not packed.
     const mx::array packed_q = mx::contiguous(qa, false, mlx_stream_get_(s));
-    auto outputs = kernel(
+    const int gqa = heads / kv_heads;
+    const bool by_kv_head = gqa <= kMaxGqaPerBlock;
+    const int threads = by_kv_head ? 256 : 128;
+    auto outputs = (by_kv_head ? per_kv_head : per_head)(
         {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
-        {qa.shape()}, {qa.dtype()}, {128 * heads, rows, 1}, {128, 1, 1},
-        {{"T", qa.dtype()}, {"D", dim}, {"GQA", heads / kv_heads}}, std::nullopt, false,
+        {qa.shape()}, {qa.dtype()}, {threads * (by_kv_head ? kv_heads : heads), rows, 1},
+        {threads, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}}, std::nullopt, false,
         mlx_stream_get_(s));
     mlx_array_set_(*res, outputs.at(0));
     return 0;

@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Checks and times one decode step's attention over a GPU batch's slab
-(Python MLX on CUDA, on the GPU machine): mlxgate's ragged kernel (its body
-read from mlx-sys/kernels/ragged_attention.cpp) against MLX's masked
-attention over bucketed columns (the fallback it replaces) and MLX's fused
-vector attention where every row starts at one column (the bound).
+(Python MLX on CUDA, on the GPU machine): mlxgate's two ragged kernel bodies
+(read from mlx-sys/kernels/ragged_attention.cpp: a block per query head, a
+block per key/value head) against MLX's masked attention over bucketed
+columns (the fallback they replace) and MLX's fused vector attention where
+every row starts at one column (the bound).
 
     attention_probe.py [--rows 1,8,32,64,128] [--columns 384] [--layers 28]
-                       [--candidate scripts/gpu/ragged_gqa_candidate.cu]
+                       [--candidate BODY.cu]
 
 Shapes are Llama-3.2-3B's (24 heads, 8 key/value heads, head_dim 128),
 bfloat16; each timing evaluates `--layers` attentions at once, as a step
-does. Prints one JSON line per batch size: the largest difference from the
-masked reference and the milliseconds of each variant. `--candidate` adds
-a kernel body written as its file says (a block of 256 threads per
-key/value head and row) beside the one in use.
+does. Prints one JSON line per batch size: each body's largest difference
+from the masked reference and the milliseconds of each variant.
+`--candidate` adds a body laid out like the per-key/value-head one (a block
+of 256 threads per key/value head and row).
 """
 import argparse
 import json
@@ -26,10 +27,11 @@ import mlx.core as mx
 HEADS, KV_HEADS, DIM = 24, 8, 128
 
 
-def kernel_source():
+def kernel_source(name):
+    """The body between R"NAME( and )NAME" in mlx-sys/kernels/ragged_attention.cpp."""
     path = os.path.join(os.path.dirname(__file__), "../../mlx-sys/kernels/ragged_attention.cpp")
     text = open(path).read()
-    return text[text.index('R"cuda(') + len('R"cuda('):text.index(')cuda"')]
+    return text[text.index(f'R"{name}(') + len(f'R"{name}('):text.index(f'){name}"')]
 
 
 def timed(build, repeat=20):
@@ -48,20 +50,14 @@ def main():
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--candidate", help="a kernel body to time beside the one in use")
     args = parser.parse_args()
-    candidate = args.candidate and mx.fast.cuda_kernel(
-        name="mlxgate_ragged_candidate",
-        input_names=["q", "k", "v", "starts", "end", "scale"],
-        output_names=["out"],
-        source=open(args.candidate).read(),
-        ensure_row_contiguous=False,
-    )
-    ragged = mx.fast.cuda_kernel(
-        name="mlxgate_ragged_decode_attention",
-        input_names=["q", "k", "v", "starts", "end", "scale"],
-        output_names=["out"],
-        source=kernel_source(),
-        ensure_row_contiguous=False,
-    )
+
+    def compiled(name, source):
+        return mx.fast.cuda_kernel(name=name, input_names=["q", "k", "v", "starts", "end", "scale"],
+                                   output_names=["out"], source=source, ensure_row_contiguous=False)
+
+    per_head = compiled("mlxgate_ragged_decode_attention", kernel_source("per_head"))
+    per_kv_head = compiled("mlxgate_ragged_decode_attention_gqa", kernel_source("per_kv_head"))
+    candidate = args.candidate and compiled("mlxgate_ragged_candidate", open(args.candidate).read())
     scale = 1 / math.sqrt(DIM)
     for rows in [int(r) for r in args.rows.split(",")]:
         capacity = args.columns + 256
@@ -94,11 +90,10 @@ def main():
                            template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
                     for q, k, v in layers]
 
-        def run_ragged():
-            return launched(ragged, 128, HEADS)
-
-        def run_candidate():
-            return launched(candidate, 256, KV_HEADS)
+        bodies = {"per_head": lambda: launched(per_head, 128, HEADS),
+                  "per_kv_head": lambda: launched(per_kv_head, 256, KV_HEADS)}
+        if candidate:
+            bodies["candidate"] = lambda: launched(candidate, 256, KV_HEADS)
 
         def unmasked():
             first = int(starts.min().item())
@@ -106,19 +101,12 @@ def main():
                     for q, k, v in layers]
 
         want = masked()[0].astype(mx.float32).reshape(rows, HEADS * DIM)
-        got = run_ragged()[0].astype(mx.float32)
-        diff = mx.abs(want - got).max().item()
-        report = {
-            "rows": rows, "columns": args.columns, "layers": args.layers,
-            "max_abs_diff_vs_masked": diff,
-            "masked_ms": round(timed(masked), 3),
-            "ragged_ms": round(timed(run_ragged), 3),
-            "unmasked_one_start_ms": round(timed(unmasked), 3),
-        }
-        if candidate:
-            got = run_candidate()[0].astype(mx.float32)
-            report["candidate_max_abs_diff_vs_masked"] = mx.abs(want - got).max().item()
-            report["candidate_ms"] = round(timed(run_candidate), 3)
+        report = {"rows": rows, "columns": args.columns, "layers": args.layers,
+                  "masked_ms": round(timed(masked), 3), "unmasked_one_start_ms": round(timed(unmasked), 3)}
+        for name, run in bodies.items():
+            got = run()[0].astype(mx.float32)
+            report[f"{name}_max_abs_diff_vs_masked"] = mx.abs(want - got).max().item()
+            report[f"{name}_ms"] = round(timed(run), 3)
         print(json.dumps(report), flush=True)
 
 

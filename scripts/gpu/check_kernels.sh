@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Checks the CUDA bodies of the ragged decode attention kernels on the CPU
-# (scripts/gpu/kernel_emulator.cpp): the one in use, read from
-# mlx-sys/kernels/ragged_attention.cpp, and the candidate in
-# scripts/gpu/ragged_gqa_candidate.cu. Each must match attention computed
-# plainly within 1e-4 (float32). Run by scripts/test.sh; needs g++ (C++20).
+# (scripts/gpu/kernel_emulator.cpp): both in mlx-sys/kernels/ragged_attention.cpp
+# (a block per query head, and a block per key/value head), and a candidate
+# body laid out like the second, if one is named. Each must match attention
+# computed plainly within 1e-4 (float32). Run by scripts/test.sh; needs g++
+# (C++20).
 #
-#   scripts/gpu/check_kernels.sh
+#   scripts/gpu/check_kernels.sh [CANDIDATE.cu]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# The body between the raw string's markers, as attention_probe.py reads it.
-python3 - "$root/mlx-sys/kernels/ragged_attention.cpp" "$work/in_use.cu" <<'PY'
+# Each body between its raw string's markers, as attention_probe.py reads them.
+python3 - "$root/mlx-sys/kernels/ragged_attention.cpp" "$work" <<'PY'
 import sys
 text = open(sys.argv[1]).read()
-open(sys.argv[2], "w").write(text[text.index('R"cuda(') + len('R"cuda('):text.index(')cuda"')])
+for name in ("per_head", "per_kv_head"):
+    body = text[text.index(f'R"{name}(') + len(f'R"{name}('):text.index(f'){name}"')]
+    open(f"{sys.argv[2]}/{name}.cu", "w").write(body)
 PY
 check() {
     local name=$1 body=$2 threads=$3 per_kv_head=$4
@@ -23,5 +26,6 @@ check() {
     printf '%s: ' "$name"
     "$work/$name"
 }
-check in-use "$work/in_use.cu" 128 0
-check candidate "$root/scripts/gpu/ragged_gqa_candidate.cu" 256 1
+check per-head "$work/per_head.cu" 128 0
+check per-kv-head "$work/per_kv_head.cu" 256 1
+if [ $# -gt 0 ]; then check candidate "$1" 256 1; fi
