@@ -36,10 +36,7 @@ bench() {
 echo "== $size, mlxgate and mlx-lm"
 bench "$size" GPU_BENCH_PEERS=mlx-lm
 echo "== decode_slab, float32"
-# The packed test binary (a glob could also match cargo's .d files here).
-for slab in "$PAYLOAD"/target/release/deps/decode_slab-*; do [ -x "$slab" ] && break; done
-(cd "$root/gateway" && MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 240 \
-    "$slab" 2>&1 | tail -8) | tee "$out/decode_slab.txt"
+"$root/scripts/gpu/slab_tests.sh" "$out"
 echo "== $size, projections stacked"
 bench "$size-stacked" MLXGATE_STACK_PROJECTIONS=1 GPU_BENCH_STREAMS=1,32 GPU_BENCH_PEERS=
 echo "== mlx-lm's step graph on the GPU, 1 and 8 rows"
