@@ -53,7 +53,7 @@ pub enum Route {
 /// The fewest queries of a causal prompt that go to cuDNN on CUDA, or `None`
 /// where cuDNN is not used: another backend, `MLX_CUDA_USE_CUDNN_SDPA=0`, or
 /// `MLXGATE_CUDNN_MIN_QUERIES=0`.
-fn cudnn_min_queries() -> Option<usize> {
+pub fn cudnn_min_queries() -> Option<usize> {
     static MIN: OnceLock<Option<usize>> = OnceLock::new();
     *MIN.get_or_init(|| {
         let allowed = std::env::var("MLX_CUDA_USE_CUDNN_SDPA").map_or(true, |v| v.trim() != "0");
