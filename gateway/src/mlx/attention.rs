@@ -2,13 +2,15 @@
 //!
 //! On CUDA, MLX hands its fused attention to cuDNN where the process allows
 //! it (`MLX_CUDA_USE_CUDNN_SDPA`, on unless set to 0). cuDNN attends over a
-//! long prompt about twice as fast as MLX's own kernels, but it builds a
-//! plan for every new shape (tens of milliseconds), and MLX also gives it
-//! single-query steps over caches it takes for its own. So on CUDA only a
-//! long causal prompt goes to cuDNN, padded to shapes in steps of
-//! [`CUDNN_STEP`] so that a few plans serve every length; everything else
-//! runs MLX's unfused attention, written out here as MLX writes its
-//! fallback. Elsewhere MLX's fused op runs as it is.
+//! long prompt 12-19x faster than MLX's own kernels (an H200, 1,810-4,096
+//! queries; the 8B's prefill 1.4-1.6x), but it builds a plan for every new
+//! shape (40-150 ms), and MLX also gives it single-query steps over keys
+//! that look like a slice of its own caches, read from the buffer's start
+//! (wrong for a slab row that starts later). So on CUDA only a long causal
+//! prompt goes to cuDNN, padded to shapes in steps of [`CUDNN_STEP`] so
+//! that a few plans serve every length; everything else runs MLX's unfused
+//! attention, written out here as MLX writes its fallback. Elsewhere MLX's
+//! fused op runs as it is.
 
 use std::sync::OnceLock;
 
