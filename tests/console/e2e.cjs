@@ -443,11 +443,16 @@ async function uploadPolicy({ file, name, kind, query = '', config = '' }) {
     await page.click(tid('job-submit'));
     const id = await jobPageId();
     const status = await waitJobFinal(JOB_TIMEOUT);
-    const events = await page.locator(tid('job-event')).count();
     if (status !== 'done') {
       const err = await page.locator(tid('job-events')).textContent();
       assert(false, `dataset job ${id} ended ${status}: ${err.slice(-500)}`);
     }
+    // The job's row can say done before its event stream has been drawn (a
+    // small pipeline ends in tens of milliseconds): the stream must still
+    // bring its events, up to the done one.
+    await page.locator(`${tid('job-event')}[data-type="done"]`).waitFor({ timeout: 10000 })
+      .catch(() => {});
+    const events = await page.locator(tid('job-event')).count();
     assert(events >= 2, `only ${events} events shown`);
     return `${id}, ${events} events`;
   });
