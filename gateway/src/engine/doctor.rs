@@ -45,11 +45,12 @@ pub fn doctor_report(model: &Path) -> String {
             crate::mlx::gpu_buffer_cache_mb()
         );
         let attention = match crate::mlx::attention::cudnn_min_queries() {
+            Some(usize::MAX) => "MLX's kernels, unfused (MLXGATE_CUDNN_MIN_QUERIES=0; MLX_CUDA_USE_CUDNN_SDPA=0 lets MLX fuse them)".to_owned(),
             Some(min) => format!(
                 "cuDNN for causal prompts of {min}+ tokens (padded to {}-token shapes), MLX's kernels for the rest (MLXGATE_CUDNN_MIN_QUERIES; MLX_CUDA_USE_CUDNN_SDPA=0: never cuDNN)",
                 crate::mlx::attention::CUDNN_STEP
             ),
-            None => "MLX's kernels only (cuDNN off: MLX_CUDA_USE_CUDNN_SDPA or MLXGATE_CUDNN_MIN_QUERIES is 0)".to_owned(),
+            None => "MLX's kernels only (MLX_CUDA_USE_CUDNN_SDPA=0)".to_owned(),
         };
         let _ = writeln!(out, "attention:      {attention}");
     }

@@ -4,9 +4,10 @@
 //! it (`MLX_CUDA_USE_CUDNN_SDPA`, on unless set to 0). cuDNN attends over a
 //! long prompt 12-19x faster than MLX's own kernels (an H200, 1,810-4,096
 //! queries; the 8B's prefill 1.4-1.6x), but it builds a plan for every new
-//! shape (40-150 ms), and MLX also gives it single-query steps over keys
-//! that look like a slice of its own caches, read from the buffer's start
-//! (wrong for a slab row that starts later). So on CUDA only a long causal
+//! shape (about 40 ms in a probe), and MLX also gives it single-query steps
+//! over keys that look like a slice of its own caches, which it reads from
+//! the buffer's start (so MLX 0.32's code reads; wrong for a slab row that
+//! starts later). So on CUDA only a long causal
 //! prompt goes to cuDNN, padded to shapes in steps of [`CUDNN_STEP`] so
 //! that a few plans serve every length; everything else runs MLX's unfused
 //! attention, written out here as MLX writes its fallback. Elsewhere MLX's
@@ -39,11 +40,11 @@ pub enum Mask<'a> {
 pub const CUDNN_STEP: usize = 256;
 
 /// The fewest queries sent to cuDNN when `MLXGATE_CUDNN_MIN_QUERIES` is unset.
-pub const CUDNN_MIN_QUERIES: usize = 256;
+const CUDNN_MIN_QUERIES: usize = 256;
 
 /// How one attention call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
+enum Route {
     /// MLX's fused op, as it chooses.
     Fused,
     /// cuDNN, through MLX's fused op, padded to [`CUDNN_STEP`] shapes.
@@ -53,8 +54,10 @@ pub enum Route {
 }
 
 /// The fewest queries of a causal prompt that go to cuDNN on CUDA, or `None`
-/// where cuDNN is not used: another backend, `MLX_CUDA_USE_CUDNN_SDPA=0`, or
-/// `MLXGATE_CUDNN_MIN_QUERIES=0`.
+/// where MLX never uses cuDNN (another backend, `MLX_CUDA_USE_CUDNN_SDPA=0`)
+/// and its fused op is safe everywhere. `MLXGATE_CUDNN_MIN_QUERIES=0` sends
+/// no prompt to cuDNN (`usize::MAX`), but MLX may still use it, so the
+/// other calls stay routed away from it.
 pub fn cudnn_min_queries() -> Option<usize> {
     static MIN: OnceLock<Option<usize>> = OnceLock::new();
     *MIN.get_or_init(|| {
@@ -63,7 +66,8 @@ pub fn cudnn_min_queries() -> Option<usize> {
             .ok()
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(CUDNN_MIN_QUERIES);
-        (allowed && min > 0 && Backend::detect() == Backend::Cuda).then_some(min)
+        let min = if min == 0 { usize::MAX } else { min };
+        (allowed && Backend::detect() == Backend::Cuda).then_some(min)
     })
 }
 
@@ -75,7 +79,7 @@ pub fn cudnn_in_use() -> bool {
 /// The route for queries `q` (`[B, heads, queries, head_dim]`) under `mask`,
 /// where cuDNN takes causal prompts of at least `cudnn_min` queries (`None`:
 /// cuDNN is not in use).
-pub fn route(q: &Array, mask: Mask<'_>, cudnn_min: Option<usize>) -> Route {
+fn route(q: &Array, mask: Mask<'_>, cudnn_min: Option<usize>) -> Route {
     let Some(min) = cudnn_min else {
         return Route::Fused;
     };
@@ -125,7 +129,7 @@ fn fused(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<
 /// so padding both at the end keeps every real query's keys; queries added
 /// in front (to round their count) see only keys before the first real
 /// query's. The padded rows are dropped.
-pub fn padded_causal(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array, Exception> {
+fn padded_causal(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array, Exception> {
     let (queries, keys) = (q.shape()[2] as usize, k.shape()[2] as usize);
     let cached = keys - queries;
     let back = keys.next_multiple_of(CUDNN_STEP) - keys;
@@ -176,7 +180,7 @@ fn lowest(dtype: Dtype) -> Array {
 /// Attention by MLX's separate ops, as its fallback for the fused op runs
 /// it: scaled queries grouped by key/value head, scores by a broadcast
 /// matmul, masked, a softmax in float32, a matmul.
-pub fn unfused(
+fn unfused(
     q: &Array,
     k: &Array,
     v: &Array,
@@ -214,7 +218,8 @@ pub fn unfused(
         // Added rather than selected: the same scores (a finite lowest plus a
         // score rounds back to it), but on an H200 `select` over the
         // broadcast mask took 1.0 of a layer's 2.2 ms at 4,096 queries, and
-        // 28 layers' attention at 1,810 took 23 ms with `add`, 32 with it.
+        // 28 layers' attention at 1,810 took 23 ms with `add`, 32 with it
+        // (the same ops in Python MLX: scripts/gpu/prefill_attention_probe.py).
         let dtype = scores.dtype();
         let bias = select(
             &allowed,

@@ -407,8 +407,8 @@ impl Transformer {
         let offsets = Array::from_slice(&offsets, &[width as i32]);
         let starts: Vec<usize> = slab.rows.iter().flatten().map(|r| r.start).collect();
         let one_start = starts.len() == width && starts.windows(2).all(|w| w[0] == w[1]);
-        // Where cuDNN may attend, MLX would give it these single-query steps
-        // (a plan per batch shape): the ragged kernel takes them instead.
+        // Where MLX may use cuDNN, `attention` keeps these single-query steps
+        // off MLX's fused op (unfused instead): the ragged kernel is faster.
         let attend = if one_start && width > 0 && unmasked_enabled() && !cudnn_in_use() {
             // Every row attends to the same columns: exactly those, unmasked.
             Attend::Columns(starts[0]..end + 1)
