@@ -220,7 +220,9 @@ void mlxgate_distributed_reset(void);
  * compiles at first use; GPU streams only): `q` [rows, heads * D],
  * `k` and `v` [rows, kv_heads, columns, D], `starts` int32 [rows], `end`
  * int32 [1], `scale` float32 [1]; the result is q's shape and dtype.
- * Returns 0, or 1 with a message in `error`. */
+ * `splits` > 1 splits each row's columns between that many blocks (where
+ * a key/value head's block serves all its query heads). Returns 0, or 1
+ * with a message in `error`. */
 int mlxgate_ragged_decode_attention(
     mlx_array* res,
     const mlx_array q,
@@ -230,6 +232,19 @@ int mlxgate_ragged_decode_attention(
     const mlx_array end,
     const mlx_array scale,
     int heads,
+    int splits,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
+/* `x @ w^T` for a decode step's 1 to 8 rows against a dense weight (a CUDA
+ * kernel MLX compiles at first use; GPU streams only): `x` [..., K] and `w`
+ * [N, K], both bfloat16 or float16, K a multiple of 8; the result is
+ * [..., N]. Returns 0, or 1 with a message in `error`. */
+int mlxgate_decode_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
     const mlx_stream s,
     char* error,
     size_t error_len);

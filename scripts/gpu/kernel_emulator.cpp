@@ -1,60 +1,46 @@
 // Runs a ragged decode attention kernel body (CUDA, as MLX's
-// `fast::cuda_kernel` takes it) on the CPU, one OS thread per CUDA thread,
-// and checks it against attention computed plainly: CI has no GPU, and
-// this keeps the kernels' logic (rows' column ranges, the online softmax,
-// the warps' merge) checked there. scripts/gpu/check_kernels.sh builds it
-// once per body:
+// `fast::cuda_kernel` takes it) on the CPU, one OS thread per CUDA thread
+// (scripts/gpu/emulation.h), and checks it against attention computed
+// plainly: CI has no GPU, and this keeps the kernels' logic (rows' column
+// ranges, the online softmax, the warps' merge) checked there.
+// scripts/gpu/check_kernels.sh builds it once per body:
 //
-//   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DTHREADS=128 -DPER_KV_HEAD=0 kernel_emulator.cpp
+//   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DBLOCK_THREADS=128 -DPER_KV_HEAD=0 kernel_emulator.cpp
 //
-// THREADS is the block size; PER_KV_HEAD=1 launches a block per key/value
-// head and row (the candidate), 0 a block per query head and row (the
-// kernel in use). What is emulated: blocks one after another, their
-// threads at once; `__syncthreads` as a barrier of the block; a warp's
-// `__shfl_xor_sync` as an exchange between its 32 threads; `__shared__`
-// arrays shared by the block's threads. Timing, memory order and bfloat16
-// are not (T is float).
+// BLOCK_THREADS is the block size; PER_KV_HEAD=1 launches a block per
+// key/value head and row, 0 a block per query head and row; SPLITS > 1
+// (per key/value head) splits each row's columns between that many blocks
+// and merges their partial sums with the MERGE body. T is float.
 
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <memory>
 #include <random>
-#include <thread>
 #include <vector>
 
-struct Dim3 {
-  int x = 0, y = 0, z = 0;
-};
+#include "emulation.h"
 
-static Dim3 blockIdx;
-static Dim3 gridDim;
-static thread_local Dim3 threadIdx;
-static std::unique_ptr<std::barrier<>> block_barrier;
-static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-static float exchange[THREADS / 32][32];
+// The bodies name their template constant SPLITS too.
+#ifdef SPLITS
+constexpr int kSplits = SPLITS;
+#undef SPLITS
+#else
+constexpr int kSplits = 1;
+#endif
 
-static void __syncthreads() { block_barrier->arrive_and_wait(); }
-
-static float __shfl_xor_sync(unsigned, float value, int mask) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  exchange[warp][lane] = value;
-  warp_barriers[warp]->arrive_and_wait();
-  const float other = exchange[warp][lane ^ mask];
-  warp_barriers[warp]->arrive_and_wait();
-  return other;
-}
-
-#define __shared__ static
-#define __expf expf
-
-template <typename T, int D, int GQA>
+template <typename T, int D, int GQA, int SPLITS>
 static void kernel(const T* q, const T* k, const T* v, const int* starts, const int* end,
                    const float* scale, const int64_t* k_strides, const int64_t* v_strides,
                    T* out) {
 #include BODY
 }
+
+#ifdef MERGE
+template <typename T, int D, int SPLITS>
+static void merge(const float* parts, T* out) {
+#include MERGE
+}
+#endif
 
 // One case: `rows` rows over a slab of `capacity` columns ending at `last`,
 // each row from its start; k and v with a row stride padded past packed, so
@@ -73,24 +59,17 @@ static double check(int rows, int kv_heads, int capacity, int last, const std::v
   for (auto& x : v) x = normal(rng);
   const float scale = 1.0f / std::sqrt(float(D));
   const int end = last;
-  gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, 1};
-  for (int by = 0; by < rows; by++) {
-    for (int bx = 0; bx < gridDim.x; bx++) {
-      blockIdx = {bx, by, 0};
-      block_barrier = std::make_unique<std::barrier<>>(THREADS);
-      warp_barriers.clear();
-      for (int w = 0; w < THREADS / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
-      std::vector<std::thread> threads;
-      for (int t = 0; t < THREADS; t++) {
-        threads.emplace_back([&, t] {
-          threadIdx = {t, 0, 0};
-          kernel<float, D, GQA>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides,
-                                strides, out.data());
-        });
-      }
-      for (auto& thread : threads) thread.join();
-    }
-  }
+  constexpr int splits = kSplits;
+  gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, splits};
+  std::vector<float> parts(splits > 1 ? rows * heads * splits * (D + 2) : 0, NAN);
+  launch([&] {
+    kernel<float, D, GQA, splits>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides,
+                                  strides, splits > 1 ? parts.data() : out.data());
+  });
+#ifdef MERGE
+  gridDim = {heads, rows, 1};
+  launch([&] { merge<float, D, splits>(parts.data(), out.data()); }, 32);
+#endif
   double worst = 0;
   for (int row = 0; row < rows; row++) {
     for (int head = 0; head < heads; head++) {

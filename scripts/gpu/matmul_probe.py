@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Where a batched decode step's time goes on MLX's CUDA backend: the host
 (building and encoding the graph) or the GPU, for the matmuls of a
-Llama-3.2-3B-shaped step (28 layers of q, k, v, o, gate, up and down
-projections, bfloat16) done three ways (Python MLX on the GPU machine):
+Llama-3.2-3B- or 3.1-8B-shaped step (28 or 32 layers of q, k, v, o, gate,
+up and down projections, bfloat16) done several ways (Python MLX on the
+GPU machine):
 
   matmul     `x @ W.T`: MLX runs a row's step as its own matrix-vector
              kernel and more rows through cuBLASLt, whose every call MLX
@@ -10,21 +11,38 @@ projections, bfloat16) done three ways (Python MLX on the GPU machine):
   stacked    the same with q/k/v and gate/up each one matmul (4 a layer)
   gather     `gather_mm` of one matrix: MLX's own tensor-core GEMM kernel,
              launched directly
+  decode     mlxgate's decode matmul kernel (read from
+             mlx-sys/kernels/decode_matmul.cpp; up to 8 rows), blocks of
+             `--block-rows` weight rows
 
-    matmul_probe.py [--rows 1,8,32,128] [--layers 28] [--steps 30]
+    matmul_probe.py [--shape 3b|8b] [--rows 1,8,32,128] [--layers N] [--steps 30]
+                    [--variants matmul,stacked,gather,decode] [--block-rows 4]
 
 Prints one JSON line per variant and row count: the median milliseconds
-the host spends encoding a step (`async_eval` returning), and the median
-period of steps launched one ahead, as a decode loop runs them.
+the host spends encoding a step (`async_eval` returning), the median
+period of steps launched one ahead, as a decode loop runs them, and the
+weight bytes read per second at that period.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
 import mlx.core as mx
 
-HIDDEN, KV, FFN = 3072, 1024, 8192
+SHAPES = {"3b": (3072, 1024, 8192, 28), "8b": (4096, 1024, 14336, 32)}
+HIDDEN, KV, FFN = SHAPES["3b"][:3]
+DECODE = {}  # the decode kernel and its block rows, when that variant runs
+
+
+def decode_kernel():
+    """The body between R"decode_matmul( and )decode_matmul" in mlx-sys/kernels/decode_matmul.cpp."""
+    path = os.path.join(os.path.dirname(__file__), "../../mlx-sys/kernels/decode_matmul.cpp")
+    text = open(path).read()
+    body = text[text.index('R"decode_matmul(') + len('R"decode_matmul('):text.index(')decode_matmul"')]
+    return mx.fast.cuda_kernel(name="mlxgate_decode_matmul", input_names=["x", "w"], output_names=["out"],
+                               source=body, ensure_row_contiguous=True)
 
 
 def weights(layers):
@@ -48,6 +66,11 @@ def step(x, layers, variant):
     def mm(a, w):
         if variant == "gather":
             return mx.gather_mm(a[None], w.T[None], lhs_indices=zero, rhs_indices=zero)[0]
+        if variant == "decode":
+            (n, k), m, rows = w.shape, a.shape[0], DECODE["rows"]
+            return DECODE["kernel"](inputs=[a, w], output_shapes=[(m, n)], output_dtypes=[a.dtype],
+                                    grid=(256 * -(-n // rows), 1, 1), threadgroup=(256, 1, 1),
+                                    template=[("T", a.dtype), ("M", m), ("K", k), ("N", n), ("ROWS", rows)])[0]
         return a @ w.T
 
     h = x
@@ -70,15 +93,24 @@ def step(x, layers, variant):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="3b")
     p.add_argument("--rows", default="1,8,32,128")
-    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--layers", type=int)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--variants", default="matmul,stacked,gather")
+    p.add_argument("--block-rows", type=int, default=4)
     a = p.parse_args()
+    global HIDDEN, KV, FFN
+    HIDDEN, KV, FFN, default_layers = SHAPES[a.shape]
+    if "decode" in a.variants:
+        DECODE.update(kernel=decode_kernel(), rows=a.block_rows)
     mx.random.seed(0)
-    layers = weights(a.layers)
+    layers = weights(a.layers or default_layers)
+    weight_bytes = sum(layer[name].nbytes for layer in layers for name in ("q", "k", "v", "o", "gate", "up", "down"))
     for rows in [int(r) for r in a.rows.split(",")]:
         for variant in a.variants.split(","):
+            if variant == "decode" and rows > 8:
+                continue
             x = (mx.random.normal((rows, HIDDEN)) * 0.1).astype(mx.bfloat16)
             ref = step(x, layers[:1], "matmul")
             got = step(x, layers[:1], variant)
@@ -102,9 +134,10 @@ def main():
                 previous, h = nxt, nxt
             mx.eval(previous)
             print(json.dumps({
-                "rows": rows, "variant": variant, "max_abs_diff_one_layer": diff,
+                "shape": a.shape, "rows": rows, "variant": variant, "max_abs_diff_one_layer": diff,
                 "encode_ms": round(statistics.median(encode) * 1e3, 3),
                 "period_ms": round(statistics.median(periods[2:]) * 1e3, 3),
+                "weights_tb_s": round(weight_bytes / statistics.median(periods[2:]) / 1e12, 3),
             }), flush=True)
 
 

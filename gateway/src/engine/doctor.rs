@@ -53,6 +53,15 @@ pub fn doctor_report(model: &Path) -> String {
             None => "MLX's kernels only (MLX_CUDA_USE_CUDNN_SDPA=0)".to_owned(),
         };
         let _ = writeln!(out, "attention:      {attention}");
+        let rows = crate::mlx::kernels::decode_matmul_rows();
+        let matmul = if rows == 0 {
+            "MLX's kernels (MLXGATE_DECODE_MATMUL_ROWS=0)".to_owned()
+        } else {
+            format!(
+                "mlxgate's kernel for steps of up to {rows} row(s) of bfloat16/float16 against dense weights, MLX's for the rest (MLXGATE_DECODE_MATMUL_ROWS, 0-8)"
+            )
+        };
+        let _ = writeln!(out, "dense matmul:   {matmul}");
     }
     let _ = writeln!(
         out,

@@ -292,6 +292,34 @@ mod tests {
     }
 
     #[test]
+    fn padded_half_precision_attention_stays_close_to_float32() {
+        // The dtype and head width that take `padded_causal` to cuDNN on a
+        // GPU (where its causal mask is bottom-right aligned, which the
+        // front padding after a cached prefix relies on); on a CPU, MLX's
+        // own op. Against float32 attention of the same bf16 inputs.
+        for (queries, keys) in [(300, 300), (300, 1000), (500, 520)] {
+            let q = normal(&[1, 8, queries, 64], 5)
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap();
+            let k = normal(&[1, 2, keys, 64], 6)
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap();
+            let v = normal(&[1, 2, keys, 64], 7)
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap();
+            let wide = |x: &Array| x.as_dtype(Dtype::Float32).unwrap();
+            let want = unfused(&wide(&q), &wide(&k), &wide(&v), 0.125, Mask::Causal).unwrap();
+            let got = padded_causal(&q, &k, &v, 0.125).unwrap();
+            let difference = max_difference(&want, &wide(&got));
+            // bf16 keeps 8 bits of mantissa: outputs of size ~1 round by ~0.004.
+            assert!(
+                difference < 0.03,
+                "{queries} queries over {keys} keys: {difference}"
+            );
+        }
+    }
+
+    #[test]
     fn only_long_causal_prompts_in_half_precision_go_to_cudnn() {
         let prompt = Array::zeros::<f32>(&[1, 8, 300, 64])
             .unwrap()

@@ -263,7 +263,8 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
 /// `[rows, heads * head_dim]` in, the same shape out. A CUDA kernel MLX
 /// compiles at first use (GPU streams only): MLX's fused decode attention
 /// takes no mask, and its unfused fallback read every row's columns
-/// rounded up to a bucket, with copies.
+/// rounded up to a bucket, with copies. A step of few rows splits each
+/// row's columns between blocks ([`ragged_splits`]).
 pub fn ragged_decode_attention(
     queries: &Array,
     keys: &Array,
@@ -282,6 +283,86 @@ pub fn ragged_decode_attention(
             end.as_ptr(),
             scale.as_ptr(),
             heads as i32,
+            ragged_splits(queries.shape()[0] as usize, keys.shape()[1] as usize) as i32,
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })
+}
+
+/// Blocks a ragged attention step should have to fill the GPU (about one
+/// per multiprocessor of an H100 or H200).
+pub const RAGGED_BLOCKS_WANTED: usize = 128;
+
+/// Into how many blocks [`ragged_decode_attention`] splits each row's
+/// columns in a step of `rows` rows over `kv_heads` key/value heads: a
+/// power of two that brings the step's blocks up to
+/// [`RAGGED_BLOCKS_WANTED`], at most `MLXGATE_RAGGED_MAX_SPLITS` (16
+/// unless set; 1: never split). Without it, one row of 8 key/value heads is
+/// 8 blocks walking every column on a GPU of 132 multiprocessors. Fixed
+/// for a batch width, so each width compiles once and keeps its CUDA
+/// graphs' shape.
+pub fn ragged_splits(rows: usize, kv_heads: usize) -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    let max = *MAX.get_or_init(|| {
+        std::env::var("MLXGATE_RAGGED_MAX_SPLITS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(16usize)
+            .clamp(1, 64)
+    });
+    let mut splits = 1;
+    while splits * 2 <= max && kv_heads * rows * splits * 2 <= RAGGED_BLOCKS_WANTED {
+        splits *= 2;
+    }
+    splits
+}
+
+/// The most rows [`decode_matmul`] takes (its kernel's limit).
+const DECODE_MATMUL_MAX_ROWS: usize = 8;
+
+/// The most rows of `x` that [`decode_matmul`] serves on CUDA:
+/// `MLXGATE_DECODE_MATMUL_ROWS` (0 turns it off; at most
+/// [`DECODE_MATMUL_MAX_ROWS`]), 1 unless set; 0 on other backends.
+pub fn decode_matmul_rows() -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        let rows = std::env::var("MLXGATE_DECODE_MATMUL_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(1usize)
+            .min(DECODE_MATMUL_MAX_ROWS);
+        if Backend::detect() == Backend::Cuda {
+            rows
+        } else {
+            0
+        }
+    })
+}
+
+/// Whether `x @ weight^T` should run [`decode_matmul`]: on CUDA, `x` of at
+/// most [`decode_matmul_rows`] rows, both bfloat16 or float16, the inner
+/// size a multiple of 8 (16-byte loads).
+pub fn decode_matmul_applies(x: &Array, weight: &Array) -> bool {
+    let inner = weight.shape()[1] as usize;
+    matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        && x.dtype() == weight.dtype()
+        && inner.is_multiple_of(8)
+        && x.size() <= decode_matmul_rows() * inner
+}
+
+/// `x @ weight^T` for a decode step's few rows (`x` `[..., K]`, `weight`
+/// `[N, K]`): a CUDA kernel MLX compiles at first use, per shape. MLX's
+/// own one-row kernel keeps too few loads in flight to reach the GPU's
+/// memory bandwidth, which a one-sequence decode step is bound by.
+pub fn decode_matmul(x: &Array, weight: &Array) -> Result<Array, Exception> {
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    new_array(|res, error, len| unsafe {
+        mlx_sys::mlxgate_decode_matmul(
+            res,
+            x.as_ptr(),
+            weight.as_ptr(),
             Stream::thread_local_or_default().as_ref().as_ptr(),
             error,
             len,
@@ -936,4 +1017,47 @@ pub unsafe fn decode_attention_many(rows: &[AttentionRow], shape: AttentionShape
         )
     };
     assert_eq!(status, 0, "decode attention refused its operands");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::random;
+
+    /// On CUDA the decode matmul serves one-row bfloat16 steps and matches
+    /// MLX's matmul; elsewhere it never applies (MLX's matmul runs).
+    #[test]
+    fn decode_matmul_matches_mlx_where_it_applies() {
+        let normal = |shape: &[i32], seed: u64| {
+            let key = random::key(seed).unwrap();
+            random::normal::<f32>(shape, None, None, Some(&key))
+                .unwrap()
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap()
+        };
+        // A partial last block of weight rows, two passes over K.
+        let weight = normal(&[1030, 4096 + 512], 1);
+        let x = normal(&[1, 1, 4096 + 512], 2);
+        if Backend::detect() != Backend::Cuda {
+            assert!(!decode_matmul_applies(&x, &weight));
+            return;
+        }
+        assert!(decode_matmul_applies(&x, &weight));
+        let float = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        let row = float(&x).reshape(&[1, 4096 + 512]).unwrap();
+        let want = row
+            .matmul(float(&weight).t())
+            .unwrap()
+            .reshape(&[1, 1, 1030])
+            .unwrap();
+        let got = float(&decode_matmul(&x, &weight).unwrap());
+        assert_eq!(got.shape(), &[1, 1, 1030]);
+        // Rounded to bfloat16 at the end (8 bits): relative error ~0.4%.
+        let error = got.subtract(&want).unwrap().abs().unwrap();
+        let relative = error
+            .divide(want.abs().unwrap().add(Array::from_f32(1.0)).unwrap())
+            .unwrap();
+        let worst = relative.max(None).unwrap().item_exact::<f32>();
+        assert!(worst < 0.01, "{worst}");
+    }
 }

@@ -254,6 +254,9 @@ impl Kernel {
     /// `x @ W^T`.
     fn apply(&self, x: &Array) -> MlxResult<Array> {
         match self {
+            Kernel::Dense(weight) if kernels::decode_matmul_applies(x, weight) => {
+                kernels::decode_matmul(x, weight)
+            }
             Kernel::Dense(weight) => matmul(x, weight.t()),
             Kernel::Quantized {
                 weight,

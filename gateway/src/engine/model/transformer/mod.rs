@@ -606,13 +606,24 @@ impl Transformer {
     /// Gets decoding ready now rather than in the first request: the native
     /// decode step's weights where this thread decodes natively (repacking
     /// takes up to a second on larger models), the GPU's ragged attention
-    /// kernel where steps use it (compiling takes ~2 s).
+    /// kernels where steps use them and its decode matmul for each weight
+    /// shape (compiling takes ~2 s a kernel).
     pub fn prepare_decode(&self) {
         if kernels::thread_choice() == KernelChoice::Native {
             self.native_decoder();
         }
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
+        }
+        if kernels::decode_matmul_rows() > 0 {
+            // One token through every layer: each projection's shape, one row.
+            let mut cache = self.new_cache();
+            if let Err(error) = self
+                .forward(&[&[0]], &mut [&mut cache])
+                .and_then(|logits| logits.eval())
+            {
+                tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
+            }
         }
     }
 

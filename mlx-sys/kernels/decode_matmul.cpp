@@ -1,0 +1,143 @@
+// `x @ w^T` for the few rows of a decode step against a dense bfloat16 or
+// float16 weight, as a CUDA kernel MLX compiles at first use
+// (`mlx::core::fast::cuda_kernel`).
+//
+// Why: a decode step of one sequence reads every weight once, so its speed
+// is the memory bandwidth its matmuls reach. MLX's own kernel for one row
+// (`gemv`, a warp per output, 8-byte loads, one in flight per thread) is
+// bound by how many loads it keeps in flight, not by the bandwidth. This
+// one gives each block ROWS outputs and its 256 threads 16-byte loads of
+// all ROWS weight rows at once, so each thread has ROWS loads in flight.
+//
+// Layout: x [M, K] and w [N, K], both packed; out [M, N]. K a multiple of
+// 16 bytes' worth of T; M, K, N and ROWS are template constants (a model
+// has a few shapes, each compiled once).
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "primitive_support.h"
+#include "mlx/c/private/array.h"
+#include "mlx/c/private/stream.h"
+#include "mlx/fast.h"
+#include "mlxgate_kernels.h"
+
+namespace mx = mlx::core;
+
+namespace {
+
+// The body; MLX writes its signature from the names below.
+// scripts/gpu/matmul_probe.py (on a GPU) and scripts/gpu/check_kernels.sh
+// (emulated on the CPU, in CI) read it from here, between the markers.
+const char* kDecodeMatmulSource = R"decode_matmul(
+  constexpr int THREADS = 256;
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int STEP = THREADS * VEC;
+  struct alignas(16) Chunk {
+    T v[VEC];
+  };
+  const int t = threadIdx.x;
+  const int first = blockIdx.x * ROWS;
+  float acc[M][ROWS];
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      acc[m][r] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int k0 = t * VEC; k0 < K; k0 += STEP) {
+    // Every weight row's chunk first: ROWS loads in flight at once. A
+    // block past the last row re-reads it and drops the result.
+    Chunk wc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      const int n = first + r < N ? first + r : N - 1;
+      wc[r] = *reinterpret_cast<const Chunk*>(w + (size_t)n * K + k0);
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const Chunk xc = *reinterpret_cast<const Chunk*>(x + (size_t)m * K + k0);
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+          acc[m][r] += static_cast<float>(wc[r].v[i]) * static_cast<float>(xc.v[i]);
+        }
+      }
+    }
+  }
+  __shared__ float partial[THREADS / 32][M * ROWS];
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      float s = acc[m][r];
+      for (int offset = 16; offset > 0; offset /= 2) {
+        s += __shfl_xor_sync(0xffffffff, s, offset);
+      }
+      if (t % 32 == 0) {
+        partial[t / 32][m * ROWS + r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  if (t < M * ROWS) {
+    const int m = t / ROWS;
+    const int n = first + t % ROWS;
+    if (n < N) {
+      float s = 0.0f;
+      for (int warp = 0; warp < THREADS / 32; warp++) {
+        s += partial[warp][t];
+      }
+      out[(size_t)m * N + n] = static_cast<T>(s);
+    }
+  }
+)decode_matmul";
+
+// Weight rows per block: 4 loads of 16 bytes in flight per thread.
+constexpr int kRowsPerBlock = 4;
+
+}  // namespace
+
+extern "C" int mlxgate_decode_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
+    const mlx_stream s,
+    char* error,
+    size_t error_len) {
+  try {
+    static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
+        "mlxgate_decode_matmul", {"x", "w"}, {"out"}, kDecodeMatmulSource, "",
+        /*ensure_row_contiguous=*/true);
+    const mx::array& xa = mlx_array_get_(x);
+    const mx::array& wa = mlx_array_get_(w);
+    if (xa.ndim() < 1 || wa.ndim() != 2 || xa.shape(-1) != wa.shape(1) ||
+        xa.dtype() != wa.dtype() ||
+        (xa.dtype() != mx::bfloat16 && xa.dtype() != mx::float16)) {
+      throw std::invalid_argument(
+          "[mlxgate decode matmul] x must be [..., K] and w [N, K], both bfloat16 or float16");
+    }
+    const int k = wa.shape(1);
+    const int n = wa.shape(0);
+    const int m = xa.size() / k;
+    if (k % 8 != 0 || m < 1 || m > 8) {
+      throw std::invalid_argument(
+          "[mlxgate decode matmul] K must be a multiple of 8 and x hold 1 to 8 rows");
+    }
+    mx::Shape out_shape = xa.shape();
+    out_shape.back() = n;
+    const int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+    auto outputs = kernel({xa, wa}, {out_shape}, {xa.dtype()}, {256 * blocks, 1, 1}, {256, 1, 1},
+                          {{"T", xa.dtype()}, {"M", m}, {"K", k}, {"N", n}, {"ROWS", kRowsPerBlock}},
+                          std::nullopt, false, mlx_stream_get_(s));
+    mlx_array_set_(*res, outputs.at(0));
+    return 0;
+  } catch (std::exception& e) {
+    return mlxgate::failed(e, error, error_len);
+  }
+}
