@@ -220,9 +220,7 @@ void mlxgate_distributed_reset(void);
  * compiles at first use; GPU streams only): `q` [rows, heads * D],
  * `k` and `v` [rows, kv_heads, columns, D], `starts` int32 [rows], `end`
  * int32 [1], `scale` float32 [1]; the result is q's shape and dtype.
- * `splits` > 1 splits each row's columns between that many blocks (where
- * a key/value head's block serves all its query heads). Returns 0, or 1
- * with a message in `error`. */
+ * Returns 0, or 1 with a message in `error`. */
 int mlxgate_ragged_decode_attention(
     mlx_array* res,
     const mlx_array q,
@@ -232,7 +230,6 @@ int mlxgate_ragged_decode_attention(
     const mlx_array end,
     const mlx_array scale,
     int heads,
-    int splits,
     const mlx_stream s,
     char* error,
     size_t error_len);

@@ -13,18 +13,18 @@
 // int32 [1] (the last column, the same for every row); scale float32 [1].
 // Each warp takes every WARPS-th column with an online softmax in float32,
 // and the warps are merged at the end. Two bodies:
-// - per key/value head (GQA <= 8, the usual case): a block of 256 threads
-//   (eight warps) per (key/value head, row) reads each column once for all
-//   GQA query heads it serves. On an H200 (3B shapes, 28 layers, 300
-//   columns) it took 0.54 / 0.94 / 1.91 ms at 8 / 32 / 128 rows against
-//   0.76 / 1.25 / 2.88 for the per-head body. A step of few rows would be
-//   a few blocks, each walking all its columns, on a GPU of 100+
-//   multiprocessors: there each row's columns are split between SPLITS
-//   blocks, which write partial sums (float32 [rows, heads, SPLITS, D + 2]:
-//   the weighted values, their largest score, their weights' sum) that a
-//   second kernel (`merge`, a warp per head and row) combines.
-// - per query head (any GQA): a block of 128 threads (four warps) per
-//   (head, row), reading a key/value head's columns once per query head.
+// - per key/value head (GQA <= 8, steps of 2+ rows): a block of 256
+//   threads (eight warps) per (key/value head, row) reads each column once
+//   for all GQA query heads it serves. On an H200 (3B shapes, 28 layers,
+//   300 columns) it took 0.54 / 0.94 / 1.91 ms at 8 / 32 / 128 rows against
+//   0.76 / 1.25 / 2.88 for the per-head body.
+// - per query head (any GQA, and one-row steps): a block of 128 threads
+//   (four warps) per (head, row), reading a key/value head's columns once
+//   per query head. A one-row step of 8 key/value heads would be 8 blocks
+//   the other way; this way it is 24-32, and on an H100 (3B shapes, 1,000
+//   columns) took 0.53 ms against 0.70. (Splitting each row's columns
+//   between blocks and merging their partial sums in a second kernel was
+//   slower there at 1-8 rows: 1.0 ms.)
 
 #include <cstdio>
 #include <exception>
@@ -129,7 +129,6 @@ constexpr int kMaxGqaPerBlock = 8;
 
 const char* kPerKvHeadSource = R"per_kv_head(
   constexpr int WARPS = 8;
-  const int split = blockIdx.z;
   constexpr int PER = D / 32;
   const int kv_head = blockIdx.x;
   const int row = blockIdx.y;
@@ -159,7 +158,7 @@ const char* kPerKvHeadSource = R"per_kv_head(
       acc[g][i] = 0.0f;
     }
   }
-  for (int j = first + split * WARPS + warp; j <= last; j += WARPS * SPLITS) {
+  for (int j = first + warp; j <= last; j += WARPS) {
     const T* kj = kp + j * k_strides[2];
     const T* vj = vp + j * v_strides[2];
     float kf[PER];
@@ -224,57 +223,13 @@ const char* kPerKvHeadSource = R"per_kv_head(
           o[i] += warp_acc[w][lane * PER + i] * c;
         }
       }
-      const size_t head = (size_t)row * heads + kv_head * GQA + g;
-      if (SPLITS == 1) {
-        for (int i = 0; i < PER; i++) {
-          out[head * D + lane * PER + i] = static_cast<T>(o[i] / total);
-        }
-      } else {
-        // This split's partial sums (a split with no columns: top -inf,
-        // total 0), combined by `merge`.
-        const size_t at = (head * SPLITS + split) * (D + 2);
-        for (int i = 0; i < PER; i++) {
-          out[at + lane * PER + i] = o[i];
-        }
-        if (lane == 0) {
-          out[at + D] = top;
-          out[at + D + 1] = total;
-        }
+      T* op = out + ((size_t)row * heads + kv_head * GQA + g) * D + lane * PER;
+      for (int i = 0; i < PER; i++) {
+        op[i] = static_cast<T>(o[i] / total);
       }
     }
   }
 )per_kv_head";
-
-// Combines the SPLITS partial sums of each (head, row) of the body above:
-// `parts` float32 [rows, heads, SPLITS, D + 2] in, out [rows, heads * D].
-const char* kMergeSource = R"merge(
-  constexpr int PER = D / 32;
-  const int head = blockIdx.x;
-  const int row = blockIdx.y;
-  const int heads = gridDim.x;
-  const int lane = threadIdx.x;
-  const float* p = parts + ((size_t)row * heads + head) * SPLITS * (D + 2);
-  float top = -INFINITY;
-  for (int z = 0; z < SPLITS; z++) {
-    top = fmaxf(top, p[z * (D + 2) + D]);
-  }
-  float total = 0.0f;
-  float o[PER];
-  for (int i = 0; i < PER; i++) {
-    o[i] = 0.0f;
-  }
-  for (int z = 0; z < SPLITS; z++) {
-    const float* pz = p + z * (D + 2);
-    const float c = pz[D] == -INFINITY ? 0.0f : __expf(pz[D] - top);
-    total += pz[D + 1] * c;
-    for (int i = 0; i < PER; i++) {
-      o[i] += pz[lane * PER + i] * c;
-    }
-  }
-  for (int i = 0; i < PER; i++) {
-    out[((size_t)row * heads + head) * D + lane * PER + i] = static_cast<T>(o[i] / total);
-  }
-)merge";
 
 }  // namespace
 
@@ -287,7 +242,6 @@ extern "C" int mlxgate_ragged_decode_attention(
     const mlx_array end,
     const mlx_array scale,
     int heads,
-    int splits,
     const mlx_stream s,
     char* error,
     size_t error_len) {
@@ -298,9 +252,6 @@ extern "C" int mlxgate_ragged_decode_attention(
     static const mx::fast::CustomKernelFunction per_kv_head = mx::fast::cuda_kernel(
         "mlxgate_ragged_decode_attention_gqa", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
         kPerKvHeadSource, "", /*ensure_row_contiguous=*/false);
-    static const mx::fast::CustomKernelFunction merge = mx::fast::cuda_kernel(
-        "mlxgate_ragged_decode_attention_merge", {"parts"}, {"out"}, kMergeSource, "",
-        /*ensure_row_contiguous=*/true);
     const mx::array& qa = mlx_array_get_(q);
     const mx::array& ka = mlx_array_get_(k);
     const mx::array& va = mlx_array_get_(v);
@@ -314,7 +265,7 @@ extern "C" int mlxgate_ragged_decode_attention(
     const int dim = qa.shape(1) / heads;
     const int kv_heads = ka.shape(1);
     if (dim != ka.shape(3) || dim % 32 != 0 || dim > 256 || heads % kv_heads != 0 ||
-        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype() || splits < 1) {
+        qa.dtype() != ka.dtype() || ka.dtype() != va.dtype()) {
       throw std::invalid_argument("[mlxgate ragged attention] unsupported shapes or dtypes");
     }
     // No layout can be checked here: the inputs are lazy, and a lazy array's
@@ -327,30 +278,13 @@ extern "C" int mlxgate_ragged_decode_attention(
     // only if it is not packed.
     const mx::array packed_q = mx::contiguous(qa, false, mlx_stream_get_(s));
     const int gqa = heads / kv_heads;
-    const bool by_kv_head = gqa <= kMaxGqaPerBlock;
-    const std::vector<mx::array> inputs = {
-        packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)};
-    if (!by_kv_head) {
-      auto outputs = per_head(inputs, {qa.shape()}, {qa.dtype()}, {128 * heads, rows, 1},
-                              {128, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}},
-                              std::nullopt, false, mlx_stream_get_(s));
-      mlx_array_set_(*res, outputs.at(0));
-      return 0;
-    }
-    const std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
-        {"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}, {"SPLITS", splits}};
-    if (splits == 1) {
-      auto outputs = per_kv_head(inputs, {qa.shape()}, {qa.dtype()}, {256 * kv_heads, rows, 1},
-                                 {256, 1, 1}, args, std::nullopt, false, mlx_stream_get_(s));
-      mlx_array_set_(*res, outputs.at(0));
-      return 0;
-    }
-    auto parts = per_kv_head(inputs, {{rows, heads, splits, dim + 2}}, {mx::float32},
-                             {256 * kv_heads, rows, splits}, {256, 1, 1}, args, std::nullopt,
-                             false, mlx_stream_get_(s));
-    auto outputs = merge({parts.at(0)}, {qa.shape()}, {qa.dtype()}, {32 * heads, rows, 1},
-                         {32, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"SPLITS", splits}},
-                         std::nullopt, false, mlx_stream_get_(s));
+    const bool by_kv_head = gqa <= kMaxGqaPerBlock && rows > 1;
+    const int threads = by_kv_head ? 256 : 128;
+    auto outputs = (by_kv_head ? per_kv_head : per_head)(
+        {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
+        {qa.shape()}, {qa.dtype()}, {threads * (by_kv_head ? kv_heads : heads), rows, 1},
+        {threads, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}}, std::nullopt, false,
+        mlx_stream_get_(s));
     mlx_array_set_(*res, outputs.at(0));
     return 0;
   } catch (std::exception& e) {

@@ -14,9 +14,7 @@ bfloat16; each timing evaluates `--layers` attentions at once, as a step
 does. Prints one JSON line per batch size: each body's largest difference
 from the masked reference and the milliseconds of each variant.
 `--candidate` adds a body laid out like the per-key/value-head one (a block
-of 256 threads per key/value head and row). Where a batch has too few rows
-to fill the GPU, the per-key/value-head body also runs with each row's
-columns split between blocks, as mlxgate runs it.
+of 256 threads per key/value head and row).
 """
 import argparse
 import json
@@ -59,8 +57,6 @@ def main():
 
     per_head = compiled("mlxgate_ragged_decode_attention", kernel_source("per_head"))
     per_kv_head = compiled("mlxgate_ragged_decode_attention_gqa", kernel_source("per_kv_head"))
-    merge = mx.fast.cuda_kernel(name="mlxgate_ragged_decode_attention_merge", input_names=["parts"],
-                                output_names=["out"], source=kernel_source("merge"))
     candidate = args.candidate and compiled("mlxgate_ragged_candidate", open(args.candidate).read())
     scale = 1 / math.sqrt(DIM)
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -86,31 +82,16 @@ def main():
             return [mx.fast.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], scale=scale, mask=mask)
                     for q, k, v in layers]
 
-        def launched(kernel, threads, blocks, splits=1):
-            """Every layer's attention by `kernel`, `threads` a block, `blocks` blocks a row,
-            each row's columns split between `splits` blocks and merged."""
-            out = []
-            for q, k, v in layers:
-                shape, dtype = ((rows, HEADS * DIM), q.dtype) if splits == 1 else ((rows, HEADS, splits, DIM + 2), mx.float32)
-                o = kernel(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
-                           output_shapes=[shape], output_dtypes=[dtype],
-                           grid=(threads * blocks, rows, splits), threadgroup=(threads, 1, 1),
-                           template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS), ("SPLITS", splits)])[0]
-                if splits > 1:
-                    o = merge(inputs=[o], output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
-                              grid=(32 * HEADS, rows, 1), threadgroup=(32, 1, 1),
-                              template=[("T", q.dtype), ("D", DIM), ("SPLITS", splits)])[0]
-                out.append(o)
-            return out
+        def launched(kernel, threads, blocks):
+            """Every layer's attention by `kernel`, `threads` a block, `blocks` blocks a row."""
+            return [kernel(inputs=[q.reshape(rows, HEADS * DIM), k, v, starts, end_a, scale_a],
+                           output_shapes=[(rows, HEADS * DIM)], output_dtypes=[q.dtype],
+                           grid=(threads * blocks, rows, 1), threadgroup=(threads, 1, 1),
+                           template=[("T", q.dtype), ("D", DIM), ("GQA", HEADS // KV_HEADS)])[0]
+                    for q, k, v in layers]
 
-        # As mlxgate picks it: a power of two, up to 16, while blocks stay within 128.
-        splits = 1
-        while splits * 2 <= 16 and KV_HEADS * rows * splits * 2 <= 128:
-            splits *= 2
         bodies = {"per_head": lambda: launched(per_head, 128, HEADS),
                   "per_kv_head": lambda: launched(per_kv_head, 256, KV_HEADS)}
-        if splits > 1:
-            bodies[f"per_kv_head_split{splits}"] = lambda: launched(per_kv_head, 256, KV_HEADS, splits)
         if candidate:
             bodies["candidate"] = lambda: launched(candidate, 256, KV_HEADS)
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Checks mlxgate's CUDA kernel bodies on the CPU (scripts/gpu/emulation.h):
 # both ragged decode attention bodies in mlx-sys/kernels/ragged_attention.cpp
-# (a block per query head, and a block per key/value head, also with each
-# row's columns split between blocks and merged; harness
+# (a block per query head, and a block per key/value head; harness
 # kernel_emulator.cpp), a candidate body laid out like the second if one is
 # named, and the decode matmul (mlx-sys/kernels/decode_matmul.cpp; harness
 # decode_matmul_emulator.cpp). Each must match the plain computation
@@ -16,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 # Each body between its raw string's markers, as the probes read them.
 python3 - "$root/mlx-sys/kernels" "$work" <<'PY'
 import sys
-for source, names in (("ragged_attention.cpp", ("per_head", "per_kv_head", "merge")), ("decode_matmul.cpp", ("decode_matmul",))):
+for source, names in (("ragged_attention.cpp", ("per_head", "per_kv_head")), ("decode_matmul.cpp", ("decode_matmul",))):
     text = open(f"{sys.argv[1]}/{source}").read()
     for name in names:
         body = text[text.index(f'R"{name}(') + len(f'R"{name}('):text.index(f'){name}"')]
@@ -33,7 +32,5 @@ check() {
 }
 check per-head kernel_emulator.cpp "$work/per_head.cu" 128 -DPER_KV_HEAD=0
 check per-kv-head kernel_emulator.cpp "$work/per_kv_head.cu" 256 -DPER_KV_HEAD=1
-check per-kv-head-split kernel_emulator.cpp "$work/per_kv_head.cu" 256 -DPER_KV_HEAD=1 -DSPLITS=4 \
-    -DMERGE="\"$work/merge.cu\""
 check decode-matmul decode_matmul_emulator.cpp "$work/decode_matmul.cu" 256
 if [ $# -gt 0 ]; then check candidate kernel_emulator.cpp "$1" 256 -DPER_KV_HEAD=1; fi

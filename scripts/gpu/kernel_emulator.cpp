@@ -8,9 +8,7 @@
 //   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DBLOCK_THREADS=128 -DPER_KV_HEAD=0 kernel_emulator.cpp
 //
 // BLOCK_THREADS is the block size; PER_KV_HEAD=1 launches a block per
-// key/value head and row, 0 a block per query head and row; SPLITS > 1
-// (per key/value head) splits each row's columns between that many blocks
-// and merges their partial sums with the MERGE body. T is float.
+// key/value head and row, 0 a block per query head and row. T is float.
 
 #include <cmath>
 #include <cstdint>
@@ -20,27 +18,12 @@
 
 #include "emulation.h"
 
-// The bodies name their template constant SPLITS too.
-#ifdef SPLITS
-constexpr int kSplits = SPLITS;
-#undef SPLITS
-#else
-constexpr int kSplits = 1;
-#endif
-
-template <typename T, int D, int GQA, int SPLITS>
+template <typename T, int D, int GQA>
 static void kernel(const T* q, const T* k, const T* v, const int* starts, const int* end,
                    const float* scale, const int64_t* k_strides, const int64_t* v_strides,
                    T* out) {
 #include BODY
 }
-
-#ifdef MERGE
-template <typename T, int D, int SPLITS>
-static void merge(const float* parts, T* out) {
-#include MERGE
-}
-#endif
 
 // One case: `rows` rows over a slab of `capacity` columns ending at `last`,
 // each row from its start; k and v with a row stride padded past packed, so
@@ -59,17 +42,11 @@ static double check(int rows, int kv_heads, int capacity, int last, const std::v
   for (auto& x : v) x = normal(rng);
   const float scale = 1.0f / std::sqrt(float(D));
   const int end = last;
-  constexpr int splits = kSplits;
-  gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, splits};
-  std::vector<float> parts(splits > 1 ? rows * heads * splits * (D + 2) : 0, NAN);
+  gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, 1};
   launch([&] {
-    kernel<float, D, GQA, splits>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides,
-                                  strides, splits > 1 ? parts.data() : out.data());
+    kernel<float, D, GQA>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides, strides,
+                          out.data());
   });
-#ifdef MERGE
-  gridDim = {heads, rows, 1};
-  launch([&] { merge<float, D, splits>(parts.data(), out.data()); }, 32);
-#endif
   double worst = 0;
   for (int row = 0; row < rows; row++) {
     for (int head = 0; head < heads; head++) {

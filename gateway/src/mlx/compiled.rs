@@ -84,10 +84,13 @@ pub fn gelu_tanh(x: &Array) -> Result<Array, Exception> {
 mod tests {
     use super::*;
 
-    /// Each fused activation equals the mlx-rs ops it replaces, bit for bit,
-    /// in float32 and bfloat16, over shapes that change between calls.
+    /// Each fused activation equals the mlx-rs ops it replaces, over shapes
+    /// that change between calls, in float32 and bfloat16: bit for bit on
+    /// the CPU; on CUDA within a rounding of the result (a fused kernel
+    /// rounds once where the ops round after each; seen on an H100).
     #[test]
     fn compiled_activations_equal_the_ops_they_replace() {
+        let fused_rounding = crate::mlx::Backend::detect() == crate::mlx::Backend::Cuda;
         for dtype in [mlx_rs::Dtype::Float32, mlx_rs::Dtype::Bfloat16] {
             for shape in [[1, 1, 64], [3, 5, 96], [2, 1, 64]] {
                 let gate = mlx_rs::random::normal::<f32>(&shape, None, Some(3.0), None)
@@ -104,11 +107,26 @@ mod tests {
                         a.as_dtype(mlx_rs::Dtype::Float32).unwrap(),
                         b.as_dtype(mlx_rs::Dtype::Float32).unwrap(),
                     );
-                    assert_eq!(
-                        a.as_slice::<f32>(),
-                        b.as_slice::<f32>(),
-                        "{dtype:?} {shape:?}"
-                    );
+                    if !fused_rounding {
+                        assert_eq!(
+                            a.as_slice::<f32>(),
+                            b.as_slice::<f32>(),
+                            "{dtype:?} {shape:?}"
+                        );
+                        return;
+                    }
+                    // bfloat16 keeps 8 bits: one rounding is 2^-8 of the value.
+                    let ulp = if dtype == mlx_rs::Dtype::Float32 {
+                        1e-6
+                    } else {
+                        8e-3
+                    };
+                    for (x, y) in a.as_slice::<f32>().iter().zip(b.as_slice::<f32>()) {
+                        assert!(
+                            (x - y).abs() <= ulp * (1.0 + y.abs()),
+                            "{dtype:?} {shape:?}: {x} against {y}"
+                        );
+                    }
                 };
                 let silu = mlx_rs::nn::silu(&gate).unwrap();
                 same(swiglu(&gate, &up).unwrap(), multiply(&silu, &up).unwrap());

@@ -615,14 +615,17 @@ impl Transformer {
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
-        if kernels::decode_matmul_rows() > 0 {
-            // One token through every layer: each projection's shape, one row.
+        // Prompts of 1, 2, ... tokens through every layer: each projection's
+        // shape at each row count the decode matmul serves.
+        for rows in 1..=kernels::decode_matmul_rows() {
             let mut cache = self.new_cache();
+            let prompt = vec![0; rows];
             if let Err(error) = self
-                .forward(&[&[0]], &mut [&mut cache])
+                .forward(&[&prompt], &mut [&mut cache])
                 .and_then(|logits| logits.eval())
             {
                 tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
+                break;
             }
         }
     }

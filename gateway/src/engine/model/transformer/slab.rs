@@ -485,18 +485,15 @@ impl Transformer {
     }
 
     /// Compiles the ragged attention kernels now (MLX compiles each at first
-    /// use, ~2 s), where steps will use them, so that no request waits: one
-    /// a batch width of 1, 2, 4, ... rows while a step of that many splits
-    /// each row's columns (by a number of its own), and the first that
-    /// does not.
+    /// use, ~2 s), where steps will use them, so that no request waits: the
+    /// body one-row steps take, and the one wider steps take.
     pub(super) fn warm_up_slab(&self) -> MlxResult<()> {
         if !(enabled() && self.attends_ragged()) {
             return Ok(());
         }
         let c = &self.config;
         let dtype = super::super::compute_dtype();
-        let mut rows = 1;
-        loop {
+        for rows in [1, 2] {
             let q = zeros_dtype(&[rows, (c.heads * c.head_dim) as i32], dtype)?;
             let kv = zeros_dtype(&[rows, c.kv_heads as i32, 1, c.head_dim as i32], dtype)?;
             let zero = Array::from_slice(&vec![0i32; rows as usize], &[rows]);
@@ -504,11 +501,8 @@ impl Transformer {
             let scale = Array::from_slice(&[1.0f32], &[1]);
             kernels::ragged_decode_attention(&q, &kv, &kv, (&zero, &last, &scale), c.heads)?
                 .eval()?;
-            if c.kv_heads * rows as usize >= kernels::RAGGED_BLOCKS_WANTED {
-                return Ok(());
-            }
-            rows *= 2;
         }
+        Ok(())
     }
 
     /// Takes the step that wrote column `end`: the slab moves on a column,
