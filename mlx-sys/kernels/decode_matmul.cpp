@@ -14,7 +14,8 @@
 //
 // Layout: x [M, K] and w [N, K], both packed; out [M, N]. K a multiple of
 // 16 bytes' worth of T; M, K, N and ROWS are template constants (a model
-// has a few shapes, each compiled once).
+// has a few weight shapes, each compiled once per row count). Inputs traced
+// for a gradient take MLX's matmul instead.
 
 #include <exception>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "mlx/c/private/array.h"
 #include "mlx/c/private/stream.h"
 #include "mlx/fast.h"
+#include "mlx/ops.h"
 #include "mlxgate_kernels.h"
 
 namespace mx = mlx::core;
@@ -114,9 +116,6 @@ extern "C" int mlxgate_decode_matmul(
     char* error,
     size_t error_len) {
   try {
-    static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
-        "mlxgate_decode_matmul", {"x", "w"}, {"out"}, kDecodeMatmulSource, "",
-        /*ensure_row_contiguous=*/true);
     const mx::array& xa = mlx_array_get_(x);
     const mx::array& wa = mlx_array_get_(w);
     if (xa.ndim() < 1 || wa.ndim() != 2 || xa.shape(-1) != wa.shape(1) ||
@@ -132,6 +131,17 @@ extern "C" int mlxgate_decode_matmul(
       throw std::invalid_argument(
           "[mlxgate decode matmul] K must be a multiple of 8 and x hold 1 to 8 rows");
     }
+    if (xa.is_tracer() || wa.is_tracer()) {
+      // Traced for a gradient (fine-tuning: a batch's few target rows through
+      // the output head): MLX's matmul, which has one; a custom kernel has
+      // none. (libmlx exports no "in a gradient" query; a tracer is one.)
+      mlx_array_set_(*res, mx::matmul(xa, mx::transpose(wa, mlx_stream_get_(s)),
+                                      mlx_stream_get_(s)));
+      return 0;
+    }
+    static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
+        "mlxgate_decode_matmul", {"x", "w"}, {"out"}, kDecodeMatmulSource, "",
+        /*ensure_row_contiguous=*/true);
     mx::Shape out_shape = xa.shape();
     out_shape.back() = n;
     const int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;

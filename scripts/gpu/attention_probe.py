@@ -19,19 +19,12 @@ of 256 threads per key/value head and row).
 import argparse
 import json
 import math
-import os
 import time
 
 import mlx.core as mx
+from kernel_source import body
 
 HEADS, KV_HEADS, DIM = 24, 8, 128
-
-
-def kernel_source(name):
-    """The body between R"NAME( and )NAME" in mlx-sys/kernels/ragged_attention.cpp."""
-    path = os.path.join(os.path.dirname(__file__), "../../mlx-sys/kernels/ragged_attention.cpp")
-    text = open(path).read()
-    return text[text.index(f'R"{name}(') + len(f'R"{name}('):text.index(f'){name}"')]
 
 
 def timed(build, repeat=20):
@@ -55,8 +48,8 @@ def main():
         return mx.fast.cuda_kernel(name=name, input_names=["q", "k", "v", "starts", "end", "scale"],
                                    output_names=["out"], source=source, ensure_row_contiguous=False)
 
-    per_head = compiled("mlxgate_ragged_decode_attention", kernel_source("per_head"))
-    per_kv_head = compiled("mlxgate_ragged_decode_attention_gqa", kernel_source("per_kv_head"))
+    per_head = compiled("mlxgate_ragged_decode_attention", body("ragged_attention.cpp", "per_head"))
+    per_kv_head = compiled("mlxgate_ragged_decode_attention_gqa", body("ragged_attention.cpp", "per_kv_head"))
     candidate = args.candidate and compiled("mlxgate_ragged_candidate", open(args.candidate).read())
     scale = 1 / math.sqrt(DIM)
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -13,14 +13,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Each body between its raw string's markers, as the probes read them.
-python3 - "$root/mlx-sys/kernels" "$work" <<'PY'
-import sys
-for source, names in (("ragged_attention.cpp", ("per_head", "per_kv_head")), ("decode_matmul.cpp", ("decode_matmul",))):
-    text = open(f"{sys.argv[1]}/{source}").read()
-    for name in names:
-        body = text[text.index(f'R"{name}(') + len(f'R"{name}('):text.index(f'){name}"')]
-        open(f"{sys.argv[2]}/{name}.cu", "w").write(body)
-PY
+for body in ragged_attention.cpp:per_head ragged_attention.cpp:per_kv_head decode_matmul.cpp:decode_matmul; do
+    python3 "$root/scripts/gpu/kernel_source.py" "${body%%:*}" "${body#*:}" > "$work/${body#*:}.cu"
+done
 # check NAME HARNESS BODY THREADS [g++ flags]
 check() {
     local name=$1 harness=$2 body=$3 threads=$4

@@ -8,7 +8,6 @@
 // size, is defined on their command line.
 #pragma once
 
-#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <memory>
@@ -41,27 +40,25 @@ static float __shfl_xor_sync(unsigned, float value, int mask) {
 #define __expf expf
 
 // Runs `body` (the kernel called with its arguments) for every block of
-// `gridDim`, `threads` (at most BLOCK_THREADS) threads each.
+// `gridDim` (x and y), BLOCK_THREADS threads each.
 template <typename Body>
-static void launch(Body body, int threads = BLOCK_THREADS) {
-  for (int bz = 0; bz < std::max(gridDim.z, 1); bz++) {
-    for (int by = 0; by < gridDim.y; by++) {
-      for (int bx = 0; bx < gridDim.x; bx++) {
-        blockIdx = {bx, by, bz};
-        block_barrier = std::make_unique<std::barrier<>>(threads);
-        warp_barriers.clear();
-        for (int w = 0; w < (threads + 31) / 32; w++) {
-          warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
-        }
-        std::vector<std::thread> workers;
-        for (int t = 0; t < threads; t++) {
-          workers.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            body();
-          });
-        }
-        for (auto& worker : workers) worker.join();
+static void launch(Body body) {
+  for (int by = 0; by < gridDim.y; by++) {
+    for (int bx = 0; bx < gridDim.x; bx++) {
+      blockIdx = {bx, by, 0};
+      block_barrier = std::make_unique<std::barrier<>>(BLOCK_THREADS);
+      warp_barriers.clear();
+      for (int w = 0; w < BLOCK_THREADS / 32; w++) {
+        warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
       }
+      std::vector<std::thread> workers;
+      for (int t = 0; t < BLOCK_THREADS; t++) {
+        workers.emplace_back([&, t] {
+          threadIdx = {t, 0, 0};
+          body();
+        });
+      }
+      for (auto& worker : workers) worker.join();
     }
   }
 }

@@ -25,11 +25,11 @@ weight bytes read per second at that period.
 """
 import argparse
 import json
-import os
 import statistics
 import time
 
 import mlx.core as mx
+from kernel_source import body
 
 SHAPES = {"3b": (3072, 1024, 8192, 28), "8b": (4096, 1024, 14336, 32)}
 HIDDEN, KV, FFN = SHAPES["3b"][:3]
@@ -37,12 +37,9 @@ DECODE = {}  # the decode kernel and its block rows, when that variant runs
 
 
 def decode_kernel():
-    """The body between R"decode_matmul( and )decode_matmul" in mlx-sys/kernels/decode_matmul.cpp."""
-    path = os.path.join(os.path.dirname(__file__), "../../mlx-sys/kernels/decode_matmul.cpp")
-    text = open(path).read()
-    body = text[text.index('R"decode_matmul(') + len('R"decode_matmul('):text.index(')decode_matmul"')]
+    """mlxgate's decode matmul, its body read from mlx-sys/kernels/decode_matmul.cpp."""
     return mx.fast.cuda_kernel(name="mlxgate_decode_matmul", input_names=["x", "w"], output_names=["out"],
-                               source=body, ensure_row_contiguous=True)
+                               source=body("decode_matmul.cpp", "decode_matmul"), ensure_row_contiguous=True)
 
 
 def weights(layers):

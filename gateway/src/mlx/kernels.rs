@@ -327,9 +327,10 @@ pub fn decode_matmul_applies(x: &Array, weight: &Array) -> bool {
 
 /// `x @ weight^T` for a decode step's few rows (`x` `[..., K]`, `weight`
 /// `[N, K]`): a CUDA kernel MLX compiles at first use, per shape and row
-/// count. A step of few rows reads every weight once, so its speed is the
-/// memory bandwidth its matmuls reach; MLX hands 2-8 rows to cuBLAS, which
-/// reaches much less of it there.
+/// count (inputs traced for a gradient take MLX's matmul). A step of few
+/// rows reads every weight once, so its speed is the memory bandwidth its
+/// matmuls reach; MLX hands 2-8 rows to cuBLAS, which reaches much less of
+/// it there.
 pub fn decode_matmul(x: &Array, weight: &Array) -> Result<Array, Exception> {
     // SAFETY: the operands are live arrays and the stream outlives the call.
     new_array(|res, error, len| unsafe {
@@ -342,6 +343,27 @@ pub fn decode_matmul(x: &Array, weight: &Array) -> Result<Array, Exception> {
             len,
         )
     })
+}
+
+/// Compiles [`decode_matmul`] now for each distinct shape among `weights`
+/// that it will serve, at every row count, so that no step waits for it
+/// (~0.5-2 s a compile; a first 4-request window once lost seconds).
+pub fn warm_up_decode_matmul<'a>(
+    weights: impl IntoIterator<Item = &'a Array>,
+) -> Result<(), Exception> {
+    let mut seen = std::collections::HashSet::new();
+    for weight in weights {
+        if weight.ndim() != 2 || !seen.insert(weight.shape().to_vec()) {
+            continue;
+        }
+        for rows in 1..=decode_matmul_rows() {
+            let x = mlx_rs::ops::zeros_dtype(&[rows as i32, weight.shape()[1]], weight.dtype())?;
+            if decode_matmul_applies(&x, weight) {
+                decode_matmul(&x, weight)?.eval()?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Output columns per panel of a weight packed for [`dense`].
@@ -1033,5 +1055,39 @@ mod tests {
             .unwrap();
         let worst = relative.max(None).unwrap().item_exact::<f32>();
         assert!(worst < 0.01, "{worst}");
+    }
+
+    /// Traced for a gradient (fine-tuning's few target rows through the
+    /// output head), the decode matmul gives MLX's matmul's gradient: its
+    /// CUDA kernel has none, so the op must not run it there (on a CPU the
+    /// kernel cannot run at all, so a traced call that reached it fails).
+    #[test]
+    fn decode_matmul_under_a_gradient_has_matmuls_gradient() {
+        let key = |seed| random::key(seed).unwrap();
+        let weight = random::normal::<f32>(&[48, 64], None, None, Some(&key(3)))
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let x = random::normal::<f32>(&[2, 64], None, None, Some(&key(4)))
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let gradient = |through_kernel: bool| {
+            let weight = weight.clone();
+            let f = move |params: &[Array]| -> Result<Vec<Array>, Exception> {
+                let y = if through_kernel {
+                    decode_matmul(&params[0], &weight)?
+                } else {
+                    params[0].matmul(weight.t())?
+                };
+                Ok(vec![y.as_dtype(Dtype::Float32)?.square()?.sum(None)?])
+            };
+            let mut vg = mlx_rs::transforms::value_and_grad_with_argnums(f, &[0][..]);
+            let (_, grads) = vg(std::slice::from_ref(&x)).unwrap();
+            grads[0].as_dtype(Dtype::Float32).unwrap()
+        };
+        let (got, want) = (gradient(true), gradient(false));
+        assert_eq!(got.shape(), &[2, 64]);
+        assert_eq!(got.as_slice::<f32>(), want.as_slice::<f32>());
     }
 }

@@ -615,18 +615,8 @@ impl Transformer {
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
-        // Prompts of 1, 2, ... tokens through every layer: each projection's
-        // shape at each row count the decode matmul serves.
-        for rows in 1..=kernels::decode_matmul_rows() {
-            let mut cache = self.new_cache();
-            let prompt = vec![0; rows];
-            if let Err(error) = self
-                .forward(&[&prompt], &mut [&mut cache])
-                .and_then(|logits| logits.eval())
-            {
-                tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
-                break;
-            }
+        if let Err(error) = kernels::warm_up_decode_matmul(self.parameters()) {
+            tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
         }
     }
 
