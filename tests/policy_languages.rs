@@ -278,7 +278,8 @@ fn guests_transform_route_and_are_contained(language: &str) {
     put_policy(
         s.addr,
         "tenants_py",
-        &format!("kind=router&on_error=fail_closed&config={config}"),
+        // A deadline that a loaded CI machine cannot miss (5 ms by default).
+        &format!("kind=router&deadline_ms=1000&on_error=fail_closed&config={config}"),
         &guest(language, "tenant_router"),
     );
     let r = call(

@@ -18,9 +18,15 @@ use support::{Response, Server, ServerBuilder, real_model, workspace_root};
 
 const ADMIN: &str = "prompt-tokens-admin";
 
-/// Uploads the README's router with `threshold` and binds it.
+/// Uploads the README's router with `threshold` and binds it. The deadline
+/// is the most a request-time policy may have, and a failure refuses the
+/// request: under the default 5 ms a slow call on a loaded machine failed
+/// open to the local model, which read as a wrong decision.
 fn bind_big_to_upstream(s: &Server, threshold: usize) {
-    let query = format!("config={}", urlencode(&threshold.to_string()));
+    let query = format!(
+        "deadline_ms=1000&on_error=fail_closed&config={}",
+        urlencode(&threshold.to_string())
+    );
     s.bind_router(ADMIN, "big", &query, &wasm("big-to-upstream"));
 }
 
