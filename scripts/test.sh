@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --tests
-step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+# Each step says when it started (seconds into the run), so a CI log shows
+# where the time goes.
+step() { printf '\033[1m==> %s\033[0m (at %ds)\n' "$*" "$SECONDS"; }
 
 step "format"
 cargo fmt --all --check
@@ -20,3 +22,4 @@ step "clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 step "tests"
 cargo test --locked --workspace
+step "all checks passed"
