@@ -558,15 +558,27 @@ struct GroupValues {
 unsafe impl Send for PackedMatrix {}
 unsafe impl Sync for PackedMatrix {}
 
+// The repacking below runs over every weight of a model at load, so it is
+// written as plain indexed loops: unoptimised (debug builds, every test that
+// loads a model) iterator adapters made loading SmolLM2 ~10x slower than in
+// release, most of a test's start-up.
+
 /// `values` as exact f16s, or `None` when one of them is not an f16.
 fn exact_f16(values: &[f32]) -> Option<Vec<u16>> {
-    values
-        .iter()
-        .map(|&value| {
-            let half = half::f16::from_f32(value);
-            (half.to_f32() == value).then_some(half.to_bits())
-        })
-        .collect()
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    let mut bits = vec![0u16; values.len()];
+    let halves: &mut [half::f16] = bits.reinterpret_cast_mut();
+    halves.convert_from_f32_slice(values);
+    let mut back = vec![0f32; values.len()];
+    halves.convert_to_f32_slice(&mut back);
+    // Exact when every value comes back (a NaN never does).
+    let back = back.as_slice();
+    for i in 0..values.len() {
+        if back[i] != values[i] {
+            return None;
+        }
+    }
+    Some(bits)
 }
 
 /// The `offset` with `bias == scale * -offset` (f32) for every group, if any.
@@ -632,13 +644,19 @@ impl Values {
 /// MLX-order 4-bit codes (code i in nibble i % 2 of byte i / 2) in the
 /// split layout of [`Codes`].
 fn split_codes(bytes: &[u8]) -> Vec<u8> {
-    bytes
-        .chunks_exact(16)
-        .flat_map(|chunk| {
-            let code = |i: usize| (chunk[i / 2] >> (4 * (i % 2))) & 15;
-            (0..16).map(move |l| code(l) | code(l + 16) << 4)
-        })
-        .collect()
+    let mut split = vec![0u8; bytes.len() / 16 * 16];
+    let out = split.as_mut_slice();
+    for chunk in (0..out.len()).step_by(16) {
+        // MLX's byte b of the chunk holds codes 2b (low nibble) and 2b + 1
+        // (high); byte 8 + b codes 2b + 16 and 2b + 17. Split byte l holds
+        // code l (low) and code l + 16 (high).
+        for b in 0..8 {
+            let (first, second) = (bytes[chunk + b], bytes[chunk + 8 + b]);
+            out[chunk + 2 * b] = (first & 15) | (second & 15) << 4;
+            out[chunk + 2 * b + 1] = (first >> 4) | (second & 0xf0);
+        }
+    }
+    split
 }
 
 /// Bytes of one row of `cols` weights in the layout of [`Codes::FiveBit`].
@@ -722,10 +740,17 @@ fn signed_codes(bytes: &[u8], offset: f32) -> Option<Vec<u8>> {
         return None;
     }
     let offset = offset as i16;
-    bytes
-        .iter()
-        .map(|&code| i8::try_from(i16::from(code) - offset).ok().map(|c| c as u8))
-        .collect()
+    let mut signed = vec![0u8; bytes.len()];
+    let out = signed.as_mut_slice();
+    for i in 0..bytes.len() {
+        let code = bytes[i] as i16 - offset;
+        // Fits an i8 exactly when the cast keeps it.
+        if code as i8 as i16 != code {
+            return None;
+        }
+        out[i] = code as i8 as u8;
+    }
+    Some(signed)
 }
 
 impl PackedMatrix {
@@ -1019,6 +1044,39 @@ pub unsafe fn decode_attention_many(rows: &[AttentionRow], shape: AttentionShape
 mod tests {
     use super::*;
     use mlx_rs::random;
+
+    /// The load-time repacking, against the definitions its comments give.
+    #[test]
+    fn repacked_codes_and_halves_follow_their_layouts() {
+        let bytes: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+        // MLX order: code i in nibble i % 2 of byte i / 2.
+        let mlx_code = |chunk: usize, i: usize| (bytes[16 * chunk + i / 2] >> (4 * (i % 2))) & 15;
+        let split = split_codes(&bytes);
+        assert_eq!(split.len(), 64);
+        for chunk in 0..4 {
+            for l in 0..16 {
+                let byte = split[16 * chunk + l];
+                assert_eq!(
+                    (byte & 15, byte >> 4),
+                    (mlx_code(chunk, l), mlx_code(chunk, l + 16))
+                );
+            }
+        }
+
+        assert_eq!(signed_codes(&[0, 128, 255], 128.0), Some(vec![128, 0, 127]));
+        assert_eq!(signed_codes(&[0, 200], 0.0), None, "200 is no i8");
+        assert_eq!(signed_codes(&[1], 0.5), None, "offsets are whole");
+
+        let halves = [1.0f32, -0.5, 65504.0, 6.1035156e-5, 0.0];
+        let want: Vec<u16> = halves
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect();
+        assert_eq!(exact_f16(&halves), Some(want));
+        assert_eq!(exact_f16(&[1.0, 0.1]), None, "0.1 is no f16");
+        assert_eq!(exact_f16(&[f32::NAN]), None);
+        assert_eq!(exact_f16(&[70000.0]), None, "beyond f16's range");
+    }
 
     /// On CUDA the decode matmul serves one-row bfloat16 steps and matches
     /// MLX's matmul; elsewhere it never applies (MLX's matmul runs).
