@@ -17,7 +17,8 @@
 # to the checkout (test binaries from target/*/deps/ are stripped and lose
 # OpenBLAS and their rpath like the binary). On the GPU machine, scripts/gpu/remote.sh stages the
 # parts, unpacks them and runs commands with the CUDA libraries found.
-#   GPU_PART_MB=58      size of each part
+#   GPU_PART_MB=55      size of each part (MiB): a call carries 64 MiB with the
+#                       working tree (~5 MiB) and .gpu/tools, so 58 no longer fits
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -61,8 +62,8 @@ for extra in "$@"; do
     esac
 done
 rm -rf .gpu && mkdir -p .gpu
-echo "==> packing $(du -sh "$stage" | cut -f1) into parts of ${GPU_PART_MB:-58} MB"
-tar -C "$stage" -cf - . | zstd -q -T0 -12 --long=27 | split -b "${GPU_PART_MB:-58}M" -d - .gpu/part-
+echo "==> packing $(du -sh "$stage" | cut -f1) into parts of ${GPU_PART_MB:-55} MiB"
+tar -C "$stage" -cf - . | zstd -q -T0 -12 --long=27 | split -b "${GPU_PART_MB:-55}M" -d - .gpu/part-
 (cd .gpu && sha256sum part-* > SHA256SUMS)
 # The GPU machine has no zstd: this one, with the libraries it loads.
 mkdir -p .gpu/tools
