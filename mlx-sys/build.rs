@@ -17,6 +17,7 @@ const MLX_C_CRATE: &str = "mlx-sys-0.7.0";
 
 fn main() {
     println!("cargo:rerun-if-env-changed=MLX_PREFIX");
+    println!("cargo:rerun-if-env-changed=RUSTC_WORKSPACE_WRAPPER");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=include/mlxgate_prelude.h");
     // The whole directory: every source and the headers they include
@@ -42,7 +43,6 @@ fn main() {
 /// members their own build directory, so compiling them there would repeat
 /// the test build's minutes of C++ (CI runs both).
 fn under_clippy() -> bool {
-    println!("cargo:rerun-if-env-changed=RUSTC_WORKSPACE_WRAPPER");
     env::var_os("RUSTC_WORKSPACE_WRAPPER").is_some_and(|w| {
         Path::new(&w)
             .file_stem()

@@ -353,7 +353,7 @@ pub fn warm_up_decode_matmul<'a>(
 ) -> Result<(), Exception> {
     let mut seen = std::collections::HashSet::new();
     for weight in weights {
-        if weight.ndim() != 2 || !seen.insert(weight.shape().to_vec()) {
+        if weight.ndim() != 2 || !seen.insert((weight.shape().to_vec(), weight.dtype())) {
             continue;
         }
         for rows in 1..=decode_matmul_rows() {
@@ -572,13 +572,7 @@ fn exact_f16(values: &[f32]) -> Option<Vec<u16>> {
     let mut back = vec![0f32; values.len()];
     halves.convert_to_f32_slice(&mut back);
     // Exact when every value comes back (a NaN never does).
-    let back = back.as_slice();
-    for i in 0..values.len() {
-        if back[i] != values[i] {
-            return None;
-        }
-    }
-    Some(bits)
+    (back == values).then_some(bits)
 }
 
 /// The `offset` with `bias == scale * -offset` (f32) for every group, if any.

@@ -252,6 +252,21 @@ impl Block {
         })
     }
 
+    /// The seven projections as loaded (views of the stacked ones when
+    /// stacked).
+    fn projections(&self) -> [&Linear; 7] {
+        let (a, m) = (&self.attention, &self.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+    }
+
     /// Stacks q, k and v into one projection, and gate and up into another,
     /// where each group is stored alike (see [`Linear::stack`]). On a GPU
     /// each matmul of a decode step is a kernel launch, and small ones (a
@@ -449,15 +464,7 @@ impl Transformer {
         arrays.extend(self.lm_head.iter().flat_map(linear));
         for block in &self.blocks {
             let a = &block.attention;
-            for l in [
-                &a.q_proj,
-                &a.k_proj,
-                &a.v_proj,
-                &a.o_proj,
-                &block.mlp.gate_proj,
-                &block.mlp.up_proj,
-                &block.mlp.down_proj,
-            ] {
+            for l in block.projections() {
                 arrays.extend(linear(l));
             }
             arrays.extend(a.q_norm.iter().chain(a.k_norm.iter()));
@@ -471,6 +478,38 @@ impl Transformer {
             );
         }
         arrays
+    }
+
+    /// The dense matrices decode multiplies through [`Kernel::apply`]: the
+    /// output head (the embedding table when tied) and each block's
+    /// projections, stacked ones included. The decode matmul's warm-up
+    /// compiles for these shapes only: a quantized model's scales and
+    /// biases are 2-D too, and warming up every parameter compiled the
+    /// kernel for them, which decode never runs.
+    fn dense_weights(&self) -> Vec<&Array> {
+        let head = self
+            .lm_head
+            .as_ref()
+            .map_or(&self.embed.kernel, |l| &l.kernel);
+        let mut kernels = vec![head];
+        for block in &self.blocks {
+            let (a, m) = (&block.attention, &block.mlp);
+            kernels.extend(
+                block
+                    .projections()
+                    .into_iter()
+                    .chain(&a.qkv)
+                    .chain(&m.gate_up)
+                    .map(|l| &l.kernel),
+            );
+        }
+        kernels
+            .into_iter()
+            .filter_map(|kernel| match kernel {
+                Kernel::Dense(weight) => Some(weight),
+                Kernel::Quantized { .. } => None,
+            })
+            .collect()
     }
 
     /// How the projections are stored, for cache fingerprints:
@@ -615,7 +654,7 @@ impl Transformer {
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
-        if let Err(error) = kernels::warm_up_decode_matmul(self.parameters()) {
+        if let Err(error) = kernels::warm_up_decode_matmul(self.dense_weights()) {
             tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
         }
     }
