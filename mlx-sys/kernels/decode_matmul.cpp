@@ -16,6 +16,12 @@
 // 16 bytes' worth of T; M, K, N and ROWS are template constants (a model
 // has a few weight shapes, each compiled once per row count). Inputs traced
 // for a gradient take MLX's matmul instead.
+//
+// GATED = 1 is the MLP's first half in one launch: w is gate and up stacked
+// ([2N, K], gate's rows first) and out is `silu(x @ gate^T) * (x @ up^T)`,
+// each block reading its ROWS rows of both. A decode step is as much
+// launches as bytes on a GPU (the host encodes each one): this saves the
+// second matmul's and the activation's, two a layer.
 
 #include <exception>
 #include <optional>
@@ -43,31 +49,34 @@ const char* kDecodeMatmulSource = R"decode_matmul(
   struct alignas(16) Chunk {
     T v[VEC];
   };
+  // Weight rows a block reads: its ROWS outputs' (gate's and up's if GATED).
+  constexpr int LOADS = GATED ? 2 * ROWS : ROWS;
   const int t = threadIdx.x;
   const int first = blockIdx.x * ROWS;
-  float acc[M][ROWS];
+  float acc[M][LOADS];
 #pragma unroll
   for (int m = 0; m < M; m++) {
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
+    for (int r = 0; r < LOADS; r++) {
       acc[m][r] = 0.0f;
     }
   }
 #pragma unroll
   for (int k0 = t * VEC; k0 < K; k0 += STEP) {
-    // Every weight row's chunk first: ROWS loads in flight at once. A
+    // Every weight row's chunk first: LOADS loads in flight at once. A
     // block past the last row re-reads it and drops the result.
-    Chunk wc[ROWS];
+    Chunk wc[LOADS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-      const int n = first + r < N ? first + r : N - 1;
+    for (int r = 0; r < LOADS; r++) {
+      const int output = first + r % ROWS;
+      const int n = (output < N ? output : N - 1) + (r < ROWS ? 0 : N);
       wc[r] = *reinterpret_cast<const Chunk*>(w + (size_t)n * K + k0);
     }
 #pragma unroll
     for (int m = 0; m < M; m++) {
       const Chunk xc = *reinterpret_cast<const Chunk*>(x + (size_t)m * K + k0);
 #pragma unroll
-      for (int r = 0; r < ROWS; r++) {
+      for (int r = 0; r < LOADS; r++) {
 #pragma unroll
         for (int i = 0; i < VEC; i++) {
           acc[m][r] += static_cast<float>(wc[r].v[i]) * static_cast<float>(xc.v[i]);
@@ -75,28 +84,41 @@ const char* kDecodeMatmulSource = R"decode_matmul(
       }
     }
   }
-  __shared__ float partial[THREADS / 32][M * ROWS];
+  __shared__ float partial[THREADS / 32][M * LOADS];
 #pragma unroll
   for (int m = 0; m < M; m++) {
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
+    for (int r = 0; r < LOADS; r++) {
       float s = acc[m][r];
       for (int offset = 16; offset > 0; offset /= 2) {
         s += __shfl_xor_sync(0xffffffff, s, offset);
       }
       if (t % 32 == 0) {
-        partial[t / 32][m * ROWS + r] = s;
+        partial[t / 32][m * LOADS + r] = s;
       }
     }
   }
   __syncthreads();
   if (t < M * ROWS) {
     const int m = t / ROWS;
-    const int n = first + t % ROWS;
+    const int r = t % ROWS;
+    const int n = first + r;
     if (n < N) {
       float s = 0.0f;
+      float u = 0.0f;
       for (int warp = 0; warp < THREADS / 32; warp++) {
-        s += partial[warp][t];
+        s += partial[warp][m * LOADS + r];
+        if (GATED) {
+          u += partial[warp][m * LOADS + ROWS + r];
+        }
+      }
+      if (GATED) {
+        // Gate and up rounded as the separate matmuls round them, the
+        // activation then rounded once (the separate ops may round inside
+        // it too: within one rounding of them).
+        const float gate = static_cast<float>(static_cast<T>(s));
+        const float up = static_cast<float>(static_cast<T>(u));
+        s = gate / (1.0f + expf(-gate)) * up;
       }
       out[(size_t)m * N + n] = static_cast<T>(s);
     }
@@ -112,12 +134,14 @@ extern "C" int mlxgate_decode_matmul(
     mlx_array* res,
     const mlx_array x,
     const mlx_array w,
+    int gated,
     const mlx_stream s,
     char* error,
     size_t error_len) {
   try {
     const mx::array& xa = mlx_array_get_(x);
     const mx::array& wa = mlx_array_get_(w);
+    const mx::StreamOrDevice stream = mlx_stream_get_(s);
     if (xa.ndim() < 1 || wa.ndim() != 2 || xa.shape(-1) != wa.shape(1) ||
         xa.dtype() != wa.dtype() ||
         (xa.dtype() != mx::bfloat16 && xa.dtype() != mx::float16)) {
@@ -125,18 +149,25 @@ extern "C" int mlxgate_decode_matmul(
           "[mlxgate decode matmul] x must be [..., K] and w [N, K], both bfloat16 or float16");
     }
     const int k = wa.shape(1);
-    const int n = wa.shape(0);
+    const int n = gated ? wa.shape(0) / 2 : wa.shape(0);
     const int m = xa.size() / k;
-    if (k % 8 != 0 || m < 1 || m > 8) {
+    if (k % 8 != 0 || m < 1 || m > 8 || (gated && wa.shape(0) % 2 != 0)) {
       throw std::invalid_argument(
-          "[mlxgate decode matmul] K must be a multiple of 8 and x hold 1 to 8 rows");
+          "[mlxgate decode matmul] K must be a multiple of 8, x hold 1 to 8 rows, and a gated "
+          "weight's rows be even (gate's, then up's)");
     }
     if (xa.is_tracer() || wa.is_tracer()) {
       // Traced for a gradient (fine-tuning: a batch's few target rows through
-      // the output head): MLX's matmul, which has one; a custom kernel has
+      // the output head): MLX's ops, which have one; a custom kernel has
       // none. (libmlx exports no "in a gradient" query; a tracer is one.)
-      mlx_array_set_(*res, mx::matmul(xa, mx::transpose(wa, mlx_stream_get_(s)),
-                                      mlx_stream_get_(s)));
+      mx::array y = mx::matmul(xa, mx::transpose(wa, stream), stream);
+      if (gated) {
+        const int last = y.ndim() - 1;
+        auto halves = mx::split(y, 2, last, stream);
+        y = mx::multiply(mx::multiply(halves[0], mx::sigmoid(halves[0], stream), stream),
+                         halves[1], stream);
+      }
+      mlx_array_set_(*res, y);
       return 0;
     }
     static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
@@ -146,8 +177,9 @@ extern "C" int mlxgate_decode_matmul(
     out_shape.back() = n;
     const int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
     auto outputs = kernel({xa, wa}, {out_shape}, {xa.dtype()}, {256 * blocks, 1, 1}, {256, 1, 1},
-                          {{"T", xa.dtype()}, {"M", m}, {"K", k}, {"N", n}, {"ROWS", kRowsPerBlock}},
-                          std::nullopt, false, mlx_stream_get_(s));
+                          {{"T", xa.dtype()}, {"M", m}, {"K", k}, {"N", n}, {"ROWS", kRowsPerBlock},
+                           {"GATED", gated ? 1 : 0}},
+                          std::nullopt, false, stream);
     mlx_array_set_(*res, outputs.at(0));
     return 0;
   } catch (std::exception& e) {

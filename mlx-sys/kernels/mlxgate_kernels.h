@@ -237,11 +237,30 @@ int mlxgate_ragged_decode_attention(
 /* `x @ w^T` for a decode step's 1 to 8 rows against a dense weight (a CUDA
  * kernel MLX compiles at first use; GPU streams only): `x` [..., K] and `w`
  * [N, K], both bfloat16 or float16, K a multiple of 8; the result is
- * [..., N]. Returns 0, or 1 with a message in `error`. */
+ * [..., N]. With `gated`, `w` is an MLP's gate and up stacked ([2N, K])
+ * and the result `silu(x @ gate^T) * (x @ up^T)`. Returns 0, or 1 with a
+ * message in `error`. */
 int mlxgate_decode_matmul(
     mlx_array* res,
     const mlx_array x,
     const mlx_array w,
+    int gated,
+    const mlx_stream s,
+    char* error,
+    size_t error_len);
+
+/* A layer's residual add and the RMS norm after it in one launch (a CUDA
+ * kernel MLX compiles at first use; GPU streams only): `sum` = x + delta,
+ * `normed` = rms_norm(sum) * weight with epsilon `eps`; `x` and `delta`
+ * [..., H], `weight` [H], all bfloat16 or float16. Returns 0, or 1 with a
+ * message in `error`. */
+int mlxgate_residual_norm(
+    mlx_array* sum,
+    mlx_array* normed,
+    const mlx_array x,
+    const mlx_array delta,
+    const mlx_array weight,
+    float eps,
     const mlx_stream s,
     char* error,
     size_t error_len);

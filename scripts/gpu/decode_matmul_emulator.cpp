@@ -1,7 +1,7 @@
 // Runs the decode matmul kernel body (mlx-sys/kernels/decode_matmul.cpp)
 // on the CPU (scripts/gpu/emulation.h) and checks it against `x @ w^T`
 // computed plainly, for shapes that leave a partial last chunk of K and a
-// partial last block of rows. scripts/gpu/check_kernels.sh builds it:
+// partial last block of rows; GATED against `silu(x @ gate^T) * (x @ up^T)`. scripts/gpu/check_kernels.sh builds it:
 //
 //   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DBLOCK_THREADS=256 decode_matmul_emulator.cpp
 //
@@ -14,28 +14,35 @@
 
 #include "emulation.h"
 
-template <typename T, int M, int K, int N, int ROWS>
+template <typename T, int M, int K, int N, int ROWS, int GATED>
 static void kernel(const T* x, const T* w, T* out) {
 #include BODY
 }
 
-template <int M, int K, int N, int ROWS>
+template <int M, int K, int N, int ROWS, int GATED = 0>
 static double check() {
-  std::mt19937 rng(M * 131 + K + N);
+  std::mt19937 rng(M * 131 + K + N + GATED);
   std::normal_distribution<float> normal;
-  // 16-byte aligned, as MLX's buffers are.
-  std::vector<float, std::allocator<float>> x(M * K), w(N * K), out(M * N, NAN);
+  // 16-byte aligned, as MLX's buffers are. Gated: gate's N rows, then up's.
+  const int weight_rows = GATED ? 2 * N : N;
+  std::vector<float, std::allocator<float>> x(M * K), w(weight_rows * K), out(M * N, NAN);
   for (auto& v : x) v = normal(rng);
   for (auto& v : w) v = normal(rng);
   gridDim = {(N + ROWS - 1) / ROWS, 1, 1};
-  launch([&] { kernel<float, M, K, N, ROWS>(x.data(), w.data(), out.data()); });
+  launch([&] { kernel<float, M, K, N, ROWS, GATED>(x.data(), w.data(), out.data()); });
+  const auto dot = [&](int m, int n) {
+    double sum = 0;
+    for (int k = 0; k < K; k++) sum += double(x[m * K + k]) * w[n * K + k];
+    return sum;
+  };
   double worst = 0;
   for (int m = 0; m < M; m++) {
     for (int n = 0; n < N; n++) {
-      double want = 0;
-      for (int k = 0; k < K; k++) want += double(x[m * K + k]) * w[n * K + k];
+      double want = dot(m, n);
+      if (GATED) want = want / (1 + std::exp(-want)) * dot(m, N + n);
       const double got = out[m * N + n];
-      worst = std::isnan(got) ? INFINITY : std::max(worst, std::abs(got - want));
+      // Relative beyond 1: a gated product reaches the hundreds.
+      worst = std::isnan(got) ? INFINITY : std::max(worst, std::abs(got - want) / (1 + std::abs(want)));
     }
   }
   return worst;
@@ -47,7 +54,11 @@ int main() {
   const double a = check<1, 64, 10, 4>();
   const double b = check<3, 1024 + 96, 7, 4>();
   const double c = check<8, 512, 9, 2>();
-  std::printf("max |kernel - reference|: %.3g (M 1, K 64, N 10), %.3g (M 3, K 1120, N 7), "
-              "%.3g (M 8, K 512, N 9)\n", a, b, c);
-  return a < 1e-3 && b < 1e-3 && c < 1e-3 ? 0 : 1;
+  // Gated: one row, then four over a partial last block.
+  const double d = check<1, 256, 12, 4, 1>();
+  const double e = check<4, 1024 + 96, 7, 4, 1>();
+  std::printf("max |kernel - reference| / (1 + |reference|): %.3g (M 1, K 64, N 10), %.3g (M 3, K 1120, N 7), "
+              "%.3g (M 8, K 512, N 9); gated %.3g (M 1, K 256, N 12), %.3g (M 4, K 1120, N 7)\n",
+              a, b, c, d, e);
+  return a < 1e-3 && b < 1e-3 && c < 1e-3 && d < 1e-3 && e < 1e-3 ? 0 : 1;
 }

@@ -468,6 +468,15 @@ pub fn residual_of<'a>(
     move |y, x, layer, projection| apply(y, x, layer, projection, stacks)
 }
 
+/// Whether any adapter of `stacks` changes `projection` of `layer` (a fused
+/// kernel that skips the separate projection may serve it only if none does).
+pub fn touches(stacks: &[&AdapterStack], layer: usize, projection: Projection) -> bool {
+    let key = (layer, projection);
+    stacks
+        .iter()
+        .any(|stack| stack.iter().any(|a| a.pairs.contains_key(&key)))
+}
+
 /// Adds each sequence's adapter residuals to `y = base(x)`, `x` being
 /// `[B, L, in]` with one stack per sequence. Sequences sharing one stack
 /// (the common case) are done as one batch; a mixed batch row by row.
@@ -479,8 +488,7 @@ pub fn apply(
     stacks: &[&AdapterStack],
 ) -> MlxResult<Array> {
     let key = (layer, projection);
-    let touches = |stack: &AdapterStack| stack.iter().any(|a| a.pairs.contains_key(&key));
-    if !stacks.iter().any(|s| touches(s)) {
+    if !touches(stacks, layer, projection) {
         return Ok(y);
     }
     // `base + (x A) B_scaled` as one fused op per adapter (addmm): on CPU

@@ -332,12 +332,26 @@ pub fn decode_matmul_applies(x: &Array, weight: &Array) -> bool {
 /// matmuls reach; MLX hands 2-8 rows to cuBLAS, which reaches much less of
 /// it there.
 pub fn decode_matmul(x: &Array, weight: &Array) -> Result<Array, Exception> {
+    decode_matmul_launch(x, weight, false)
+}
+
+/// An MLP's `silu(x @ gate^T) * (x @ up^T)` in one launch of
+/// [`decode_matmul`]'s kernel, `gate_up` being gate and up stacked (`[2N,
+/// K]`, gate's rows first): where [`decode_matmul_applies`] to `x` and
+/// `gate_up`. A GPU's decode step pays per launch (the host encodes each);
+/// this saves two a layer: up's matmul and the activation.
+pub fn decode_gated_matmul(x: &Array, gate_up: &Array) -> Result<Array, Exception> {
+    decode_matmul_launch(x, gate_up, true)
+}
+
+fn decode_matmul_launch(x: &Array, weight: &Array, gated: bool) -> Result<Array, Exception> {
     // SAFETY: the operands are live arrays and the stream outlives the call.
     new_array(|res, error, len| unsafe {
         mlx_sys::mlxgate_decode_matmul(
             res,
             x.as_ptr(),
             weight.as_ptr(),
+            i32::from(gated),
             Stream::thread_local_or_default().as_ref().as_ptr(),
             error,
             len,
@@ -345,21 +359,68 @@ pub fn decode_matmul(x: &Array, weight: &Array) -> Result<Array, Exception> {
     })
 }
 
+/// Whether [`residual_norm`] runs its fused kernel for `x`: on CUDA, in
+/// bfloat16 or float16, unless `MLXGATE_FUSED_NORM=0` (to measure it).
+fn residual_norm_is_fused(x: &Array) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        && *ON.get_or_init(|| {
+            Backend::detect() == Backend::Cuda
+                && std::env::var("MLXGATE_FUSED_NORM").map_or(true, |v| v.trim() != "0")
+        })
+}
+
+/// A layer's residual add and the RMS norm after it: `(x + delta,
+/// rms_norm(x + delta) * weight)`. On CUDA one kernel (a decode step pays
+/// per launch; each layer has two of these), rounded as the separate ops
+/// are but for the order of the sum of squares; elsewhere those ops.
+pub fn residual_norm(
+    x: &Array,
+    delta: &Array,
+    weight: &Array,
+    eps: f32,
+) -> Result<(Array, Array), Exception> {
+    if !residual_norm_is_fused(x) || x.dtype() != delta.dtype() || x.shape() != delta.shape() {
+        let sum = x.add(delta)?;
+        let normed = mlx_rs::fast::rms_norm(&sum, Some(weight), eps)?;
+        return Ok((sum, normed));
+    }
+    // SAFETY: the operands are live arrays and the stream outlives the call.
+    let [sum, normed] = new_arrays(|[sum, normed], error, len| unsafe {
+        mlx_sys::mlxgate_residual_norm(
+            sum,
+            normed,
+            x.as_ptr(),
+            delta.as_ptr(),
+            weight.as_ptr(),
+            eps,
+            Stream::thread_local_or_default().as_ref().as_ptr(),
+            error,
+            len,
+        )
+    })?;
+    Ok((sum, normed))
+}
+
 /// Compiles [`decode_matmul`] now for each distinct shape among `weights`
-/// that it will serve, at every row count, so that no step waits for it
-/// (~0.5-2 s a compile; a first 4-request window once lost seconds).
+/// that it will serve, and [`decode_gated_matmul`] for `gated` (stacked
+/// gate and up), at every row count, so that no step waits for it (~0.5-2 s
+/// a compile; a first 4-request window once lost seconds).
 pub fn warm_up_decode_matmul<'a>(
     weights: impl IntoIterator<Item = &'a Array>,
+    gated: impl IntoIterator<Item = &'a Array>,
 ) -> Result<(), Exception> {
     let mut seen = std::collections::HashSet::new();
-    for weight in weights {
-        if weight.ndim() != 2 || !seen.insert((weight.shape().to_vec(), weight.dtype())) {
+    let kinds = weights.into_iter().map(|w| (w, false));
+    for (weight, is_gated) in kinds.chain(gated.into_iter().map(|w| (w, true))) {
+        let key = (weight.shape().to_vec(), weight.dtype(), is_gated);
+        if weight.ndim() != 2 || !seen.insert(key) {
             continue;
         }
         for rows in 1..=decode_matmul_rows() {
             let x = mlx_rs::ops::zeros_dtype(&[rows as i32, weight.shape()[1]], weight.dtype())?;
             if decode_matmul_applies(&x, weight) {
-                decode_matmul(&x, weight)?.eval()?;
+                decode_matmul_launch(&x, weight, is_gated)?.eval()?;
             }
         }
     }
@@ -467,16 +528,27 @@ pub fn gelu(x: &Array) -> Result<Array, Exception> {
 fn new_array(
     make: impl FnOnce(*mut mlx_sys::mlx_array, *mut c_char, usize) -> i32,
 ) -> Result<Array, Exception> {
+    let [array] = new_arrays(|[res], error, len| make(res, error, len))?;
+    Ok(array)
+}
+
+/// [`new_array`] for a kernel with `N` outputs.
+fn new_arrays<const N: usize>(
+    make: impl FnOnce([*mut mlx_sys::mlx_array; N], *mut c_char, usize) -> i32,
+) -> Result<[Array; N], Exception> {
     let mut error = [0 as c_char; 512];
-    // SAFETY: `res` starts empty and on success holds a new array whose
-    // ownership passes to `Array::from_ptr`; on failure it is freed here and
-    // the message is read from `error`, which the kernels NUL-terminate.
+    // SAFETY: each `res` starts empty and on success holds a new array whose
+    // ownership passes to `Array::from_ptr`; on failure they are freed here
+    // and the message is read from `error`, which the kernels NUL-terminate.
     unsafe {
-        let mut res = mlx_sys::mlx_array_new();
-        if make(&mut res, error.as_mut_ptr(), error.len()) == 0 {
-            Ok(Array::from_ptr(res))
+        let mut res = [(); N].map(|()| mlx_sys::mlx_array_new());
+        let outputs = std::array::from_fn(|i| &raw mut res[i]);
+        if make(outputs, error.as_mut_ptr(), error.len()) == 0 {
+            Ok(res.map(|r| Array::from_ptr(r)))
         } else {
-            mlx_sys::mlx_array_free(res);
+            for r in res {
+                mlx_sys::mlx_array_free(r);
+            }
             let message = CStr::from_ptr(error.as_ptr()).to_string_lossy();
             Err(Exception::custom(message.into_owned()))
         }
@@ -1037,6 +1109,7 @@ pub unsafe fn decode_attention_many(rows: &[AttentionRow], shape: AttentionShape
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
     use mlx_rs::random;
 
     /// The load-time repacking, against the definitions its comments give.
@@ -1072,41 +1145,108 @@ mod tests {
         assert_eq!(exact_f16(&[70000.0]), None, "beyond f16's range");
     }
 
+    /// Normal values times `scale`, in bfloat16.
+    fn bf16_normal(shape: &[i32], seed: u64, scale: f32) -> Array {
+        let key = random::key(seed).unwrap();
+        random::normal::<f32>(shape, None, None, Some(&key))
+            .unwrap()
+            .multiply(Array::from_f32(scale))
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap()
+    }
+
+    fn float32(a: &Array) -> Array {
+        a.as_dtype(Dtype::Float32).unwrap()
+    }
+
+    /// The largest `|got - want| / (|want| + floor)`.
+    fn worst_relative(got: &Array, want: &Array, floor: f32) -> f32 {
+        got.subtract(want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .divide(want.abs().unwrap().add(Array::from_f32(floor)).unwrap())
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .item_exact::<f32>()
+    }
+
     /// On CUDA the decode matmul serves one-row bfloat16 steps and matches
     /// MLX's matmul; elsewhere it never applies (MLX's matmul runs).
     #[test]
     fn decode_matmul_matches_mlx_where_it_applies() {
-        let normal = |shape: &[i32], seed: u64| {
-            let key = random::key(seed).unwrap();
-            random::normal::<f32>(shape, None, None, Some(&key))
-                .unwrap()
-                .as_dtype(Dtype::Bfloat16)
-                .unwrap()
-        };
         // A partial last block of weight rows, two passes over K.
-        let weight = normal(&[1030, 4096 + 512], 1);
-        let x = normal(&[1, 1, 4096 + 512], 2);
+        let weight = bf16_normal(&[1030, 4096 + 512], 1, 1.0);
+        let x = bf16_normal(&[1, 1, 4096 + 512], 2, 1.0);
         if Backend::detect() != Backend::Cuda {
             assert!(!decode_matmul_applies(&x, &weight));
             return;
         }
         assert!(decode_matmul_applies(&x, &weight));
-        let float = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
-        let row = float(&x).reshape(&[1, 4096 + 512]).unwrap();
+        let row = float32(&x).reshape(&[1, 4096 + 512]).unwrap();
         let want = row
-            .matmul(float(&weight).t())
+            .matmul(float32(&weight).t())
             .unwrap()
             .reshape(&[1, 1, 1030])
             .unwrap();
-        let got = float(&decode_matmul(&x, &weight).unwrap());
+        let got = float32(&decode_matmul(&x, &weight).unwrap());
         assert_eq!(got.shape(), &[1, 1, 1030]);
         // Rounded to bfloat16 at the end (8 bits): relative error ~0.4%.
-        let error = got.subtract(&want).unwrap().abs().unwrap();
-        let relative = error
-            .divide(want.abs().unwrap().add(Array::from_f32(1.0)).unwrap())
-            .unwrap();
-        let worst = relative.max(None).unwrap().item_exact::<f32>();
+        let worst = worst_relative(&got, &want, 1.0);
         assert!(worst < 0.01, "{worst}");
+    }
+
+    /// On CUDA the gated decode matmul equals `silu(x @ gate^T) * (x @
+    /// up^T)` within bfloat16 rounding; elsewhere it never applies.
+    #[test]
+    fn decode_gated_matmul_matches_the_separate_ops_where_it_applies() {
+        // Gate's 1030 rows then up's: a partial last block, two passes over K.
+        let gate_up = bf16_normal(&[2 * 1030, 4096 + 512], 5, 0.05);
+        for rows in [1, 3] {
+            let x = bf16_normal(&[rows, 1, 4096 + 512], 6, 0.05);
+            if Backend::detect() != Backend::Cuda {
+                assert!(!decode_matmul_applies(&x, &gate_up));
+                return;
+            }
+            let y = float32(&x)
+                .reshape(&[rows, 4096 + 512])
+                .unwrap()
+                .matmul(float32(&gate_up).t())
+                .unwrap();
+            let (gate, up) = (y.index((.., ..1030)), y.index((.., 1030..)));
+            let want = gate
+                .multiply(mlx_rs::ops::sigmoid(&gate).unwrap())
+                .unwrap()
+                .multiply(&up)
+                .unwrap()
+                .reshape(&[rows, 1, 1030])
+                .unwrap();
+            let got = float32(&decode_gated_matmul(&x, &gate_up).unwrap());
+            assert_eq!(got.shape(), &[rows, 1, 1030]);
+            // Gate and up rounded to bfloat16, then the product: ~1% at most.
+            let worst = worst_relative(&got, &want, 1.0);
+            assert!(worst < 0.02, "{rows} rows: {worst}");
+        }
+    }
+
+    /// The residual add and norm, fused on CUDA, give what the separate
+    /// ops give: the sum exactly, the norm within one bfloat16 rounding.
+    #[test]
+    fn residual_norm_matches_the_separate_ops() {
+        let x = bf16_normal(&[3, 1, 4168], 7, 1.0);
+        let delta = bf16_normal(&[3, 1, 4168], 8, 1.0);
+        let weight = bf16_normal(&[4168], 9, 1.0);
+        let (sum, normed) = residual_norm(&x, &delta, &weight, 1e-5).unwrap();
+        let want_sum = x.add(&delta).unwrap();
+        let want = mlx_rs::fast::rms_norm(&want_sum, Some(&weight), 1e-5).unwrap();
+        assert_eq!(
+            float32(&sum).as_slice::<f32>(),
+            float32(&want_sum).as_slice::<f32>()
+        );
+        let worst = worst_relative(&float32(&normed), &float32(&want), 1e-3);
+        assert!(worst <= 1.0 / 128.0, "{worst}");
     }
 
     /// Traced for a gradient (fine-tuning's few target rows through the

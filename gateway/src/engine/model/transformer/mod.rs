@@ -165,6 +165,23 @@ impl Mlp {
         })
     }
 
+    /// `silu(gate(x)) * up(x)` in one launch where gate and up are stacked,
+    /// dense, without bias, and the decode matmul takes `x` (a GPU's few
+    /// rows; see [`kernels::decode_gated_matmul`]); `None` elsewhere. For
+    /// inference only (the kernel has no gradient), adapters of gate or up
+    /// being the caller's to rule out.
+    fn fused_gate(&self, x: &Array, family: Family) -> Option<MlxResult<Array>> {
+        let gate_up = self.gate_up.as_ref().filter(|l| l.bias.is_none())?;
+        match &gate_up.kernel {
+            Kernel::Dense(weight)
+                if family != Family::Gemma3 && kernels::decode_matmul_applies(x, weight) =>
+            {
+                Some(kernels::decode_gated_matmul(x, weight))
+            }
+            _ => None,
+        }
+    }
+
     /// The MLP of `x` (`[B, L, hidden]`): `down(act(gate(x)) * up(x))`.
     fn forward(
         &self,
@@ -654,7 +671,14 @@ impl Transformer {
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
-        if let Err(error) = kernels::warm_up_decode_matmul(self.dense_weights()) {
+        let gated = self.blocks.iter().filter_map(|b| match &b.mlp.gate_up {
+            Some(Linear {
+                kernel: Kernel::Dense(weight),
+                bias: None,
+            }) => Some(weight),
+            _ => None,
+        });
+        if let Err(error) = kernels::warm_up_decode_matmul(self.dense_weights(), gated) {
             tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
         }
     }
@@ -927,12 +951,26 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let with_adapters = lora::residual_of(adapters);
-        let out = mlp.forward(
-            x,
-            (layer, self.config.family),
-            &with_adapters,
-            Gradients::NotNeeded,
-        )?;
+        let adapted = [Projection::Gate, Projection::Up]
+            .into_iter()
+            .any(|p| lora::touches(adapters, layer, p));
+        let out = match mlp.fused_gate(x, self.config.family).filter(|_| !adapted) {
+            Some(gated) => {
+                let gated = gated?;
+                with_adapters(
+                    mlp.down_proj.forward(&gated)?,
+                    &gated,
+                    layer,
+                    Projection::Down,
+                )?
+            }
+            None => mlp.forward(
+                x,
+                (layer, self.config.family),
+                &with_adapters,
+                Gradients::NotNeeded,
+            )?,
+        };
         self.all_ranks(out, true)
     }
 

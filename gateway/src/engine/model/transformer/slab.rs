@@ -30,10 +30,10 @@ use std::rc::Rc;
 use mlx_rs::Array;
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::{add, concatenate, zeros_dtype};
+use mlx_rs::ops::{concatenate, zeros_dtype};
 
 use super::{Decoded, GreedyPick, Transformer};
-use crate::engine::lora::{self, AdapterStack};
+use crate::engine::lora::{self, AdapterStack, Projection};
 use crate::engine::model::kv_cache::{KvCache, RowLease, SlabArrays, SlabRow};
 use crate::engine::model::weights::MlxResult;
 use crate::mlx::attention::{Mask, attention, cudnn_in_use};
@@ -562,13 +562,31 @@ impl Transformer {
         let eps = c.rms_norm_eps;
         let with_adapters = lora::residual_of(row_adapters);
         let mut x = self.embed_ids(ids)?;
+        // The norm before each layer, and at the end the final norm; each
+        // after the first is fused with the residual add before it.
+        let norm_after = |index: usize| {
+            self.blocks
+                .get(index + 1)
+                .map_or(&self.final_norm, |b| &b.input_norm)
+        };
+        let first_norm = self
+            .blocks
+            .first()
+            .map_or(&self.final_norm, |b| &b.input_norm);
+        let mut normed = rms_norm(&x, Some(first_norm), eps)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
-            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let a = &block.attention;
-            let (q, k, v) = a.project(&normed, index, &with_adapters, c)?;
-            let q = block.rotate_rows(&q, c, offsets)?;
-            let k = block.rotate_rows(&k, c, offsets)?;
+            let (q, k, v) =
+                match self.rotated_together(block, &normed, index, row_adapters, offsets) {
+                    Some(qkv) => qkv?,
+                    None => {
+                        let (q, k, v) = a.project(&normed, index, &with_adapters, c)?;
+                        let q = block.rotate_rows(&q, c, offsets)?;
+                        let k = block.rotate_rows(&k, c, offsets)?;
+                        (q, k, v)
+                    }
+                };
             let (all_keys, all_values) = &held[index];
             let keys = written(all_keys, &k, 0, end)?;
             let values = written(all_values, &v, 0, end)?;
@@ -601,21 +619,65 @@ impl Transformer {
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
-            x = add(&x, &attended)?;
-            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
-            let mut mlp = self.mlp(&block.mlp, index, &normed, row_adapters)?;
+            let (sum, mlp_input) = kernels::residual_norm(&x, &attended, &block.pre_mlp_norm, eps)?;
+            let mut mlp = self.mlp(&block.mlp, index, &mlp_input, row_adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
-            x = add(&x, &mlp)?;
+            (x, normed) = kernels::residual_norm(&sum, &mlp, norm_after(index), eps)?;
             layers.push((keys, values));
         }
-        let mut last = x.index((.., 0, ..));
+        // Rows norm alone, so the final norm may come before the pick.
+        let mut last = normed.index((.., 0, ..));
         if let Some(order) = order {
             last = last.take_axis(order, 0)?;
         }
-        let logits = self.logits_of_hidden(&rms_norm(&last, Some(&self.final_norm), eps)?)?;
+        let logits = self.logits_of_hidden(&last)?;
         Ok((logits, layers))
+    }
+
+    /// A step's queries, keys and values, `[rows, heads, 1, head_dim]` (keys
+    /// and values with `kv_heads`), queries and keys rotated together in one
+    /// launch (they share each row's position; a GPU step pays per launch),
+    /// where q, k and v are stacked into one projection, the family norms
+    /// neither per head, and no adapter of the batch changes them; `None`
+    /// elsewhere.
+    fn rotated_together(
+        &self,
+        block: &super::Block,
+        normed: &Array,
+        layer: usize,
+        row_adapters: &[&AdapterStack],
+        offsets: &Array,
+    ) -> Option<MlxResult<(Array, Array, Array)>> {
+        let a = &block.attention;
+        let qkv = a.qkv.as_ref()?;
+        let adapted = [Projection::Q, Projection::K, Projection::V]
+            .into_iter()
+            .any(|p| lora::touches(row_adapters, layer, p));
+        if adapted || a.q_norm.is_some() || a.k_norm.is_some() {
+            return None;
+        }
+        let c = &self.config;
+        let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
+        let rows = normed.shape()[0];
+        let rotate = || -> MlxResult<(Array, Array, Array)> {
+            let y = qkv.forward(normed)?;
+            let qk_end = (heads + kv_heads) * head_dim;
+            let heads_first = |y: Array, n: i32| -> MlxResult<Array> {
+                y.reshape(&[rows, 1, n, head_dim])?
+                    .transpose_axes(&[0, 2, 1, 3])
+            };
+            let qk = heads_first(y.index((.., .., ..qk_end)), heads + kv_heads)?;
+            let qk = block.rotate_rows(&qk, c, offsets)?;
+            let v = heads_first(y.index((.., .., qk_end..)), kv_heads)?;
+            Ok((
+                qk.index((.., ..heads, .., ..)),
+                qk.index((.., heads.., .., ..)),
+                v,
+            ))
+        };
+        Some(rotate())
     }
 
     /// Finds each cache's slab row where it already is, as of the step last
