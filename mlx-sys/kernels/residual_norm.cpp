@@ -92,6 +92,15 @@ extern "C" int mlxgate_residual_norm(
           "[mlxgate residual norm] x and delta must be [..., H] and weight [H], all bfloat16 or "
           "float16");
     }
+    const mx::StreamOrDevice stream = mlx_stream_get_(s);
+    if (xa.is_tracer() || da.is_tracer() || wa.is_tracer()) {
+      // Traced for a gradient: MLX's ops, which have one (a custom kernel
+      // has none).
+      mx::array total = mx::add(xa, da, stream);
+      mlx_array_set_(*normed, mx::fast::rms_norm(total, wa, eps, stream));
+      mlx_array_set_(*sum, total);
+      return 0;
+    }
     static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
         "mlxgate_residual_norm", {"x", "delta", "weight"}, {"sum", "normed"},
         kResidualNormSource, "", /*ensure_row_contiguous=*/true);
@@ -101,7 +110,7 @@ extern "C" int mlxgate_residual_norm(
         {xa, da, wa}, {xa.shape(), xa.shape()}, {xa.dtype(), xa.dtype()}, {256 * rows, 1, 1},
         {256, 1, 1},
         {{"T", xa.dtype()}, {"H", h}, {"EPS_BITS", std::bit_cast<int32_t>(eps)}}, std::nullopt,
-        false, mlx_stream_get_(s));
+        false, stream);
     mlx_array_set_(*sum, outputs.at(0));
     mlx_array_set_(*normed, outputs.at(1));
     return 0;

@@ -767,10 +767,11 @@ impl Transformer {
         } else {
             None
         };
-        let mut x = self.embed_ids(&ids)?;
+        let x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
+        let mut normed = rms_norm(&x, Some(self.norm_before(0)), eps)?;
+        let mut x = x;
         for (index, block) in self.blocks.iter().enumerate() {
-            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let mut attended = self.attention(
                 block,
                 index,
@@ -781,13 +782,12 @@ impl Transformer {
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
-            x = add(&x, &attended)?;
-            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
-            let mut mlp = self.mlp(&block.mlp, index, &normed, adapters)?;
+            let (sum, mlp_input) = kernels::residual_norm(&x, &attended, &block.pre_mlp_norm, eps)?;
+            let mut mlp = self.mlp(&block.mlp, index, &mlp_input, adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
-            x = add(&x, &mlp)?;
+            (x, normed) = kernels::residual_norm(&sum, &mlp, self.norm_before(index + 1), eps)?;
         }
         for (cache, tokens) in caches.iter_mut().zip(tokens) {
             cache.offset += tokens.len();
@@ -795,8 +795,8 @@ impl Transformer {
                 layer.trim()?;
             }
         }
-        let last = x.index((.., length - 1, ..));
-        let last = rms_norm(&last, Some(&self.final_norm), eps)?;
+        // `normed` is past the final norm (each row norms alone).
+        let last = normed.index((.., length - 1, ..));
         let logits = match &self.lm_head {
             Some(head) => head.forward(&last)?,
             None => self.embed.as_logits(&last)?,
@@ -810,6 +810,16 @@ impl Transformer {
             )?;
         }
         Ok(logits)
+    }
+
+    /// The norm before layer `index`: its input norm, or past the last
+    /// layer the final norm. Each but the first is fused with the residual
+    /// add before it ([`kernels::residual_norm`]: on a GPU, a launch fewer
+    /// each).
+    fn norm_before(&self, index: usize) -> &Array {
+        self.blocks
+            .get(index)
+            .map_or(&self.final_norm, |b| &b.input_norm)
     }
 
     /// A copy whose linear layers and embedding hold dense (dequantized)

@@ -562,18 +562,7 @@ impl Transformer {
         let eps = c.rms_norm_eps;
         let with_adapters = lora::residual_of(row_adapters);
         let mut x = self.embed_ids(ids)?;
-        // The norm before each layer, and at the end the final norm; each
-        // after the first is fused with the residual add before it.
-        let norm_after = |index: usize| {
-            self.blocks
-                .get(index + 1)
-                .map_or(&self.final_norm, |b| &b.input_norm)
-        };
-        let first_norm = self
-            .blocks
-            .first()
-            .map_or(&self.final_norm, |b| &b.input_norm);
-        let mut normed = rms_norm(&x, Some(first_norm), eps)?;
+        let mut normed = rms_norm(&x, Some(self.norm_before(0)), eps)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
             let a = &block.attention;
@@ -624,7 +613,7 @@ impl Transformer {
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
-            (x, normed) = kernels::residual_norm(&sum, &mlp, norm_after(index), eps)?;
+            (x, normed) = kernels::residual_norm(&sum, &mlp, self.norm_before(index + 1), eps)?;
             layers.push((keys, values));
         }
         // Rows norm alone, so the final norm may come before the pick.
