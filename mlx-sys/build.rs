@@ -216,7 +216,6 @@ fn compile_kernels(kernels: &Path, mlx_c: &Path, mlx: &Mlx, prelude: &Path) {
         .file(kernels.join("distributed.cpp"))
         .file(kernels.join("ragged_attention.cpp"))
         .file(kernels.join("decode_matmul.cpp"))
-        .file(kernels.join("residual_norm.cpp"))
         .file(kernels.join("graph_dot.cpp"))
         .compile("mlxgate_kernels");
 }

@@ -249,22 +249,6 @@ int mlxgate_decode_matmul(
     char* error,
     size_t error_len);
 
-/* A layer's residual add and the RMS norm after it in one launch (a CUDA
- * kernel MLX compiles at first use; GPU streams only): `sum` = x + delta,
- * `normed` = rms_norm(sum) * weight with epsilon `eps`; `x` and `delta`
- * [..., H], `weight` [H], all bfloat16 or float16. Returns 0, or 1 with a
- * message in `error`. */
-int mlxgate_residual_norm(
-    mlx_array* sum,
-    mlx_array* normed,
-    const mlx_array x,
-    const mlx_array delta,
-    const mlx_array weight,
-    float eps,
-    const mlx_stream s,
-    char* error,
-    size_t error_len);
-
 /* Writes the unevaluated graph behind `outputs` to the file `path` in
  * Graphviz dot (MLX's export_to_dot). Returns 0, or 1 on any failure. */
 int mlxgate_export_to_dot(const mlx_array* outputs, size_t count, const char* path);

@@ -3,10 +3,9 @@
 # both ragged decode attention bodies in mlx-sys/kernels/ragged_attention.cpp
 # (a block per query head, and a block per key/value head; harness
 # kernel_emulator.cpp), a candidate body laid out like the second if one is
-# named, the decode matmul, plain and gated (mlx-sys/kernels/decode_matmul.cpp;
-# harness decode_matmul_emulator.cpp), and the residual add and norm
-# (residual_norm.cpp; residual_norm_emulator.cpp). Each must match the
-# plain computation (float32). Run by scripts/test.sh; needs g++ (C++20).
+# named, and the decode matmul, plain and gated (mlx-sys/kernels/decode_matmul.cpp;
+# harness decode_matmul_emulator.cpp). Each must match the plain computation
+# (float32). Run by scripts/test.sh; needs g++ (C++20).
 #
 #   scripts/gpu/check_kernels.sh [CANDIDATE.cu]
 set -euo pipefail
@@ -14,8 +13,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Each body between its raw string's markers, as the probes read them.
-for body in ragged_attention.cpp:per_head ragged_attention.cpp:per_kv_head decode_matmul.cpp:decode_matmul \
-    residual_norm.cpp:residual_norm; do
+for body in ragged_attention.cpp:per_head ragged_attention.cpp:per_kv_head decode_matmul.cpp:decode_matmul; do
     python3 "$root/scripts/gpu/kernel_source.py" "${body%%:*}" "${body#*:}" > "$work/${body#*:}.cu"
 done
 # check NAME HARNESS BODY THREADS [g++ flags]
@@ -30,5 +28,4 @@ check() {
 check per-head kernel_emulator.cpp "$work/per_head.cu" 128 -DPER_KV_HEAD=0
 check per-kv-head kernel_emulator.cpp "$work/per_kv_head.cu" 256 -DPER_KV_HEAD=1
 check decode-matmul decode_matmul_emulator.cpp "$work/decode_matmul.cu" 256
-check residual-norm residual_norm_emulator.cpp "$work/residual_norm.cu" 256
 if [ $# -gt 0 ]; then check candidate kernel_emulator.cpp "$1" 256 -DPER_KV_HEAD=1; fi

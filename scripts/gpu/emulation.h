@@ -9,7 +9,6 @@
 #pragma once
 
 #include <barrier>
-#include <bit>
 #include <cmath>
 #include <memory>
 #include <thread>
@@ -39,9 +38,6 @@ static float __shfl_xor_sync(unsigned, float value, int mask) {
 
 #define __shared__ static
 #define __expf expf
-
-static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-static float __int_as_float(int bits) { return std::bit_cast<float>(bits); }
 
 // Runs `body` (the kernel called with its arguments) for every block of
 // `gridDim` (x and y), BLOCK_THREADS threads each.

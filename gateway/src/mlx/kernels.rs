@@ -359,49 +359,6 @@ fn decode_matmul_launch(x: &Array, weight: &Array, gated: bool) -> Result<Array,
     })
 }
 
-/// Whether [`residual_norm`] runs its fused kernel for `x`: on CUDA, in
-/// bfloat16 or float16, unless `MLXGATE_FUSED_NORM=0` (to measure it).
-fn residual_norm_is_fused(x: &Array) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
-        && *ON.get_or_init(|| {
-            Backend::detect() == Backend::Cuda
-                && std::env::var("MLXGATE_FUSED_NORM").map_or(true, |v| v.trim() != "0")
-        })
-}
-
-/// A layer's residual add and the RMS norm after it: `(x + delta,
-/// rms_norm(x + delta) * weight)`. On CUDA one kernel (a decode step pays
-/// per launch; each layer has two of these), rounded as the separate ops
-/// are but for the order of the sum of squares; elsewhere those ops.
-pub fn residual_norm(
-    x: &Array,
-    delta: &Array,
-    weight: &Array,
-    eps: f32,
-) -> Result<(Array, Array), Exception> {
-    if !residual_norm_is_fused(x) || x.dtype() != delta.dtype() || x.shape() != delta.shape() {
-        let sum = x.add(delta)?;
-        let normed = mlx_rs::fast::rms_norm(&sum, Some(weight), eps)?;
-        return Ok((sum, normed));
-    }
-    // SAFETY: the operands are live arrays and the stream outlives the call.
-    let [sum, normed] = new_arrays(|[sum, normed], error, len| unsafe {
-        mlx_sys::mlxgate_residual_norm(
-            sum,
-            normed,
-            x.as_ptr(),
-            delta.as_ptr(),
-            weight.as_ptr(),
-            eps,
-            Stream::thread_local_or_default().as_ref().as_ptr(),
-            error,
-            len,
-        )
-    })?;
-    Ok((sum, normed))
-}
-
 /// Compiles [`decode_matmul`] now for each distinct shape among `weights`
 /// that it will serve, and [`decode_gated_matmul`] for `gated` (stacked
 /// gate and up), at every row count, so that no step waits for it (~0.5-2 s
@@ -528,27 +485,16 @@ pub fn gelu(x: &Array) -> Result<Array, Exception> {
 fn new_array(
     make: impl FnOnce(*mut mlx_sys::mlx_array, *mut c_char, usize) -> i32,
 ) -> Result<Array, Exception> {
-    let [array] = new_arrays(|[res], error, len| make(res, error, len))?;
-    Ok(array)
-}
-
-/// [`new_array`] for a kernel with `N` outputs.
-fn new_arrays<const N: usize>(
-    make: impl FnOnce([*mut mlx_sys::mlx_array; N], *mut c_char, usize) -> i32,
-) -> Result<[Array; N], Exception> {
     let mut error = [0 as c_char; 512];
-    // SAFETY: each `res` starts empty and on success holds a new array whose
-    // ownership passes to `Array::from_ptr`; on failure they are freed here
-    // and the message is read from `error`, which the kernels NUL-terminate.
+    // SAFETY: `res` starts empty and on success holds a new array whose
+    // ownership passes to `Array::from_ptr`; on failure it is freed here and
+    // the message is read from `error`, which the kernels NUL-terminate.
     unsafe {
-        let mut res = [(); N].map(|()| mlx_sys::mlx_array_new());
-        let outputs = std::array::from_fn(|i| &raw mut res[i]);
-        if make(outputs, error.as_mut_ptr(), error.len()) == 0 {
-            Ok(res.map(|r| Array::from_ptr(r)))
+        let mut res = mlx_sys::mlx_array_new();
+        if make(&mut res, error.as_mut_ptr(), error.len()) == 0 {
+            Ok(Array::from_ptr(res))
         } else {
-            for r in res {
-                mlx_sys::mlx_array_free(r);
-            }
+            mlx_sys::mlx_array_free(res);
             let message = CStr::from_ptr(error.as_ptr()).to_string_lossy();
             Err(Exception::custom(message.into_owned()))
         }
@@ -1229,24 +1175,6 @@ mod tests {
             let worst = worst_relative(&got, &want, 1.0);
             assert!(worst < 0.02, "{rows} rows: {worst}");
         }
-    }
-
-    /// The residual add and norm, fused on CUDA, give what the separate
-    /// ops give: the sum exactly, the norm within one bfloat16 rounding.
-    #[test]
-    fn residual_norm_matches_the_separate_ops() {
-        let x = bf16_normal(&[3, 1, 4168], 7, 1.0);
-        let delta = bf16_normal(&[3, 1, 4168], 8, 1.0);
-        let weight = bf16_normal(&[4168], 9, 1.0);
-        let (sum, normed) = residual_norm(&x, &delta, &weight, 1e-5).unwrap();
-        let want_sum = x.add(&delta).unwrap();
-        let want = mlx_rs::fast::rms_norm(&want_sum, Some(&weight), 1e-5).unwrap();
-        assert_eq!(
-            float32(&sum).as_slice::<f32>(),
-            float32(&want_sum).as_slice::<f32>()
-        );
-        let worst = worst_relative(&float32(&normed), &float32(&want), 1e-3);
-        assert!(worst <= 1.0 / 128.0, "{worst}");
     }
 
     /// Traced for a gradient (fine-tuning's few target rows through the

@@ -671,16 +671,23 @@ impl Transformer {
         if let Err(error) = self.warm_up_slab() {
             tracing::warn!(%error, "cannot compile the GPU's ragged attention kernel");
         }
-        let gated = self.blocks.iter().filter_map(|b| match &b.mlp.gate_up {
+        if let Err(error) =
+            kernels::warm_up_decode_matmul(self.dense_weights(), self.gated_weights())
+        {
+            tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
+        }
+    }
+
+    /// The stacked gate/up weights a decode step may run through the gated
+    /// decode matmul ([`Mlp::fused_gate`]).
+    fn gated_weights(&self) -> impl Iterator<Item = &Array> {
+        self.blocks.iter().filter_map(|b| match &b.mlp.gate_up {
             Some(Linear {
                 kernel: Kernel::Dense(weight),
                 bias: None,
             }) => Some(weight),
             _ => None,
-        });
-        if let Err(error) = kernels::warm_up_decode_matmul(self.dense_weights(), gated) {
-            tracing::warn!(%error, "cannot compile the GPU's decode matmul kernel");
-        }
+        })
     }
 
     /// Bytes of weights a native decode step reads per token (the roofline
@@ -767,11 +774,10 @@ impl Transformer {
         } else {
             None
         };
-        let x = self.embed_ids(&ids)?;
+        let mut x = self.embed_ids(&ids)?;
         let eps = self.config.rms_norm_eps;
-        let mut normed = rms_norm(&x, Some(self.norm_before(0)), eps)?;
-        let mut x = x;
         for (index, block) in self.blocks.iter().enumerate() {
+            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let mut attended = self.attention(
                 block,
                 index,
@@ -782,12 +788,13 @@ impl Transformer {
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
-            let (sum, mlp_input) = kernels::residual_norm(&x, &attended, &block.pre_mlp_norm, eps)?;
-            let mut mlp = self.mlp(&block.mlp, index, &mlp_input, adapters)?;
+            x = add(&x, &attended)?;
+            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
+            let mut mlp = self.mlp(&block.mlp, index, &normed, adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
-            (x, normed) = kernels::residual_norm(&sum, &mlp, self.norm_before(index + 1), eps)?;
+            x = add(&x, &mlp)?;
         }
         for (cache, tokens) in caches.iter_mut().zip(tokens) {
             cache.offset += tokens.len();
@@ -795,8 +802,8 @@ impl Transformer {
                 layer.trim()?;
             }
         }
-        // `normed` is past the final norm (each row norms alone).
-        let last = normed.index((.., length - 1, ..));
+        let last = x.index((.., length - 1, ..));
+        let last = rms_norm(&last, Some(&self.final_norm), eps)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward(&last)?,
             None => self.embed.as_logits(&last)?,
@@ -810,16 +817,6 @@ impl Transformer {
             )?;
         }
         Ok(logits)
-    }
-
-    /// The norm before layer `index`: its input norm, or past the last
-    /// layer the final norm. Each but the first is fused with the residual
-    /// add before it ([`kernels::residual_norm`]: on a GPU, a launch fewer
-    /// each).
-    fn norm_before(&self, index: usize) -> &Array {
-        self.blocks
-            .get(index)
-            .map_or(&self.final_norm, |b| &b.input_norm)
     }
 
     /// A copy whose linear layers and embedding hold dense (dequantized)
@@ -1100,9 +1097,14 @@ enum Gradients {
 
 /// Whether models stack their projections as they load
 /// ([`Block::stack_projections`]): only when `MLXGATE_STACK_PROJECTIONS=1`.
-/// On an H100 it measured no gain (3B model: one stream 273 tok/s stacked
-/// against 277 apart; 32 streams 0.88-0.93x of apart), and on the CPU the
-/// native kernels take each projection packed on its own.
+/// Stacked, a GPU decode step of up to 4 rows also runs gate, up and SiLU
+/// in one launch and rotates queries and keys in one: on an H100 (8B) that
+/// cut the host's share of a one-row step from 5.3 to 3.3 ms, but the step
+/// was the GPU's to pace there (7.5 ms either way; 4 rows 1.03x). Before
+/// those, a 3B measured no gain (one stream 273 tok/s against 277; 32
+/// streams 0.88-0.93x), and on the CPU the native kernels take each
+/// projection packed on its own; so it stays off until a GPU where the host
+/// sets the pace (an H200) measures it.
 fn stacks_projections() -> bool {
     std::env::var("MLXGATE_STACK_PROJECTIONS").is_ok_and(|asked| asked == "1")
 }

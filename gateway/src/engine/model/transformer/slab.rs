@@ -30,7 +30,7 @@ use std::rc::Rc;
 use mlx_rs::Array;
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::ops::{add, concatenate, zeros_dtype};
 
 use super::{Decoded, GreedyPick, Transformer};
 use crate::engine::lora::{self, AdapterStack, Projection};
@@ -562,9 +562,9 @@ impl Transformer {
         let eps = c.rms_norm_eps;
         let with_adapters = lora::residual_of(row_adapters);
         let mut x = self.embed_ids(ids)?;
-        let mut normed = rms_norm(&x, Some(self.norm_before(0)), eps)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (index, block) in self.blocks.iter().enumerate() {
+            let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let a = &block.attention;
             let (q, k, v) =
                 match self.rotated_together(block, &normed, index, row_adapters, offsets) {
@@ -608,20 +608,20 @@ impl Transformer {
             if let Some(norm) = &block.post_attention_norm {
                 attended = rms_norm(&attended, Some(norm), eps)?;
             }
-            let (sum, mlp_input) = kernels::residual_norm(&x, &attended, &block.pre_mlp_norm, eps)?;
-            let mut mlp = self.mlp(&block.mlp, index, &mlp_input, row_adapters)?;
+            x = add(&x, &attended)?;
+            let normed = rms_norm(&x, Some(&block.pre_mlp_norm), eps)?;
+            let mut mlp = self.mlp(&block.mlp, index, &normed, row_adapters)?;
             if let Some(norm) = &block.post_mlp_norm {
                 mlp = rms_norm(&mlp, Some(norm), eps)?;
             }
-            (x, normed) = kernels::residual_norm(&sum, &mlp, self.norm_before(index + 1), eps)?;
+            x = add(&x, &mlp)?;
             layers.push((keys, values));
         }
-        // Rows norm alone, so the final norm may come before the pick.
-        let mut last = normed.index((.., 0, ..));
+        let mut last = x.index((.., 0, ..));
         if let Some(order) = order {
             last = last.take_axis(order, 0)?;
         }
-        let logits = self.logits_of_hidden(&last)?;
+        let logits = self.logits_of_hidden(&rms_norm(&last, Some(&self.final_norm), eps)?)?;
         Ok((logits, layers))
     }
 
