@@ -9,7 +9,9 @@
 #   scripts/gpu/remote.sh run scripts/gpu/checks.sh OUT_DIR
 #   GPU_CHECKS_PROBES=0     the checks alone (3-5), not the probes
 #
-# 1. the decode matmul against MLX's matmul, 8B shapes, 1-8 rows (matmul_probe.py);
+# 1. the decode matmul (plain, and fused: stacked and gated) against MLX's
+#    matmul, 8B shapes, 1-8 rows, then with a whole step's other ops around
+#    them (matmul_probe.py --ops full): where a step's GPU time goes;
 # 2. the ragged attention bodies, split and not, at 1-32 rows (attention_probe.py);
 # 3. the library's unit tests of mlx/ (attention routing and padding,
 #    the decode matmul, the compiled activations) on the GPU, TF32 off,
@@ -25,8 +27,13 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if [ "${GPU_CHECKS_PROBES:-1}" != 0 ]; then
     echo "== decode matmul, 8B shapes"
-    python3 "$root/scripts/gpu/matmul_probe.py" --shape 8b --rows 1,2,4,8 --variants matmul,decode --steps 40 2>&1 \
+    python3 "$root/scripts/gpu/matmul_probe.py" --shape 8b --rows 1,2,4,8 --variants matmul,decode,fused --steps 40 2>&1 \
         | tee "$out/matmul_probe.txt" | tail -12
+    echo "== a whole step's ops around them, 8B shapes, 500 columns (mlx-lm's rope: int)"
+    for rope in rows int; do
+        python3 "$root/scripts/gpu/matmul_probe.py" --shape 8b --rows 1,4 --variants matmul,decode,fused --steps 40 \
+            --ops full --columns 500 --rope $rope 2>&1 | tee -a "$out/step_probe.txt" | tail -6
+    done
     echo "== ragged attention, 1,000 columns"
     python3 "$root/scripts/gpu/attention_probe.py" --rows 1,2,4,8,32 --columns 1000 2>&1 \
         | tee "$out/attention_probe.txt" | tail -8
