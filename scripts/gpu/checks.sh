@@ -14,7 +14,8 @@
 #    them (matmul_probe.py --ops full): where a step's GPU time goes;
 # 2. the ragged attention bodies, split and not, at 1-32 rows (attention_probe.py);
 # 3. the library's unit tests of mlx/ (attention routing and padding,
-#    the decode matmul, the compiled activations) on the GPU, TF32 off,
+#    the decode matmul, the compiled activations) and of the slab (whether
+#    MLX writes it in place while steps run ahead) on the GPU, TF32 off,
 #    in bfloat16 where the test says;
 # 4. the decode_slab tests in float32 (slab_tests.sh);
 # 5. SmolLM2's greedy answers in float32 against the CPU goldens (greedy_parity.py).
@@ -38,10 +39,10 @@ if [ "${GPU_CHECKS_PROBES:-1}" != 0 ]; then
     python3 "$root/scripts/gpu/attention_probe.py" --rows 1,2,4,8,32 --columns 1000 2>&1 \
         | tee "$out/attention_probe.txt" | tail -8
 fi
-echo "== unit tests of mlx/"
+echo "== unit tests of mlx/ and the slab"
 for lib in "$PAYLOAD"/target/release/deps/mlxgate-*; do [ -x "$lib" ] && break; done
 if [ -x "${lib:-}" ]; then
-    (cd "$root/gateway" && MLX_ENABLE_TF32=0 timeout 120 "$lib" mlx:: 2>&1 | grep -E "^test |panicked|result" | cut -c1-300) \
+    (cd "$root/gateway" && MLX_ENABLE_TF32=0 timeout 120 "$lib" mlx:: slab::tests 2>&1 | grep -E "^test |panicked|result" | cut -c1-300) \
         | tee "$out/unit_tests.txt"
 else
     echo "no mlxgate unit-test binary in the payload: pack it (see above)"

@@ -947,3 +947,65 @@ fn trace_step(
         "slab decode step"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{Architecture, TinyModelSpec, write_tiny_model};
+
+    /// Where `array`'s data is, without evaluating it: a step's outputs get
+    /// their buffers when MLX encodes the step, before it has run.
+    fn buffer(array: &Array) -> usize {
+        // SAFETY: `array` is live and float32; the call only reads its pointer.
+        unsafe { mlx_sys::mlx_array_data_float32(array.as_ptr()) as usize }
+    }
+
+    /// Each greedy step writes its column into the slab's buffers in place
+    /// while the next step runs ahead (MLX donates them: see the module's
+    /// doc), rather than copying every layer's whole slab each step. On a
+    /// GPU, MLX keeps a step's inputs alive until its kernels finish, which
+    /// may stop that donation while the step before is still running: this
+    /// test, run there (`scripts/gpu/checks.sh`), tells.
+    #[test]
+    fn greedy_steps_write_the_slab_in_place_while_running_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_model(dir.path(), &TinyModelSpec::new(Architecture::Llama)).unwrap();
+        let model = crate::engine::model::load_hf_dir(dir.path()).unwrap();
+        let mut cache = model.new_cache();
+        model
+            .forward(&[&[5, 6, 7, 8]], &mut [&mut cache])
+            .unwrap()
+            .eval()
+            .unwrap();
+        let none = AdapterStack::new();
+        let pick = GreedyPick {
+            banned: &[],
+            ban_rows: &[false],
+        };
+        let (mut token, mut buffers) = (9u32, Vec::new());
+        for _ in 0..16 {
+            // Through the slab whatever the backend (its switch aside).
+            match model
+                .decode_in_slab(&[token], &mut [&mut cache], &[&none], Some(&pick))
+                .unwrap()
+            {
+                Decoded::Tokens(picked) => token = picked[0].unwrap_or(token),
+                Decoded::Logits(_) => panic!("a greedy step gives tokens"),
+            }
+            let slab = model.slab.lock().unwrap();
+            let slab = slab.as_ref().expect("a slab while decoding");
+            let layers = slab.arrays.layers.borrow();
+            buffers.push((buffer(&layers[0].0), buffer(&layers[0].1), slab.capacity));
+        }
+        // Within one capacity (growing reallocates), one buffer each.
+        let capacity = buffers[0].2;
+        let steady: Vec<_> = buffers.iter().filter(|b| b.2 == capacity).collect();
+        assert!(steady.len() > 8, "{buffers:x?}");
+        assert!(
+            steady
+                .iter()
+                .all(|b| (b.0, b.1) == (steady[0].0, steady[0].1)),
+            "the slab moved between steps (copied, not written in place): {buffers:x?}"
+        );
+    }
+}
