@@ -950,6 +950,9 @@ impl Transformer {
         logits.as_dtype(Dtype::Float32)
     }
 
+    /// Layer `layer`'s MLP of `x` for inference: gate, up and SiLU in one
+    /// launch where [`Mlp::fused_gate`] serves `x` and no adapter of the
+    /// batch changes gate or up; summed over ranks when split.
     fn mlp(
         &self,
         mlp: &Mlp,
