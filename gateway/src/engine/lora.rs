@@ -468,13 +468,17 @@ pub fn residual_of<'a>(
     move |y, x, layer, projection| apply(y, x, layer, projection, stacks)
 }
 
-/// Whether any adapter of `stacks` changes `projection` of `layer` (a fused
-/// kernel that skips the separate projection may serve it only if none does).
-pub fn touches(stacks: &[&AdapterStack], layer: usize, projection: Projection) -> bool {
-    let key = (layer, projection);
-    stacks
-        .iter()
-        .any(|stack| stack.iter().any(|a| a.pairs.contains_key(&key)))
+/// Whether any adapter of `stacks` changes one of `projections` of `layer`
+/// (a fused kernel that skips the separate projections may serve them only
+/// if none does).
+pub fn touches(stacks: &[&AdapterStack], layer: usize, projections: &[Projection]) -> bool {
+    stacks.iter().any(|stack| {
+        stack.iter().any(|a| {
+            projections
+                .iter()
+                .any(|&p| a.pairs.contains_key(&(layer, p)))
+        })
+    })
 }
 
 /// Adds each sequence's adapter residuals to `y = base(x)`, `x` being
@@ -488,7 +492,7 @@ pub fn apply(
     stacks: &[&AdapterStack],
 ) -> MlxResult<Array> {
     let key = (layer, projection);
-    if !touches(stacks, layer, projection) {
+    if !touches(stacks, layer, &[projection]) {
         return Ok(y);
     }
     // `base + (x A) B_scaled` as one fused op per adapter (addmm): on CPU

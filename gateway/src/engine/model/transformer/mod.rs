@@ -165,19 +165,15 @@ impl Mlp {
         })
     }
 
-    /// `silu(gate(x)) * up(x)` in one launch where gate and up are stacked,
-    /// dense, without bias, and the decode matmul takes `x` (a GPU's few
-    /// rows; see [`kernels::decode_gated_matmul`]); `None` elsewhere. For
-    /// inference only (the kernel has no gradient), adapters of gate or up
-    /// being the caller's to rule out.
-    fn fused_gate(&self, x: &Array, family: Family) -> Option<MlxResult<Array>> {
-        let gate_up = self.gate_up.as_ref().filter(|l| l.bias.is_none())?;
-        match &gate_up.kernel {
-            Kernel::Dense(weight)
-                if family != Family::Gemma3 && kernels::decode_matmul_applies(x, weight) =>
-            {
-                Some(kernels::decode_gated_matmul(x, weight))
-            }
+    /// Gate and up stacked, dense and without bias, for a family whose
+    /// activation is SiLU: the weight [`kernels::decode_gated_matmul`]
+    /// multiplies in one launch where the decode matmul takes a step's rows.
+    fn gated_weight(&self, family: Family) -> Option<&Array> {
+        match &self.gate_up {
+            Some(Linear {
+                kernel: Kernel::Dense(weight),
+                bias: None,
+            }) if family != Family::Gemma3 => Some(weight),
             _ => None,
         }
     }
@@ -679,15 +675,12 @@ impl Transformer {
     }
 
     /// The stacked gate/up weights a decode step may run through the gated
-    /// decode matmul ([`Mlp::fused_gate`]).
+    /// decode matmul ([`Mlp::gated_weight`]).
     fn gated_weights(&self) -> impl Iterator<Item = &Array> {
-        self.blocks.iter().filter_map(|b| match &b.mlp.gate_up {
-            Some(Linear {
-                kernel: Kernel::Dense(weight),
-                bias: None,
-            }) => Some(weight),
-            _ => None,
-        })
+        let family = self.config.family;
+        self.blocks
+            .iter()
+            .filter_map(move |b| b.mlp.gated_weight(family))
     }
 
     /// Bytes of weights a native decode step reads per token (the roofline
@@ -951,8 +944,10 @@ impl Transformer {
     }
 
     /// Layer `layer`'s MLP of `x` for inference: gate, up and SiLU in one
-    /// launch where [`Mlp::fused_gate`] serves `x` and no adapter of the
-    /// batch changes gate or up; summed over ranks when split.
+    /// launch where the MLP has a [`Mlp::gated_weight`], the decode matmul
+    /// takes `x` (a GPU's few rows; the kernel has no gradient, which
+    /// inference needs none of) and no adapter of the batch changes gate or
+    /// up; summed over ranks when split.
     fn mlp(
         &self,
         mlp: &Mlp,
@@ -961,12 +956,13 @@ impl Transformer {
         adapters: &[&AdapterStack],
     ) -> MlxResult<Array> {
         let with_adapters = lora::residual_of(adapters);
-        let adapted = [Projection::Gate, Projection::Up]
-            .into_iter()
-            .any(|p| lora::touches(adapters, layer, p));
-        let out = match mlp.fused_gate(x, self.config.family).filter(|_| !adapted) {
-            Some(gated) => {
-                let gated = gated?;
+        let gated = mlp.gated_weight(self.config.family).filter(|weight| {
+            kernels::decode_matmul_applies(x, weight)
+                && !lora::touches(adapters, layer, &[Projection::Gate, Projection::Up])
+        });
+        let out = match gated {
+            Some(weight) => {
+                let gated = kernels::decode_gated_matmul(x, weight)?;
                 with_adapters(
                     mlp.down_proj.forward(&gated)?,
                     &gated,

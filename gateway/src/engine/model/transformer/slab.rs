@@ -567,8 +567,8 @@ impl Transformer {
             let normed = rms_norm(&x, Some(&block.input_norm), eps)?;
             let a = &block.attention;
             let (q, k, v) =
-                match self.rotated_together(block, &normed, index, row_adapters, offsets) {
-                    Some(qkv) => qkv?,
+                match self.rotated_together(block, &normed, index, row_adapters, offsets)? {
+                    Some(qkv) => qkv,
                     None => {
                         let (q, k, v) = a.project(&normed, index, &with_adapters, c)?;
                         let q = block.rotate_rows(&q, c, offsets)?;
@@ -638,35 +638,36 @@ impl Transformer {
         layer: usize,
         row_adapters: &[&AdapterStack],
         offsets: &Array,
-    ) -> Option<MlxResult<(Array, Array, Array)>> {
+    ) -> MlxResult<Option<(Array, Array, Array)>> {
         let a = &block.attention;
-        let qkv = a.qkv.as_ref()?;
-        let adapted = [Projection::Q, Projection::K, Projection::V]
-            .into_iter()
-            .any(|p| lora::touches(row_adapters, layer, p));
+        let Some(qkv) = &a.qkv else {
+            return Ok(None);
+        };
+        let adapted = lora::touches(
+            row_adapters,
+            layer,
+            &[Projection::Q, Projection::K, Projection::V],
+        );
         if adapted || a.q_norm.is_some() || a.k_norm.is_some() {
-            return None;
+            return Ok(None);
         }
         let c = &self.config;
         let (heads, kv_heads, head_dim) = (c.heads as i32, c.kv_heads as i32, c.head_dim as i32);
         let rows = normed.shape()[0];
-        let rotate = || -> MlxResult<(Array, Array, Array)> {
-            let y = qkv.forward(normed)?;
-            let qk_end = (heads + kv_heads) * head_dim;
-            let heads_first = |y: Array, n: i32| -> MlxResult<Array> {
-                y.reshape(&[rows, 1, n, head_dim])?
-                    .transpose_axes(&[0, 2, 1, 3])
-            };
-            let qk = heads_first(y.index((.., .., ..qk_end)), heads + kv_heads)?;
-            let qk = block.rotate_rows(&qk, c, offsets)?;
-            let v = heads_first(y.index((.., .., qk_end..)), kv_heads)?;
-            Ok((
-                qk.index((.., ..heads, .., ..)),
-                qk.index((.., heads.., .., ..)),
-                v,
-            ))
+        let heads_first = |y: Array, n: i32| -> MlxResult<Array> {
+            y.reshape(&[rows, 1, n, head_dim])?
+                .transpose_axes(&[0, 2, 1, 3])
         };
-        Some(rotate())
+        let y = qkv.forward(normed)?;
+        let qk_end = (heads + kv_heads) * head_dim;
+        let qk = heads_first(y.index((.., .., ..qk_end)), heads + kv_heads)?;
+        let qk = block.rotate_rows(&qk, c, offsets)?;
+        let v = heads_first(y.index((.., .., qk_end..)), kv_heads)?;
+        Ok(Some((
+            qk.index((.., ..heads, .., ..)),
+            qk.index((.., heads.., .., ..)),
+            v,
+        )))
     }
 
     /// Finds each cache's slab row where it already is, as of the step last
