@@ -220,6 +220,8 @@ void mlxgate_distributed_reset(void);
  * compiles at first use; GPU streams only): `q` [rows, heads * D],
  * `k` and `v` [rows, kv_heads, columns, D], `starts` int32 [rows], `end`
  * int32 [1], `scale` float32 [1]; the result is q's shape and dtype.
+ * With `k_new` and `v_new` ([rows, kv_heads, 1, D]; null `ctx`: none),
+ * the kernel first writes them into column `end` of `k` and `v` in place.
  * Returns 0, or 1 with a message in `error`. */
 int mlxgate_ragged_decode_attention(
     mlx_array* res,
@@ -229,6 +231,8 @@ int mlxgate_ragged_decode_attention(
     const mlx_array starts,
     const mlx_array end,
     const mlx_array scale,
+    const mlx_array k_new,
+    const mlx_array v_new,
     int heads,
     const mlx_stream s,
     char* error,

@@ -10,7 +10,20 @@
 //
 // Layout: q and out [rows, heads * D]; k and v [rows, kv_heads, columns, D]
 // with any strides but a packed last dimension; starts int32 [rows]; end
-// int32 [1] (the last column, the same for every row); scale float32 [1].
+// int32 [1] (the last column, the same for every row); scale float32 [1];
+// k_new and v_new packed [rows, kv_heads, D] (read only when WRITE is 1).
+//
+// WRITE = 1: the kernel first writes this step's key and value (k_new,
+// v_new) into column `end` of k and v, in place, then attends. MLX writes
+// an array by slice update, which copies the whole slab unless it may
+// donate the buffer, and on CUDA it may not while the step before is still
+// running: MLX's CUDA eval keeps every input of a step's ops alive until
+// the step's kernels finish (mlx/backend/cuda/eval.cpp, 0.32), and a step
+// launched ahead always finds the slab so held. Written here, no copy: the
+// column is one no other kernel of the step reads (the caches' views and
+// copies cover earlier columns), steps run in order on one stream, and
+// the block's own threads read it after `__syncthreads`. Blocks of query
+// heads that share a key/value head write the same values.
 // Each warp takes every WARPS-th column with an online softmax in float32,
 // and the warps are merged at the end. Two bodies:
 // - per key/value head (GQA <= 8, steps of 2+ rows): a block of 256
@@ -42,6 +55,25 @@ namespace mx = mlx::core;
 
 namespace {
 
+// What both bodies call (MLX puts it before each kernel, as its header).
+const char* kWriteColumnSource = R"write_column(
+// Copies the step's key and value of `row` and `kv_head` (k_new and v_new,
+// packed [rows, kv_heads, D]) into column `last` of k and v, in place (see
+// the file's head): one warp, PER values a lane.
+template <int PER, typename T, typename S>
+__device__ void write_column(const T* k, const T* v, const S& k_strides, const S& v_strides,
+                             const T* k_new, const T* v_new, int row, int kv_head, int kv_heads,
+                             int last, int lane) {
+  const size_t from = ((size_t)row * kv_heads + kv_head) * (32 * PER) + lane * PER;
+  T* kw = const_cast<T*>(k) + row * k_strides[0] + kv_head * k_strides[1] + last * k_strides[2] + lane * PER;
+  T* vw = const_cast<T*>(v) + row * v_strides[0] + kv_head * v_strides[1] + last * v_strides[2] + lane * PER;
+  for (int i = 0; i < PER; i++) {
+    kw[i] = k_new[from + i];
+    vw[i] = v_new[from + i];
+  }
+}
+)write_column";
+
 // The kernels' bodies; MLX writes their signatures from the names below.
 // scripts/gpu/attention_probe.py (on a GPU) and scripts/gpu/check_kernels.sh
 // (emulated on the CPU, in CI) read them from here, between the markers.
@@ -57,6 +89,12 @@ const char* kPerHeadSource = R"per_head(
   const int last = end[0];
   const int first = starts[row];
   const float s = scale[0];
+  if (WRITE) {
+    if (warp == 0) {
+      write_column<PER>(k, v, k_strides, v_strides, k_new, v_new, row, kv_head, heads / GQA, last, lane);
+    }
+    __syncthreads();
+  }
   const T* qp = q + ((size_t)row * heads + head) * D + lane * PER;
   float qv[PER];
   for (int i = 0; i < PER; i++) {
@@ -139,6 +177,12 @@ const char* kPerKvHeadSource = R"per_kv_head(
   const int last = end[0];
   const int first = starts[row];
   const float s = scale[0];
+  if (WRITE) {
+    if (warp == 0) {
+      write_column<PER>(k, v, k_strides, v_strides, k_new, v_new, row, kv_head, kv_heads, last, lane);
+    }
+    __syncthreads();
+  }
   float qv[GQA][PER];
   for (int g = 0; g < GQA; g++) {
     const T* qp = q + ((size_t)row * heads + kv_head * GQA + g) * D + lane * PER;
@@ -241,17 +285,19 @@ extern "C" int mlxgate_ragged_decode_attention(
     const mlx_array starts,
     const mlx_array end,
     const mlx_array scale,
+    const mlx_array k_new,
+    const mlx_array v_new,
     int heads,
     const mlx_stream s,
     char* error,
     size_t error_len) {
   try {
     static const mx::fast::CustomKernelFunction per_head = mx::fast::cuda_kernel(
-        "mlxgate_ragged_decode_attention", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
-        kPerHeadSource, "", /*ensure_row_contiguous=*/false);
+        "mlxgate_ragged_decode_attention", {"q", "k", "v", "starts", "end", "scale", "k_new", "v_new"},
+        {"out"}, kPerHeadSource, kWriteColumnSource, /*ensure_row_contiguous=*/false);
     static const mx::fast::CustomKernelFunction per_kv_head = mx::fast::cuda_kernel(
-        "mlxgate_ragged_decode_attention_gqa", {"q", "k", "v", "starts", "end", "scale"}, {"out"},
-        kPerKvHeadSource, "", /*ensure_row_contiguous=*/false);
+        "mlxgate_ragged_decode_attention_gqa", {"q", "k", "v", "starts", "end", "scale", "k_new", "v_new"},
+        {"out"}, kPerKvHeadSource, kWriteColumnSource, /*ensure_row_contiguous=*/false);
     const mx::array& qa = mlx_array_get_(q);
     const mx::array& ka = mlx_array_get_(k);
     const mx::array& va = mlx_array_get_(v);
@@ -277,14 +323,32 @@ extern "C" int mlxgate_ragged_decode_attention(
     // are `q + k + v` wide apart: MLX's `contiguous` copies q where it runs,
     // only if it is not packed.
     const mx::array packed_q = mx::contiguous(qa, false, mlx_stream_get_(s));
+    // This step's key and value to write first (see the file's head), packed
+    // as the body reads them; without them, q stands in (never read).
+    const bool write = k_new.ctx != nullptr && v_new.ctx != nullptr;
+    std::optional<mx::array> new_k, new_v;
+    if (write) {
+      const mx::array& kn = mlx_array_get_(k_new);
+      const mx::array& vn = mlx_array_get_(v_new);
+      const mx::Shape column = {rows, kv_heads, 1, dim};
+      if (kn.shape() != column || vn.shape() != column || kn.dtype() != ka.dtype() ||
+          vn.dtype() != ka.dtype()) {
+        throw std::invalid_argument(
+            "[mlxgate ragged attention] the new key and value must be [rows, kv_heads, 1, D] "
+            "in the slab's dtype");
+      }
+      new_k = mx::contiguous(kn, false, mlx_stream_get_(s));
+      new_v = mx::contiguous(vn, false, mlx_stream_get_(s));
+    }
     const int gqa = heads / kv_heads;
     const bool by_kv_head = gqa <= kMaxGqaPerBlock && rows > 1;
     const int threads = by_kv_head ? 256 : 128;
     auto outputs = (by_kv_head ? per_kv_head : per_head)(
-        {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale)},
+        {packed_q, ka, va, mlx_array_get_(starts), mlx_array_get_(end), mlx_array_get_(scale),
+         new_k.value_or(packed_q), new_v.value_or(packed_q)},
         {qa.shape()}, {qa.dtype()}, {threads * (by_kv_head ? kv_heads : heads), rows, 1},
-        {threads, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}}, std::nullopt, false,
-        mlx_stream_get_(s));
+        {threads, 1, 1}, {{"T", qa.dtype()}, {"D", dim}, {"GQA", gqa}, {"WRITE", write ? 1 : 0}},
+        std::nullopt, false, mlx_stream_get_(s));
     mlx_array_set_(*res, outputs.at(0));
     return 0;
   } catch (std::exception& e) {

@@ -13,14 +13,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Each body between its raw string's markers, as the probes read them.
-for body in ragged_attention.cpp:per_head ragged_attention.cpp:per_kv_head decode_matmul.cpp:decode_matmul; do
+for body in ragged_attention.cpp:write_column ragged_attention.cpp:per_head ragged_attention.cpp:per_kv_head \
+    decode_matmul.cpp:decode_matmul; do
     python3 "$root/scripts/gpu/kernel_source.py" "${body%%:*}" "${body#*:}" > "$work/${body#*:}.cu"
 done
 # check NAME HARNESS BODY THREADS [g++ flags]
 check() {
     local name=$1 harness=$2 body=$3 threads=$4
     shift 4
-    g++ -std=c++20 -O1 -pthread -DBODY="\"$body\"" -DBLOCK_THREADS="$threads" "$@" \
+    g++ -std=c++20 -O1 -pthread -DBODY="\"$body\"" -DHEADER="\"$work/write_column.cu\"" -DBLOCK_THREADS="$threads" "$@" \
         -o "$work/$name" "$root/scripts/gpu/$harness"
     printf '%s: ' "$name"
     "$work/$name"

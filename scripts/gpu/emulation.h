@@ -37,6 +37,7 @@ static float __shfl_xor_sync(unsigned, float value, int mask) {
 }
 
 #define __shared__ static
+#define __device__
 #define __expf expf
 
 // Runs `body` (the kernel called with its arguments) for every block of

@@ -5,10 +5,14 @@
 // ranges, the online softmax, the warps' merge) checked there.
 // scripts/gpu/check_kernels.sh builds it once per body:
 //
-//   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DBLOCK_THREADS=128 -DPER_KV_HEAD=0 kernel_emulator.cpp
+//   g++ -std=c++20 -O1 -pthread -DBODY='"body.cu"' -DHEADER='"write_column.cu"' -DBLOCK_THREADS=128 \
+//       -DPER_KV_HEAD=0 kernel_emulator.cpp
 //
 // BLOCK_THREADS is the block size; PER_KV_HEAD=1 launches a block per
 // key/value head and row, 0 a block per query head and row. T is float.
+// Each case runs twice: reading the slab as it is (WRITE 0), and writing
+// the step's key and value into its last column first (WRITE 1: that
+// column starts as NaN, so a row that reads it before it is written fails).
 
 #include <cmath>
 #include <cstdint>
@@ -18,18 +22,21 @@
 
 #include "emulation.h"
 
-template <typename T, int D, int GQA>
+// The device function both bodies call (MLX puts it before each kernel).
+#include HEADER
+
+template <typename T, int D, int GQA, int WRITE>
 static void kernel(const T* q, const T* k, const T* v, const int* starts, const int* end,
-                   const float* scale, const int64_t* k_strides, const int64_t* v_strides,
-                   T* out) {
+                   const float* scale, const T* k_new, const T* v_new, const int64_t* k_strides,
+                   const int64_t* v_strides, T* out) {
 #include BODY
 }
 
 // One case: `rows` rows over a slab of `capacity` columns ending at `last`,
 // each row from its start; k and v with a row stride padded past packed, so
 // that the kernel must read them by their strides.
-template <int D, int GQA>
-static double check(int rows, int kv_heads, int capacity, int last, const std::vector<int>& starts) {
+template <int D, int GQA, int WRITE>
+static double check_one(int rows, int kv_heads, int capacity, int last, const std::vector<int>& starts) {
   const int heads = kv_heads * GQA;
   std::mt19937 rng(rows * 131 + D + GQA);
   std::normal_distribution<float> normal;
@@ -40,14 +47,39 @@ static double check(int rows, int kv_heads, int capacity, int last, const std::v
   for (auto& x : q) x = normal(rng);
   for (auto& x : k) x = normal(rng);
   for (auto& x : v) x = normal(rng);
+  // The step's key and value, [rows, kv_heads, D]; with WRITE, the slab's
+  // last column holds NaN until the kernel writes them there.
+  std::vector<float> k_new(rows * kv_heads * D), v_new(k_new.size());
+  for (int row = 0; row < rows; row++) {
+    for (int kv = 0; kv < kv_heads; kv++) {
+      for (int i = 0; i < D; i++) {
+        const int64_t at = row * strides[0] + kv * strides[1] + last * strides[2] + i;
+        const int64_t from = (row * kv_heads + kv) * D + i;
+        k_new[from] = WRITE ? normal(rng) : k[at];
+        v_new[from] = WRITE ? normal(rng) : v[at];
+        if (WRITE) k[at] = v[at] = NAN;
+      }
+    }
+  }
   const float scale = 1.0f / std::sqrt(float(D));
   const int end = last;
   gridDim = {PER_KV_HEAD ? kv_heads : heads, rows, 1};
   launch([&] {
-    kernel<float, D, GQA>(q.data(), k.data(), v.data(), starts.data(), &end, &scale, strides, strides,
-                          out.data());
+    kernel<float, D, GQA, WRITE>(q.data(), k.data(), v.data(), starts.data(), &end, &scale,
+                                 k_new.data(), v_new.data(), strides, strides, out.data());
   });
   double worst = 0;
+  // The last column now holds the step's key and value (written, or so
+  // from the start).
+  for (int row = 0; row < rows; row++) {
+    for (int kv = 0; kv < kv_heads; kv++) {
+      for (int i = 0; i < D; i++) {
+        const int64_t at = row * strides[0] + kv * strides[1] + last * strides[2] + i;
+        const int64_t from = (row * kv_heads + kv) * D + i;
+        if (!(k[at] == k_new[from] && v[at] == v_new[from])) worst = INFINITY;
+      }
+    }
+  }
   for (int row = 0; row < rows; row++) {
     for (int head = 0; head < heads; head++) {
       const int kv = head / GQA;
@@ -75,6 +107,13 @@ static double check(int rows, int kv_heads, int capacity, int last, const std::v
     }
   }
   return worst;
+}
+
+// Both ways: reading the slab as it is, and writing the last column first.
+template <int D, int GQA>
+static double check(int rows, int kv_heads, int capacity, int last, const std::vector<int>& starts) {
+  return std::max(check_one<D, GQA, 0>(rows, kv_heads, capacity, last, starts),
+                  check_one<D, GQA, 1>(rows, kv_heads, capacity, last, starts));
 }
 
 int main() {

@@ -264,14 +264,26 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
 /// compiles at first use (GPU streams only): MLX's fused decode attention
 /// takes no mask, and its unfused fallback read every row's columns
 /// rounded up to a bucket, with copies.
+///
+/// With `written` (this step's key and value, `[rows, kv_heads, 1,
+/// head_dim]`), the kernel first writes them into column `end` of `keys`
+/// and `values` in place: those arrays change under MLX, so only a caller
+/// that owns them, and whose other readers never read that column, may
+/// ask (the slab: `transformer::slab`).
 pub fn ragged_decode_attention(
     queries: &Array,
     keys: &Array,
     values: &Array,
+    written: Option<(&Array, &Array)>,
     (starts, end, scale): (&Array, &Array, &Array),
     heads: usize,
 ) -> Result<Array, Exception> {
-    // SAFETY: the operands are live arrays and the stream outlives the call.
+    let none = mlx_sys::mlx_array {
+        ctx: std::ptr::null_mut(),
+    };
+    let (new_keys, new_values) = written.map_or((none, none), |(k, v)| (k.as_ptr(), v.as_ptr()));
+    // SAFETY: the operands are live arrays (or null, which the kernel reads
+    // as none) and the stream outlives the call.
     new_array(|res, error, len| unsafe {
         mlx_sys::mlxgate_ragged_decode_attention(
             res,
@@ -281,6 +293,8 @@ pub fn ragged_decode_attention(
             starts.as_ptr(),
             end.as_ptr(),
             scale.as_ptr(),
+            new_keys,
+            new_values,
             heads as i32,
             Stream::thread_local_or_default().as_ref().as_ptr(),
             error,

@@ -10,7 +10,15 @@
 //! A step writes its new column in place: the slab's arrays are taken out
 //! of [`SlabArrays`] while the step's graph runs, so MLX donates their
 //! buffers instead of copying every layer's whole slab (by its shapes,
-//! about 10 GB a step at 128 rows of ~700 columns of a 3B model).
+//! about 10 GB a step at 128 rows of ~700 columns of a 3B model). On CUDA
+//! that is not enough while steps run ahead: MLX keeps every input of a
+//! step's ops alive until the step's kernels finish (its CUDA `eval`, 0.32),
+//! so the step launched behind one still running finds the slab held and
+//! copies it. With `MLXGATE_SLAB_WRITE_IN_KERNEL=1` the ragged attention
+//! kernel writes the column itself, in place, and the slab's arrays stay
+//! the same from step to step. That is safe because a step writes only
+//! column `end`, which no view or copy of a cache covers yet, and steps
+//! run in order on one stream.
 //!
 //! Greedy steps run one ahead (as mlx-lm's `async_eval` does): a call
 //! takes the step launched by the last call, launches the next one with
@@ -122,6 +130,15 @@ fn ragged_enabled() -> bool {
         crate::mlx::Backend::detect() == crate::mlx::Backend::Cuda
             && std::env::var("MLXGATE_SLAB_RAGGED").map_or(true, |v| v != "0")
     })
+}
+
+/// Whether the ragged attention kernel writes each step's key and value
+/// column into the slab itself (see the module's doc), rather than MLX's
+/// slice update: `MLXGATE_SLAB_WRITE_IN_KERNEL=1` (off until measured on a
+/// GPU).
+fn writes_in_kernel() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("MLXGATE_SLAB_WRITE_IN_KERNEL").is_ok_and(|v| v == "1"))
 }
 
 /// How a step's rows attend to the slab's columns.
@@ -499,8 +516,17 @@ impl Transformer {
             let zero = Array::from_slice(&vec![0i32; rows as usize], &[rows]);
             let last = Array::from_slice(&[0i32], &[1]);
             let scale = Array::from_slice(&[1.0f32], &[1]);
-            kernels::ragged_decode_attention(&q, &kv, &kv, (&zero, &last, &scale), c.heads)?
-                .eval()?;
+            // The body a step will run: writing the column or not.
+            let written = writes_in_kernel().then_some((&kv, &kv));
+            kernels::ragged_decode_attention(
+                &q,
+                &kv,
+                &kv,
+                written,
+                (&zero, &last, &scale),
+                c.heads,
+            )?
+            .eval()?;
         }
         Ok(())
     }
@@ -577,13 +603,22 @@ impl Transformer {
                     }
                 };
             let (all_keys, all_values) = &held[index];
-            let keys = written(all_keys, &k, 0, end)?;
-            let values = written(all_values, &v, 0, end)?;
+            // The column the kernel writes itself, or the slab MLX writes.
+            let (keys, values, column) =
+                if matches!(attend, Attend::Ragged(..)) && writes_in_kernel() {
+                    let dtype = all_keys.dtype();
+                    let column = (k.as_dtype(dtype)?, v.as_dtype(dtype)?);
+                    (all_keys.clone(), all_values.clone(), Some(column))
+                } else {
+                    let keys = written(all_keys, &k, 0, end)?;
+                    (keys, written(all_values, &v, 0, end)?, None)
+                };
             let attended = match attend {
                 Attend::Ragged(starts, last, scale) => kernels::ragged_decode_attention(
                     &q.reshape(&[rows, heads * head_dim])?,
                     &keys,
                     &values,
+                    column.as_ref().map(|(k, v)| (k, v)),
                     (starts, last, scale),
                     heads as usize,
                 )?,
@@ -966,7 +1001,8 @@ mod tests {
     /// doc), rather than copying every layer's whole slab each step. On a
     /// GPU, MLX keeps a step's inputs alive until its kernels finish, which
     /// may stop that donation while the step before is still running: this
-    /// test, run there (`scripts/gpu/checks.sh`), tells.
+    /// test, run there (`scripts/gpu/checks.sh`), tells, and tells whether
+    /// `MLXGATE_SLAB_WRITE_IN_KERNEL=1` keeps the buffers in place.
     #[test]
     fn greedy_steps_write_the_slab_in_place_while_running_ahead() {
         // The default model (the engine's tests may not use the fixtures,
