@@ -113,6 +113,83 @@ fn chat_completion_whole() {
     }
 }
 
+/// A `Server-Timing` header's entries, `name;dur=MS`, in order.
+fn server_timing(r: &support::Response) -> Vec<(String, f64)> {
+    let value = r
+        .header("server-timing")
+        .unwrap_or_else(|| panic!("no server-timing header: {:?}", r.headers));
+    value
+        .split(", ")
+        .map(|entry| {
+            let (name, dur) = entry
+                .split_once(";dur=")
+                .unwrap_or_else(|| panic!("{value}"));
+            (
+                name.to_owned(),
+                dur.parse().unwrap_or_else(|e| panic!("{e}: {value}")),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn whole_answers_say_where_their_time_went() {
+    let (s, model) = server();
+    let prompt = "Write a short poem about the sea.";
+    let anthropic = [("anthropic-version", "2023-06-01")];
+    let asked = [
+        (
+            "/v1/chat/completions",
+            chat(&model, prompt, json!({"max_tokens": 8})),
+            &[][..],
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": prompt, "max_tokens": 8}),
+            &[][..],
+        ),
+        (
+            "/v1/messages",
+            json!({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]}),
+            &anthropic[..],
+        ),
+        (
+            "/v1/responses",
+            json!({"model": model, "input": prompt, "max_output_tokens": 8}),
+            &[][..],
+        ),
+    ];
+    for (path, body, headers) in asked {
+        let r = post_with(&s, path, &body, headers);
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        let timing = server_timing(&r);
+        let names: Vec<&str> = timing.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["prepare", "queue", "prefill", "decode", "total"],
+            "{path}"
+        );
+        let dur = |name: &str| timing.iter().find(|(n, _)| n == name).unwrap().1;
+        assert!(timing.iter().all(|(_, d)| *d >= 0.0), "{path}: {timing:?}");
+        // The prompt went through the model, and eight tokens came out of it.
+        assert!(
+            dur("prefill") > 0.0 && dur("decode") > 0.0,
+            "{path}: {timing:?}"
+        );
+        // The phases follow each other within the whole (printed to 0.01 ms).
+        let phases: f64 = ["prepare", "queue", "prefill", "decode"]
+            .iter()
+            .map(|n| dur(n))
+            .sum();
+        assert!(phases <= dur("total") + 0.05, "{path}: {timing:?}");
+    }
+    // A streamed answer's headers leave before its first token.
+    let streamed = chat(&model, prompt, json!({"max_tokens": 4, "stream": true}));
+    let r = s.post_json("/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("server-timing"), None);
+}
+
 #[test]
 fn chat_completion_streamed() {
     let (s, model) = server();

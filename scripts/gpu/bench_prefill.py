@@ -3,8 +3,12 @@
 of about that many prompt tokens with max_tokens 1, timed from send to
 answer (every prompt's words differ, so no prompt cache helps). The second
 is the figure; the first, at a length not seen before, is reported beside
-it (a backend that plans per shape pays there). Prints one line per length:
-{"prefill_tokens", "prefill_tok_s", "first_tokens", "first_tok_s"}.
+it (a backend that plans per shape pays there). Beside the time from send
+to answer, the gateway's own prefill (its `Server-Timing` header: from the
+engine taking the request to its first token, no HTTP, template or
+tokenizer), which is what a peer timing its model in-process measures.
+Prints one line per length: {"prefill_tokens", "prefill_tok_s",
+"server_prefill_tok_s", "first_tokens", "first_tok_s"}.
 
     bench_prefill.py URL [TOKENS[,TOKENS...]] [--wait-ready SECONDS]
 """
@@ -21,8 +25,12 @@ def ask(url, model, words):
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"content-type": "application/json"})
     t = time.perf_counter()
-    r = json.load(urllib.request.urlopen(req, timeout=600))
-    return r["usage"]["prompt_tokens"], time.perf_counter() - t
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        r = json.load(resp)
+        timing = resp.headers.get("server-timing", "")
+    took = time.perf_counter() - t
+    phases = dict(p.split(";dur=") for p in timing.split(", ") if ";dur=" in p)
+    return r["usage"]["prompt_tokens"], took, float(phases.get("prefill", "nan")) / 1e3
 
 
 def wait_ready(url, seconds):
@@ -51,12 +59,13 @@ def main():
     rng = random.Random(1)
     vocab = "sea river stone light cloud green quiet number table window paper garden music winter summer city road".split()
     words = lambda n: [rng.choice(vocab) + str(rng.randint(0, 9)) for _ in range(n)]  # noqa: E731
-    n, _ = ask(url, model, words(100))
+    n, _, _ = ask(url, model, words(100))
     per_word = n / 100
     for length in lengths:
-        first, first_took = ask(url, model, words(int(length / per_word)))
-        count, took = ask(url, model, words(int(length / per_word)))
+        first, first_took, _ = ask(url, model, words(int(length / per_word)))
+        count, took, prefill = ask(url, model, words(int(length / per_word)))
         print(json.dumps({"peer": "mlxgate", "prefill_tokens": count, "prefill_tok_s": round(count / took, 0),
+                          "server_prefill_tok_s": round(count / prefill, 0),
                           "first_tokens": first, "first_tok_s": round(first / first_took, 0)}), flush=True)
 
 

@@ -8,16 +8,20 @@
 //! token as it comes, the prompt when it is queued); a proxied one when its
 //! usage passes through (`upstream_usage.rs`), at its end.
 //!
+//! A local answer that is not streamed also says where its time went, in
+//! a `Server-Timing` header ([`Meter::timed`]).
+//!
 //! `GET /admin/usage?tenant=&from=&to=` reports the ledger ([`routes`]).
 
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use http::header::{HeaderName, HeaderValue};
-use http::{HeaderMap, Method, Request, StatusCode};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use serde_json::json;
 
-use super::body::{self, ReqBody};
+use super::body::{self, Body, ReqBody};
 use super::metrics::{Histogram, Timings};
 use super::{ApiError, AppState, Caller, Ctx, Route};
 use crate::app::usage::RequestUsage;
@@ -274,6 +278,25 @@ struct Tally {
     queue_wait: Option<Duration>,
 }
 
+/// A local answer's phases: waiting in the engine's queue, prefilling its
+/// prompt (to the first token), decoding (to the last).
+type Phases = [(&'static str, Instant, Instant); 3];
+
+impl Tally {
+    /// The phases so far; `None` before a local answer's first token (and
+    /// for a proxied answer).
+    fn phases(&self) -> Option<Phases> {
+        let (queued, wait, first) = (self.queued_at?, self.queue_wait?, self.first_token?);
+        let started = queued + wait;
+        let last = self.last_token.unwrap_or(first);
+        Some([
+            ("queue", queued, started),
+            ("prefill", started, first),
+            ("decode", first, last),
+        ])
+    }
+}
+
 impl Meter {
     /// The meter of a request that arrived at `started`, from `caller`,
     /// for `model`, served by `backend`, charging `plan`.
@@ -389,6 +412,36 @@ impl Meter {
         t.first_token.get_or_insert_with(Instant::now);
     }
 
+    /// `resp` (a local answer, read to its end) with a `Server-Timing`
+    /// header (W3C; milliseconds): `prepare` (from the request's arrival to
+    /// its queueing: routing, chat template, tokens), `queue`, `prefill`,
+    /// `decode`, and `total` (arrival to now). Browsers' developer tools
+    /// show it; benchmarks read the server's own prefill from it.
+    pub fn timed(&self, mut resp: Response<Body>) -> Response<Body> {
+        let value = {
+            let t = self.tally();
+            let (Some(phases), Some(queued)) = (t.phases(), t.queued_at) else {
+                return resp;
+            };
+            let ms =
+                |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
+            let mut value = format!("prepare;dur={:.2}", ms(self.0.started, queued));
+            for (name, from, to) in phases {
+                let _ = write!(value, ", {name};dur={:.2}", ms(from, to));
+            }
+            let _ = write!(
+                value,
+                ", total;dur={:.2}",
+                ms(self.0.started, Instant::now())
+            );
+            value
+        };
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            resp.headers_mut().insert("server-timing", value);
+        }
+        resp
+    }
+
     /// A proxied answer's usage, as the upstream reported it.
     pub fn upstream_usage(&self, prompt: u64, completion: u64) {
         self.count(prompt + completion, |t| {
@@ -421,6 +474,7 @@ fn backend_name(name: &str) -> Arc<str> {
 impl Drop for Inner {
     fn drop(&mut self) {
         let t = std::mem::take(self.tally.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let phases = t.phases();
         let app = &self.state.app;
         if let Some(plan) = &self.plan {
             app.limits.charge(plan, t.uncharged);
@@ -444,15 +498,7 @@ impl Drop for Inner {
         };
         self.state.metrics.record_request(&usage, &timings);
         app.usage.record(&usage);
-        if let (Some(queued), Some(wait), Some(first)) = (t.queued_at, t.queue_wait, t.first_token)
-        {
-            let started = queued + wait;
-            let last = t.last_token.unwrap_or(first);
-            let phases = [
-                ("queue", queued, started),
-                ("prefill", started, first),
-                ("decode", first, last),
-            ];
+        if let Some(phases) = phases {
             super::telemetry::record_phases(&self.span, &phases);
         }
     }

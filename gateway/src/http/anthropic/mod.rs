@@ -93,6 +93,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             "usage": usage(done.usage),
         }),
     )
+    .map(|resp| local.meter.timed(resp))
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt as

@@ -78,4 +78,5 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             system_fingerprint: super::system_fingerprint(),
         },
     )
+    .map(|resp| local.meter.timed(resp))
 }

@@ -77,4 +77,5 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
             usage: Some(Some(usage.into())),
         },
     )
+    .map(|resp| local.meter.timed(resp))
 }

@@ -263,7 +263,7 @@ pub async fn create(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
     output.extend(calls.iter().map(call_item));
     let response = echo.response("completed", output, Some(done.usage), Some(done.reason));
     keeper.keep(&echo, &response, &text, calls);
-    body::json(StatusCode::OK, &response)
+    body::json(StatusCode::OK, &response).map(|resp| local.meter.timed(resp))
 }
 
 async fn get(cx: Ctx, req: Request<ReqBody>) -> HandlerResult {
