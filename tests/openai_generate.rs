@@ -140,22 +140,24 @@ fn whole_answers_say_where_their_time_went() {
     let asked = [
         (
             "/v1/chat/completions",
-            chat(&model, prompt, json!({"max_tokens": 8})),
+            chat(&model, prompt, json!({"max_tokens": 8, "temperature": 0})),
             &[][..],
         ),
         (
             "/v1/completions",
-            json!({"model": model, "prompt": prompt, "max_tokens": 8}),
+            // (A raw prompt; this chat one's greedy answer is empty.)
+            json!({"model": model, "prompt": "The sea is", "max_tokens": 8, "temperature": 0}),
             &[][..],
         ),
         (
             "/v1/messages",
-            json!({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]}),
+            json!({"model": model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}),
             &anthropic[..],
         ),
         (
             "/v1/responses",
-            json!({"model": model, "input": prompt, "max_output_tokens": 8}),
+            json!({"model": model, "input": prompt, "max_output_tokens": 8, "temperature": 0}),
             &[][..],
         ),
     ];
@@ -171,7 +173,7 @@ fn whole_answers_say_where_their_time_went() {
         );
         let dur = |name: &str| timing.iter().find(|(n, _)| n == name).unwrap().1;
         assert!(timing.iter().all(|(_, d)| *d >= 0.0), "{path}: {timing:?}");
-        // The prompt went through the model, and eight tokens came out of it.
+        // The prompt went through the model, and (greedy) eight tokens came out.
         assert!(
             dur("prefill") > 0.0 && dur("decode") > 0.0,
             "{path}: {timing:?}"
@@ -183,6 +185,14 @@ fn whole_answers_say_where_their_time_went() {
             .sum();
         assert!(phases <= dur("total") + 0.05, "{path}: {timing:?}");
     }
+    // An answer whose first pick ends it (greedy, this raw prompt) still
+    // prefilled, up to its end, and decoded nothing.
+    let empty = json!({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let r = post_with(&s, "/v1/completions", &empty, &[]);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 0, "{}", r.text());
+    let timing = server_timing(&r);
+    assert!(timing[2].0 == "prefill" && timing[2].1 > 0.0, "{timing:?}");
+    assert_eq!(timing[3], ("decode".to_owned(), 0.0), "{timing:?}");
     // A streamed answer's headers leave before its first token.
     let streamed = chat(&model, prompt, json!({"max_tokens": 4, "stream": true}));
     let r = s.post_json("/v1/chat/completions", &streamed);

@@ -272,6 +272,8 @@ struct Tally {
     uncharged: u64,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// When the first choice finished (its first token, if it had none).
+    finished: Option<Instant>,
     inter_token: Histogram,
     /// When a local answer was queued, and how long it waited.
     queued_at: Option<Instant>,
@@ -284,9 +286,11 @@ type Phases = [(&'static str, Instant, Instant); 3];
 
 impl Tally {
     /// The phases so far; `None` before a local answer's first token (and
-    /// for a proxied answer).
+    /// for a proxied answer). An answer that ended at once (its first pick
+    /// ended it) prefilled until it finished.
     fn phases(&self) -> Option<Phases> {
-        let (queued, wait, first) = (self.queued_at?, self.queue_wait?, self.first_token?);
+        let first = self.first_token.or(self.finished)?;
+        let (queued, wait) = (self.queued_at?, self.queue_wait?);
         let started = queued + wait;
         let last = self.last_token.unwrap_or(first);
         Some([
@@ -392,9 +396,14 @@ impl Meter {
                     } else {
                         0
                     };
+                    let now = Instant::now();
                     meter.count(rest, |t| {
                         t.completion += rest;
                         t.cached += cached;
+                        if i == 0 {
+                            t.finished.get_or_insert(now);
+                            t.queue_wait = t.queue_wait.or(queue_wait);
+                        }
                     });
                 }
                 _ => {}
