@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Prefill speed of a running gateway: for each length, two chat requests
-of about that many prompt tokens with max_tokens 1, timed from send to
+of that many prompt tokens (filled to the exact count through
+`/v1/messages/count_tokens`, which counts the same chat template; "about"
+where filler words would not land on it) with max_tokens 1, timed from send to
 answer (every prompt's words differ, so no prompt cache helps). The second
 is the figure; the first, at a length not seen before, is reported beside
 it (a backend that plans per shape pays there). Beside the time from send
@@ -19,10 +21,35 @@ import time
 import urllib.request
 
 
-def ask(url, model, words):
-    body = {"model": model, "max_tokens": 1, "temperature": 0,
+def chat(model, words):
+    return {"model": model, "max_tokens": 1, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(words)}]}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+
+
+def counted(url, model, words):
+    """The prompt tokens of a chat of `words`, as the gateway counts them."""
+    req = urllib.request.Request(url + "/v1/messages/count_tokens", json.dumps(chat(model, words)).encode(),
+                                 {"content-type": "application/json", "anthropic-version": "2023-06-01"})
+    return json.load(urllib.request.urlopen(req, timeout=60))["input_tokens"]
+
+
+def exactly(url, model, words, length):
+    """`words` cut or filled with "the" (one token in the vocabularies
+    seen) so that the chat is `length` tokens, as near as it comes."""
+    words = list(words)
+    for _ in range(4):
+        n = counted(url, model, words)
+        if n == length:
+            break
+        if n > length:
+            words = words[:len(words) - (n - length)]
+        else:
+            words += ["the"] * (length - n)
+    return words
+
+
+def ask(url, model, words):
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(chat(model, words)).encode(),
                                  {"content-type": "application/json"})
     t = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -62,8 +89,8 @@ def main():
     n, _, _ = ask(url, model, words(100))
     per_word = n / 100
     for length in lengths:
-        first, first_took, _ = ask(url, model, words(int(length / per_word)))
-        count, took, prefill = ask(url, model, words(int(length / per_word)))
+        first, first_took, _ = ask(url, model, exactly(url, model, words(int(length / per_word)), length))
+        count, took, prefill = ask(url, model, exactly(url, model, words(int(length / per_word)), length))
         print(json.dumps({"peer": "mlxgate", "prefill_tokens": count, "prefill_tok_s": round(count / took, 0),
                           "server_prefill_tok_s": round(count / prefill, 0),
                           "first_tokens": first, "first_tok_s": round(first / first_took, 0)}), flush=True)
