@@ -18,7 +18,7 @@
 // an array by slice update, which copies the whole slab unless it may
 // donate the buffer, and on CUDA it may not while the step before is still
 // running: MLX's CUDA eval keeps every input of a step's ops alive until
-// the step's kernels finish (mlx/backend/cuda/eval.cpp, 0.32), and a step
+// the step's kernels finish (mlx/backend/cuda/eval.cpp, 0.32.1), and a step
 // launched ahead always finds the slab so held. Written here, no copy: the
 // column is one no other kernel of the step reads (the caches' views and
 // copies cover earlier columns), steps run in order on one stream, and

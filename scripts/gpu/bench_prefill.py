@@ -34,8 +34,9 @@ def counted(url, model, words):
 
 
 def exactly(url, model, words, length):
-    """`words` cut or filled with "the" (one token in the vocabularies
-    seen) so that the chat is `length` tokens, as near as it comes."""
+    """`words` cut or filled with "the" (one token in SmolLM2's tokenizer,
+    which the GPU machine's random models use too) so that the chat is
+    `length` tokens, as near as a few recounts come."""
     words = list(words)
     for _ in range(4):
         n = counted(url, model, words)

@@ -272,7 +272,8 @@ struct Tally {
     uncharged: u64,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
-    /// When the first choice finished (its first token, if it had none).
+    /// When the first choice finished: where it gave no token (its first
+    /// pick ended it), its prefill ends there.
     finished: Option<Instant>,
     inter_token: Histogram,
     /// When a local answer was queued, and how long it waited.

@@ -265,7 +265,7 @@ pub fn silu_multiply(gate: &Array, up: &Array) -> Result<Array, Exception> {
 /// takes no mask, and its unfused fallback read every row's columns
 /// rounded up to a bucket, with copies.
 ///
-/// With `written` (this step's key and value, `[rows, kv_heads, 1,
+/// With `new_column` (this step's key and value, `[rows, kv_heads, 1,
 /// head_dim]`), the kernel first writes them into column `end` of `keys`
 /// and `values` in place: those arrays change under MLX, so only a caller
 /// that owns them, and whose other readers never read that column, may
@@ -274,14 +274,14 @@ pub fn ragged_decode_attention(
     queries: &Array,
     keys: &Array,
     values: &Array,
-    written: Option<(&Array, &Array)>,
+    new_column: Option<(&Array, &Array)>,
     (starts, end, scale): (&Array, &Array, &Array),
     heads: usize,
 ) -> Result<Array, Exception> {
     let none = mlx_sys::mlx_array {
         ctx: std::ptr::null_mut(),
     };
-    let (new_keys, new_values) = written.map_or((none, none), |(k, v)| (k.as_ptr(), v.as_ptr()));
+    let (new_keys, new_values) = new_column.map_or((none, none), |(k, v)| (k.as_ptr(), v.as_ptr()));
     // SAFETY: the operands are live arrays (or null, which the kernel reads
     // as none) and the stream outlives the call.
     new_array(|res, error, len| unsafe {

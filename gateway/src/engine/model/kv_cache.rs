@@ -481,8 +481,8 @@ impl KvStore {
 /// arrays out while it runs, so that the slab's only holder is MLX's graph
 /// and the new position is written in place (MLX donates a buffer nobody
 /// else holds; or the attention kernel writes it: `transformer::slab`)
-/// instead of copying the whole slab, then puts the new ones back. Shared by `Rc`: caches, like MLX arrays, stay on their engine's
-/// thread.
+/// instead of copying the whole slab, then puts the new ones back. Shared
+/// by `Rc`: caches, like MLX arrays, stay on their engine's thread.
 #[derive(Default)]
 pub struct SlabArrays {
     pub layers: std::cell::RefCell<Vec<(Array, Array)>>,

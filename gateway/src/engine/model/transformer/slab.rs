@@ -12,7 +12,7 @@
 //! buffers instead of copying every layer's whole slab (by its shapes,
 //! about 10 GB a step at 128 rows of ~700 columns of a 3B model). On CUDA
 //! that is not enough while steps run ahead: MLX keeps every input of a
-//! step's ops alive until the step's kernels finish (its CUDA `eval`, 0.32),
+//! step's ops alive until the step's kernels finish (its CUDA `eval`, 0.32.1),
 //! so the step launched behind one still running finds the slab held and
 //! copies it. With `MLXGATE_SLAB_WRITE_IN_KERNEL=1` the ragged attention
 //! kernel writes the column itself, in place, and the slab's arrays stay
@@ -517,12 +517,12 @@ impl Transformer {
             let last = Array::from_slice(&[0i32], &[1]);
             let scale = Array::from_slice(&[1.0f32], &[1]);
             // The body a step will run: writing the column or not.
-            let written = writes_in_kernel().then_some((&kv, &kv));
+            let new_column = writes_in_kernel().then_some((&kv, &kv));
             kernels::ragged_decode_attention(
                 &q,
                 &kv,
                 &kv,
-                written,
+                new_column,
                 (&zero, &last, &scale),
                 c.heads,
             )?
@@ -1001,8 +1001,9 @@ mod tests {
     /// doc), rather than copying every layer's whole slab each step. On a
     /// GPU, MLX keeps a step's inputs alive until its kernels finish, which
     /// may stop that donation while the step before is still running: this
-    /// test, run there (`scripts/gpu/checks.sh`), tells, and tells whether
-    /// `MLXGATE_SLAB_WRITE_IN_KERNEL=1` keeps the buffers in place.
+    /// test, run there (`scripts/gpu/checks.sh`), tells. (With
+    /// `MLXGATE_SLAB_WRITE_IN_KERNEL=1` the arrays are never replaced, so it
+    /// would pass by construction; the `decode_slab` tests check that path.)
     #[test]
     fn greedy_steps_write_the_slab_in_place_while_running_ahead() {
         // The default model (the engine's tests may not use the fixtures,
