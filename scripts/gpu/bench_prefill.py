@@ -77,6 +77,8 @@ def wait_ready(url, seconds):
 
 def main():
     args = sys.argv[1:]
+    if not args or args[0].startswith("-"):
+        sys.exit(__doc__)
     if "--wait-ready" in args:
         at = args.index("--wait-ready")
         wait_ready(args[0], float(args[at + 1]))
